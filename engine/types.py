@@ -1,0 +1,112 @@
+"""Public value types of the engine API: configuration, sampling, turns and their results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CACHE_MODES = ("pensieve", "gpu", "stateless")
+EVICTION_POLICIES = ("pensieve", "lru")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    device: str | None = None  # None: "cuda" when present, else "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    chunk_size: int = 32
+    gpu_cache_chunks: int | None = None  # None: sized from free memory
+    cpu_cache_chunks: int | None = None  # None: sized from host memory
+    cache_mode: str = "pensieve"
+    eviction: str = "pensieve"
+    max_batch_tokens: int = 2048
+    max_running: int = 256  # most turns decoding at once
+    swap_out_threshold: float = 0.25  # ahead-of-time swap-out when free GPU blocks fall under this
+    admit_reserve: float = 0.10  # admit new turns only while this share of GPU blocks stays free
+    unified: bool = True  # False: prompt steps and decode steps never share a batch
+    seed: int = 0  # seeds dummy weights
+    cache_dir: str | None = None  # converted models and cost profiles; None: ~/.cache/pensieve
+    attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
+
+    def validate(self) -> None:
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be positive")
+        if self.gpu_cache_chunks is not None and self.gpu_cache_chunks < 1:
+            raise ValueError("gpu_cache_chunks must be positive")
+        if self.cpu_cache_chunks is not None and self.cpu_cache_chunks < 0:
+            raise ValueError("cpu_cache_chunks must not be negative")
+        if not 0.0 <= self.admit_reserve < 1.0 or not 0.0 <= self.swap_out_threshold < 1.0:
+            raise ValueError("admit_reserve and swap_out_threshold must be in [0, 1)")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens beside the model's own
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class Turn:
+    """One user turn: only the tokens that extend the conversation's stream.
+
+    `context_len` is how many tokens the conversation held before this prompt, as the
+    caller's durable history knows it. None: the engine's own count (0 for a new id).
+    A server passes it so that, after a restart, the engine knows the context it must
+    recompute from the history store.
+    """
+
+    conversation_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    context_len: int | None = None
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # context found on the GPU tier
+    swapped_in_tokens: int = 0  # context brought back from the CPU tier
+    recomputed_tokens: int = 0  # context recomputed from raw history
+    arrival_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
+    suspensions: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+@dataclass
+class TurnResult:
+    conversation_id: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: TurnStats
