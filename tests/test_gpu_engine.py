@@ -41,7 +41,7 @@ def test_cuda_greedy_equals_transformers(model):
     hf = hf_model(engine).to("cuda")
     sp = SamplingParams(max_tokens=24)
     contexts = {i: [] for i in range(len(PROMPTS))}
-    for t in range(3):
+    for _ in range(3):
         res = engine.run([Turn(f"h{i}", p, sp) for i, p in enumerate(PROMPTS)])
         for i, r in enumerate(res):
             contexts[i] += PROMPTS[i]
