@@ -2,12 +2,13 @@
 
 from store.activity import RedisClock
 from store.db import DEFAULT_URL, database_url
-from store.history import HistoryError, HistoryStore, TokenHistory, hash_token
+from store.history import HistoryConflict, HistoryError, HistoryStore, TokenHistory, hash_token
 from store.models import Conversation, Message, User
 
 __all__ = [
     "DEFAULT_URL",
     "Conversation",
+    "HistoryConflict",
     "HistoryError",
     "HistoryStore",
     "Message",

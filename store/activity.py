@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -17,6 +18,16 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 
 KEY = "pensieve:activity"
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisClock:
@@ -41,6 +52,7 @@ class RedisClock:
     ) -> None:
         self.url = url
         self.key = key
+        self._where = _safe(url)
         self.interval = interval
         self.healthy = False
         self.last_error: str | None = "not started"
@@ -148,7 +160,7 @@ class RedisClock:
         if self.healthy or not self._started:
             log.warning(
                 "redis activity clock unreachable at %s (%s); serving local times",
-                self.url,
+                self._where,
                 self.last_error,
             )
         self.healthy = False
@@ -156,6 +168,6 @@ class RedisClock:
 
     def _up(self) -> None:
         if not self.healthy and self._started:
-            log.warning("redis activity clock reachable again at %s", self.url)
+            log.warning("redis activity clock reachable again at %s", self._where)
         self.healthy = True
         self.last_error = None

@@ -27,6 +27,10 @@ class HistoryError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class HistoryConflict(HistoryError):
+    """The stream grew under the caller: its tokens would land at another position."""
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -166,11 +170,14 @@ class HistoryStore:
         content: str,
         token_ids: Sequence[int],
         finish_reason: str | None = None,
+        expected_start: int | None = None,
     ) -> Message:
         """Append a message at the end of the conversation, in one transaction.
 
         seq and token_start follow the last stored message; concurrent appends to one
-        conversation are serialised by the row lock the first UPDATE takes."""
+        conversation are serialised by the row lock the first UPDATE takes. With
+        `expected_start`, the append is refused (HistoryConflict, nothing written) unless
+        the stream is exactly that long, i.e. the tokens land where the caller computed."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if finish_reason is not None and finish_reason not in FINISH_REASONS:
@@ -195,6 +202,11 @@ class HistoryStore:
                 )
             ).first()
             seq, start = (last[0] + 1, last[1]) if last else (0, 0)
+            if expected_start is not None and start != expected_start:
+                raise HistoryConflict(
+                    f"conversation {conversation_id!r} has {start} tokens, "
+                    f"the new message expected {expected_start}"
+                )
             msg = Message(
                 conversation_id=conversation_id,
                 seq=seq,

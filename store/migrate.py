@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def config(url: str | None = None) -> Config:
     """Alembic config for `url` (default: PENSIEVE_DATABASE_URL), without touching logging."""
     ini = ROOT / "alembic.ini"
+    if not (ROOT / "alembic" / "env.py").is_file():
+        raise RuntimeError(f"migration scripts not found under {ROOT / 'alembic'}")
     cfg = Config(str(ini)) if ini.exists() else Config()
     cfg.set_main_option("script_location", str(ROOT / "alembic"))
     url = url or database_url()

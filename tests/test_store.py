@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event, func, inspect, select, text
 
-from store import HistoryError, HistoryStore, hash_token, migrate
+from store import HistoryConflict, HistoryError, HistoryStore, hash_token, migrate
 from store.models import Base, Conversation, Message
 
 TABLES = {"users", "conversations", "messages"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -216,3 +221,46 @@ def test_bad_urls_are_refused() -> None:
         HistoryStore("postgresql+psycopg2://x@localhost/db")
     with pytest.raises(ValueError, match="in-memory"):
         migrate.upgrade("sqlite+aiosqlite://")
+
+
+async def test_expected_start_guards_the_stream(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    await store.append_message(cid, "user", "a", [1, 2, 3], expected_start=0)
+    with pytest.raises(HistoryConflict, match="has 3 tokens"):
+        await store.append_message(cid, "assistant", "b", [4], expected_start=2)
+    m = await store.append_message(cid, "assistant", "b", [4], expected_start=3)
+    assert (m.seq, m.token_start) == (1, 3)
+    assert await store.stream(cid) == [1, 2, 3, 4]
+
+
+async def test_set_title(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    await store.set_title(cid, "renamed")
+    assert (await store.get_conversation(cid)).title == "renamed"
+    with pytest.raises(HistoryError):
+        await store.set_title("nope", "x")
+    with pytest.raises(ValueError, match="title"):
+        await store.set_title(cid, "x" * 201)
+
+
+def _alembic(*args: str, cwd: Path, url: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PENSIEVE_DATABASE_URL"}
+    if url is not None:
+        env["PENSIEVE_DATABASE_URL"] = url
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini"), *args]
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout + res.stderr
+
+
+def test_alembic_command_line(db_url: str, tmp_path: Path) -> None:
+    assert "-> 0001" in _alembic("upgrade", "head", cwd=tmp_path, url=db_url)
+    assert "0001 (head)" in _alembic("current", cwd=tmp_path, url=db_url)
+    assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
+    assert migrate.current(db_url) is None
+
+
+def test_default_url_is_sqlite_under_data(tmp_path: Path) -> None:
+    _alembic("upgrade", "head", cwd=tmp_path, url=None)
+    assert (tmp_path / "data" / "pensieve.db").is_file()
