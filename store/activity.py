@@ -143,8 +143,9 @@ class RedisClock:
             pipe.zrange(self.key, 0, -1, withscores=True)
             remote = dict((await pipe.execute())[-1])
         except BaseException:
-            with self._lock:  # not sent: keep for the next try, newer touches win
-                self._pending = pending | self._pending
+            with self._lock:  # not sent: keep for the next try; what came in meanwhile wins
+                kept = {k: v for k, v in pending.items() if k not in self._forgotten}
+                self._pending = kept | self._pending
                 self._forgotten = (forgotten - self._pending.keys()) | self._forgotten
             raise
         with self._lock:
