@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +80,8 @@ class RedisClock:
 
     def touch(self, conversation_id: str, when: float | None = None) -> None:
         t = self._now() if when is None else float(when)
+        if not math.isfinite(t):
+            raise ValueError(f"activity time must be a finite unix time, got {when!r}")
         with self._lock:
             self._times[conversation_id] = t
             self._pending[conversation_id] = t
@@ -123,6 +126,9 @@ class RedisClock:
         try:
             await self._sync()
         except (TimeoutError, RedisError, OSError) as e:
+            self._down(e)
+        except Exception as e:  # a bug must not stop the clock's retries
+            log.exception("redis activity clock sync failed")
             self._down(e)
         else:
             self._up()

@@ -158,3 +158,11 @@ async def test_touch_during_a_refresh_is_not_lost(redis_url: str) -> None:
     finally:
         await clock.stop()
         r.close()
+
+
+def test_touch_refuses_times_redis_would_reject() -> None:
+    clock = RedisClock("redis://127.0.0.1:1/0")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            clock.touch("a", bad)
+    assert clock.last_active("a") is None
