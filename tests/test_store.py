@@ -283,3 +283,25 @@ async def test_unreachable_database_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="cannot reach the database"):
         await s.start()
     await s.close()
+
+
+async def test_truncate_cuts_the_stream_and_keeps_the_text(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    for role, ids in [("user", [1, 2, 3]), ("assistant", [4, 5, 6]), ("user", [7, 8])]:
+        await store.append_message(cid, role, role, ids)
+    with pytest.raises(HistoryError, match="cannot cut"):
+        await store.truncate(cid, 9)
+    await store.truncate(cid, 8)  # a no-op at the exact length
+    await store.truncate(cid, 4)
+    assert await store.stream(cid) == [1, 2, 3, 4]
+    msgs = await store.messages(cid)
+    assert [(m.content, m.token_start, m.token_ids) for m in msgs] == [
+        ("user", 0, [1, 2, 3]),
+        ("assistant", 3, [4]),
+        ("user", 4, []),
+    ]
+    m = await store.append_message(cid, "user", "again", [9], expected_start=4)
+    assert (m.seq, m.token_start) == (3, 4)
+    assert await asyncio.to_thread(store.token_history().read, cid, 2, 5) == [3, 4, 9]
+    with pytest.raises(HistoryError):
+        await store.truncate("nope", 0)
