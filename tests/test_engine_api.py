@@ -181,3 +181,21 @@ def test_async_streams_and_cancels(tiny):
             await engine.stop()
 
     asyncio.run(main())
+
+
+def test_hugging_face_model_dir_loads_like_the_original(tiny, tmp_path):
+    """A safetensors model dir (here: the tiny dummy saved by transformers) gives the same tokens."""
+    import shutil
+
+    from engine.loader import convert_bundled
+    from tests.oracle import hf_model
+
+    hf_model(tiny).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(convert_bundled(None) / name, tmp_path / name)
+    from_dir = Engine(EngineConfig(model=str(tmp_path), device="cpu", gpu_cache_chunks=16))
+    sp = SamplingParams(max_tokens=12)
+    assert (
+        from_dir.run([Turn("d", [11, 12, 13], sp)])[0].token_ids
+        == tiny.run([Turn("d0", [11, 12, 13], sp)])[0].token_ids
+    )
