@@ -199,3 +199,13 @@ def test_hugging_face_model_dir_loads_like_the_original(tiny, tmp_path):
         from_dir.run([Turn("d", [11, 12, 13], sp)])[0].token_ids
         == tiny.run([Turn("d0", [11, 12, 13], sp)])[0].token_ids
     )
+
+
+def test_turn_that_fills_the_whole_cache_ends_with_length():
+    engine = Engine(
+        EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=3, cpu_cache_chunks=0)
+    )
+    r = engine.run([Turn("fill", [1] * 60, SamplingParams(max_tokens=100, ignore_eos=True))])[0]
+    assert r.finish_reason == "length"
+    assert 60 + len(r.token_ids) == 3 * 32 + 1  # the last sampled token needs no KV slot
+    engine.cache.check()
