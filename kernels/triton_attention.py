@@ -272,7 +272,7 @@ def paged_attention_triton(
 
     if num_segs is None:
         # Split the keys only when the grid is too small for the GPU and contexts are long.
-        programs = grid_q * num_kv_heads
+        programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
         max_tiles = triton.cdiv(meta.block_tables.shape[1] * block_size, tile_n)
         target = 2 * _num_sms(q.device)
         num_segs = 1
