@@ -84,7 +84,7 @@ class Bench:
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         """Median milliseconds of fn over self.iters runs after warm-up."""
-        for _ in range(2 if self.dry else 3):
+        for _ in range(2 if self.dry else 5):
             fn()
         if self.device.type != "cuda":
             runs = []
@@ -363,33 +363,71 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        ("multi-token", CONFIGS[0].name, "32 requests x 8 new tokens, MHA"),
-        ("multi-token", CONFIGS[1].name, "32 requests x 8 new tokens, GQA 10"),
-        ("decode", CONFIGS[0].name, "decode, MHA"),
-        ("decode", CONFIGS[1].name, "decode, GQA 10"),
-    ]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-    for ax, (scenario, cfg, label) in zip(axes.flat, panels, strict=True):
-        series: dict[str, list[tuple[int, float]]] = {}
-        for p in points:
-            if p["scenario"] == scenario and p["config"] == cfg and p["ms"] is not None:
-                key = p["method"] if scenario != "decode" else f"{p['method']} b={p['batch']}"
-                series.setdefault(key, []).append((p["context"], p["ms"]))
-        for key, xy in sorted(series.items()):
-            xy.sort()
-            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=key)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("latency (ms, median)")
-        ax.set_title(label)
-        ax.grid(True, which="both", alpha=0.3)
-        if series:
-            ax.legend(fontsize=7)
+    ok = [p for p in points if p["ms"] is not None]
+    methods = sorted({p["method"] for p in ok})
+    color = {m: f"C{i}" for i, m in enumerate(methods)}
+    styles = {8: ":", 64: "--", 256: "-"}
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    for row, cfg in enumerate(c.name for c in CONFIGS):
+        for col, scenario in enumerate(("multi-token", "decode")):
+            ax = axes[row, col]
+            series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+            for p in ok:
+                if p["scenario"] == scenario and p["config"] == cfg:
+                    series.setdefault((p["method"], p["batch"]), []).append((p["context"], p["ms"]))
+            for (method, batch), xy in sorted(series.items()):
+                xy.sort()
+                label = method if scenario == "multi-token" else f"{method} b={batch}"
+                ax.plot(
+                    [x for x, _ in xy],
+                    [y for _, y in xy],
+                    marker="o",
+                    color=color[method],
+                    linestyle=styles.get(batch, "-") if scenario == "decode" else "-",
+                    label=label,
+                )
+            what = "32 requests x 8 new tokens" if scenario == "multi-token" else "decode"
+            ax.set_title(f"{what}, {cfg}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context tokens")
+            ax.set_ylabel("latency (ms, median)")
+            ax.grid(True, which="both", alpha=0.3)
+            if series:
+                ax.legend(fontsize=7, ncol=2 if scenario == "decode" else 1)
+    ax = axes[0, 2]  # mixed batch
+    mixed = [p for p in ok if p["scenario"] == "mixed"]
+    labels = [f"{p['config']}\n{p['method']}" for p in mixed]
+    ax.barh(labels, [p["ms"] for p in mixed], color=[color[p["method"]] for p in mixed])
+    ax.set_xlabel("latency (ms, median)")
+    ax.set_title("mixed step: " + (mixed[0]["note"] if mixed else ""), fontsize=9)
+    ax.tick_params(axis="y", labelsize=7)
+    ax = axes[1, 2]  # achieved bandwidth, multi-token
+    for cfg, style in zip((c.name for c in CONFIGS), ("-", "--"), strict=False):
+        for method in methods:
+            xy = sorted(
+                (p["context"], p["gbps"])
+                for p in ok
+                if p["scenario"] == "multi-token" and p["config"] == cfg and p["method"] == method
+            )
+            if xy:
+                ax.plot(
+                    [x for x, _ in xy],
+                    [y for _, y in xy],
+                    marker="o",
+                    color=color[method],
+                    linestyle=style,
+                    label=f"{method}, {cfg}",
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("KV bytes / time (GB/s)")
+    ax.set_title("32 x 8 new tokens: achieved bandwidth")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -420,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, torch backend")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-pool-gib", type=float, default=16.0, help="skip points needing more KV")

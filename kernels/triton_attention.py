@@ -17,6 +17,7 @@ partial results.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -226,13 +227,27 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _config(num_tokens: int, num_seqs: int, group_pad: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_Q, TILE_N) from host-known shapes only."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_q: int  # query tokens per tile (rows = block_q x padded group)
+    tile_n: int  # keys per step of the online softmax
+    max_segs: int  # cap on split-KV segments
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_tokens: int, num_seqs: int, group_pad: int, head_dim: int) -> LaunchConfig:
+    """Tile shapes from host-known sizes only (no sync on the metadata)."""
     avg_q = num_tokens / max(num_seqs, 1)
+    # Decode-like batches: 16 rows (the smallest tensor-core tile). Longer queries: 64 rows.
     target_rows = 64 if avg_q * group_pad >= 48 else 16
     block_q = max(1, target_rows // group_pad)
-    tile_n = 64 if head_dim <= 64 or block_q * group_pad <= 16 else 32
-    return block_q, tile_n
+    rows = block_q * group_pad
+    if rows <= 16:
+        return LaunchConfig(block_q, 64, 32, 4, 2)
+    # Long prompts are compute-bound: narrower key tiles keep the accumulators in registers.
+    tile_n = 32 if avg_q >= 64 and head_dim > 64 else 64
+    return LaunchConfig(block_q, tile_n, 32, 4 if rows <= 64 else 8, 3)
 
 
 def paged_attention_triton(
@@ -267,17 +282,23 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    block_q, tile_n = _config(num_tokens, num_seqs, group_pad, head_dim)
+    cfg = pick_config(num_tokens, num_seqs, group_pad, head_dim)
+    block_q, tile_n = cfg.block_q, cfg.tile_n
     grid_q = num_tokens // block_q + num_seqs
 
     if num_segs is None:
         # Split the keys only when the grid is too small for the GPU and contexts are long.
         programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
         max_tiles = triton.cdiv(meta.block_tables.shape[1] * block_size, tile_n)
-        target = 2 * _num_sms(q.device)
+        sms = _num_sms(q.device)
         num_segs = 1
-        while num_segs < 16 and programs * num_segs < target and max_tiles >= 8 * num_segs:
-            num_segs *= 2
+        if programs < sms:
+            while (
+                num_segs < cfg.max_segs
+                and programs * num_segs < 2 * sms
+                and max_tiles >= 8 * num_segs
+            ):
+                num_segs *= 2
     if num_segs < 1 or num_segs & (num_segs - 1):
         raise ValueError("num_segs must be a power of two")
 
@@ -326,8 +347,8 @@ def paged_attention_triton(
         NUM_SEGS=num_segs,
         UPCAST=upcast,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_q * group_pad <= 64 else 8,
-        num_stages=2,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if num_segs > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
