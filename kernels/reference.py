@@ -1,7 +1,7 @@
 """PyTorch reference paged attention: the CPU backend and the oracle for the Triton kernels.
 
-Keys of a sub-request are gathered from the pool through flat slot indices (block * block_size +
-offset) and fed to scaled_dot_product_attention. Decode sub-requests (q_len 1) are batched into one
+Keys of a sub-request are gathered from the pool block by block (whole blocks copy faster than
+single slots) and fed to scaled_dot_product_attention. Decode sub-requests (q_len 1) are batched into one
 padded call with a key-padding mask; longer sub-requests get one causal call each. The gather
 indices are derived once per step and cached in `meta.derived`, so every layer reuses them.
 """
@@ -21,27 +21,20 @@ class _Prompt:
     start: int  # first row of the batch
     end: int
     pos: int  # absolute position of the first query
-    slots: torch.Tensor  # [pos + q_len] flat slots of its keys
+    blocks: torch.Tensor  # [ceil((pos + q_len) / block_size)] its blocks, in order
 
 
 @dataclass
 class _Decodes:
     rows: torch.Tensor  # [D] batch rows of the q_len-1 sub-requests
-    slots: torch.Tensor  # [D, L] flat slots, padded with slot 0
-    mask: torch.Tensor  # [D, 1, 1, L] True where the key exists
+    blocks: torch.Tensor  # [D, B] their blocks, padded with block 0
+    mask: torch.Tensor  # [D, 1, 1, B * block_size] True where the key exists
 
 
 @dataclass
 class _Plan:
     prompts: list[_Prompt]
     decodes: _Decodes | None
-
-
-def _slots(table_row: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
-    n_blocks = -(-kv_len // block_size)
-    blocks = table_row[:n_blocks].long()
-    offsets = torch.arange(block_size, device=blocks.device)
-    return (blocks[:, None] * block_size + offsets).reshape(-1)[:kv_len]
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
@@ -53,26 +46,28 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     device = meta.block_tables.device
     prompts: list[_Prompt] = []
     dec_rows: list[int] = []
-    dec_slots: list[torch.Tensor] = []
+    dec_lens: list[int] = []
+    dec_blocks: list[torch.Tensor] = []
     for s, pos in enumerate(positions):
         start, end = starts[s], starts[s + 1]
         q_len = end - start
         if q_len <= 0:
             continue
-        slots = _slots(meta.block_tables[s], pos + q_len, block_size)
+        blocks = meta.block_tables[s, : -(-(pos + q_len) // block_size)].long()
         if q_len == 1:
             dec_rows.append(start)
-            dec_slots.append(slots)
+            dec_lens.append(pos + 1)
+            dec_blocks.append(blocks)
         else:
-            prompts.append(_Prompt(start, end, pos, slots))
+            prompts.append(_Prompt(start, end, pos, blocks))
     decodes = None
     if dec_rows:
-        width = max(t.numel() for t in dec_slots)
+        width = max(t.numel() for t in dec_blocks)
         padded = torch.zeros((len(dec_rows), width), dtype=torch.long, device=device)
-        mask = torch.zeros((len(dec_rows), width), dtype=torch.bool, device=device)
-        for i, t in enumerate(dec_slots):
+        for i, t in enumerate(dec_blocks):
             padded[i, : t.numel()] = t
-            mask[i, : t.numel()] = True
+        lens = torch.tensor(dec_lens, device=device)
+        mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
         rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
         decodes = _Decodes(rows, padded, mask[:, None, None, :])
     plan = _Plan(prompts, decodes)
@@ -88,17 +83,18 @@ def paged_attention_torch(
     scale: float,
 ) -> torch.Tensor:
     """Rows past query_start[-1] (padding) come back as zeros."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     gqa = q.shape[1] != num_kv_heads
-    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     out = torch.zeros_like(q)
     plan = _plan(meta, block_size)
     for p in plan.prompts:
-        k = k_flat[p.slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
-        v = v_flat[p.slots].transpose(0, 1).unsqueeze(0)
-        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
         q_len = p.end - p.start
+        kv_len = p.pos + q_len
+        k = k_cache[p.blocks].view(-1, num_kv_heads, head_dim)[:kv_len]
+        v = v_cache[p.blocks].view(-1, num_kv_heads, head_dim)[:kv_len]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
+        v = v.transpose(0, 1).unsqueeze(0)
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
         if p.pos == 0:
             mask, causal = None, True  # square: SDPA's top-left causal mask is the right one
         else:
@@ -111,8 +107,11 @@ def paged_attention_torch(
         out[p.start : p.end] = o[0].transpose(0, 1)
     d = plan.decodes
     if d is not None:
-        k = k_flat[d.slots].transpose(1, 2)  # [D, kvh, L, dim]
-        v = v_flat[d.slots].transpose(1, 2)
+        n = d.blocks.shape[0]
+        k = (
+            k_cache[d.blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        )  # [D, kvh, L, dim]
+        v = v_cache[d.blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         qs = q.index_select(0, d.rows).unsqueeze(2)  # [D, h, 1, dim]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, d.rows, o.squeeze(2))

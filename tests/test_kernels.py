@@ -222,6 +222,21 @@ def test_triton_padding_and_empty_subrequests():
 
 
 @needs_triton_cpu
+def test_triton_strided_query_from_fused_projection():
+    # The model slices q out of a fused qkv projection: rows are not contiguous.
+    q, k, v, meta = make_case(MIXED, heads=4, kv_heads=2, head_dim=64, block_size=16, seed=6)
+    qkv = torch.cat([q, torch.randn(q.shape[0], 4, 64)], dim=1)
+    strided = qkv[:, :4]
+    assert not strided.is_contiguous()
+    out = run_triton(strided, k, v, meta, 0.125)
+    assert torch.equal(
+        paged_attention(strided, k, v, meta, 0.125, backend="torch"),
+        paged_attention(q, k, v, meta, 0.125, backend="torch"),
+    )
+    check(out, q, k, v, meta, 0.125)
+
+
+@needs_triton_cpu
 def test_triton_pool_offsets_past_32_bits():
     # Blocks past 2**31 elements into the pool. torch.empty only reserves address space: just
     # the touched blocks cost memory, so a ~4 GiB fp16 pool stays cheap.
