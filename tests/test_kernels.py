@@ -176,6 +176,7 @@ def test_backend_choice():
         (8, 2, 64, 64),  # GQA 4
         (8, 1, 128, 16),  # GQA 8, head dim 128
         (9, 3, 64, 16),  # the bundled model's shape: 9 heads over 3 KV heads, dim 64
+        (4, 2, 80, 32),  # a head dim that is not a power of two (padded lanes masked)
     ],
 )
 def test_triton_matches_reference(heads, kv_heads, head_dim, block_size):
