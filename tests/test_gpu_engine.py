@@ -52,7 +52,7 @@ MODELS = [
 def test_cuda_greedy_equals_transformers(model):
     engine = Engine(
         EngineConfig(
-            model=model, device="cuda", dtype="float32", gpu_cache_chunks=16, cpu_cache_chunks=8
+            model=model, device="cuda", dtype="float32", gpu_cache_chunks=24, cpu_cache_chunks=8
         )
     )
     hf = hf_model(engine).to("cuda")
@@ -69,23 +69,35 @@ def test_cuda_greedy_equals_transformers(model):
     assert counters["swapped_in_tokens"] > 0 or counters["recomputed_tokens"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_backend_matches_reference_backend(dtype):
-    kw = dict(
-        model="smollm2-135m-instruct",
-        device="cuda",
-        dtype=dtype,
-        gpu_cache_chunks=16,
-        cpu_cache_chunks=8,
-    )
+@pytest.mark.parametrize("model", MODELS)
+def test_triton_backend_matches_reference_backend(model):
+    """float32: the same greedy tokens across turns, through swaps and recomputes."""
+    kw = dict(model=model, device="cuda", dtype="float32", gpu_cache_chunks=24, cpu_cache_chunks=8)
     triton = run_turns(Engine(EngineConfig(**kw, attention_backend="triton")))
     torch_ = run_turns(Engine(EngineConfig(**kw, attention_backend="torch")))
-    if dtype == "float32":
-        assert triton == torch_
-    else:  # bf16 rounding may flip a near-tie late in a reply: compare the first tokens
-        agree = sum(
-            a[:8] == b[:8]
-            for ta, tb in zip(triton, torch_, strict=True)
-            for a, b in zip(ta, tb, strict=True)
-        )
-        assert agree >= 0.75 * sum(len(t) for t in triton)
+    assert triton == torch_
+
+
+def prefill_logits(engine: Engine) -> torch.Tensor:
+    import engine.runner as runner
+
+    seen = []
+    sample = runner.sample
+    runner.sample = lambda logits, params, gens: (
+        seen.append(logits.float().cpu()) or sample(logits, params, gens)
+    )
+    try:
+        engine.run([Turn(f"l{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(PROMPTS)])
+    finally:
+        runner.sample = sample
+    return seen[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_triton_backend_bf16_logits_close_to_reference(model):
+    """bfloat16: greedy ties flip with rounding (random weights have flat logits), so compare
+    the logits of one mixed prefill batch instead."""
+    kw = dict(model=model, device="cuda", dtype="bfloat16", gpu_cache_chunks=24, cpu_cache_chunks=8)
+    a = prefill_logits(Engine(EngineConfig(**kw, attention_backend="triton")))
+    b = prefill_logits(Engine(EngineConfig(**kw, attention_backend="torch")))
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
