@@ -22,7 +22,9 @@ TEXTS = [
 ]
 
 
-def prompts(engine: Engine, n_convs: int, n_turns: int, seed: int) -> list[list[list[int]]]:
+def prompts(
+    engine: Engine, n_convs: int, n_turns: int, seed: int, min_len: int = 3
+) -> list[list[list[int]]]:
     """Mixed-length prompts per conversation and turn, from real text."""
     tok = engine.tokenizer
     rng = random.Random(seed)
@@ -31,15 +33,17 @@ def prompts(engine: Engine, n_convs: int, n_turns: int, seed: int) -> list[list[
         turns = []
         for _ in range(n_turns):
             text = rng.choice(TEXTS)
-            turns.append(tok.encode(text, add_special_tokens=False)[: rng.randint(3, 200)])
+            turns.append(tok.encode(text, add_special_tokens=False)[: rng.randint(min_len, 100)])
         out.append(turns)
     return out
 
 
-def check_against_hf(engine: Engine, hf, n_convs=4, n_turns=3, max_tokens=24, seed=0) -> dict:
+def check_against_hf(
+    engine: Engine, hf, n_convs=4, n_turns=3, max_tokens=16, seed=0, min_len=3
+) -> dict:
     """Run all conversations concurrently turn by turn; compare each reply with HF on the
     full context. Returns the engine counters for the caller to assert cache behaviour."""
-    plan = prompts(engine, n_convs, n_turns, seed)
+    plan = prompts(engine, n_convs, n_turns, seed, min_len)
     contexts = [[] for _ in range(n_convs)]
     sp = SamplingParams(max_tokens=max_tokens)
     for t in range(n_turns):
@@ -80,7 +84,7 @@ def test_gpu_mode_drops_and_recomputes(model_name, hf):
 
 
 def test_pensieve_swaps_and_drops(model_name, hf):
-    engine = make(model_name, gpu_cache_chunks=12, cpu_cache_chunks=6)
+    engine = make(model_name, gpu_cache_chunks=12, cpu_cache_chunks=4)
     counters = check_against_hf(engine, hf, seed=1)
     assert counters["swapped_in_tokens"] > 0
     assert counters["recomputed_tokens"] > 0
@@ -103,6 +107,6 @@ def test_large_cache_keeps_everything(model_name, hf):
 
 def test_chunked_prefill_and_suspension(model_name, hf):
     # A tiny token budget splits prompts across steps; a pool this small forces suspensions.
-    engine = make(model_name, gpu_cache_chunks=8, cpu_cache_chunks=32, max_batch_tokens=40)
-    counters = check_against_hf(engine, hf, n_convs=4, n_turns=2, max_tokens=40, seed=4)
+    engine = make(model_name, gpu_cache_chunks=10, cpu_cache_chunks=32, max_batch_tokens=40)
+    counters = check_against_hf(engine, hf, n_convs=4, n_turns=2, max_tokens=48, seed=4, min_len=70)
     assert counters["suspensions"] > 0
