@@ -16,6 +16,7 @@ from app.detok import Detokenizer
 from app.history import truncate_stream
 from app.prompt import chat_messages, render_delta
 from engine.types import SamplingParams, Turn
+from store import HistoryConflict
 
 log = logging.getLogger("pensieve.chat")
 
@@ -244,7 +245,14 @@ class ChatSocket:
         # engine recomputes this context from SQL, byte for byte.
         if delta.context_len < len(stored):
             await truncate_stream(store, cid, delta.context_len)
-        await store.append_message(cid, "user", req.content, delta.token_ids)
+        try:
+            await store.append_message(
+                cid, "user", req.content, delta.token_ids, expected_start=delta.context_len
+            )
+        except HistoryConflict:  # the chat moved on under us (another server): nothing written
+            return await self.error(
+                "conflict", "the chat changed meanwhile; send the message again"
+            )
         sv.clock.touch(cid)
         turn = Turn(cid, delta.token_ids, sampling, context_len=delta.context_len)
         try:
@@ -285,6 +293,7 @@ class ChatSocket:
                 detok.text(),
                 list(result.token_ids),
                 finish_reason=result.finish_reason,
+                expected_start=delta.context_len + len(delta.token_ids),
             )
         except Exception:
             engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL

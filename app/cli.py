@@ -51,6 +51,7 @@ def serve(args: argparse.Namespace) -> None:
     from app.main import create_app
 
     settings = _settings(args)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -64,9 +65,8 @@ def serve(args: argparse.Namespace) -> None:
 
 
 async def _create_user(url: str, name: str) -> str:
-    from store.migrate import upgrade_async
-
     from store import HistoryStore
+    from store.migrate import upgrade_async
 
     await upgrade_async(url)
     store = HistoryStore(url)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import select
+
 from store.models import Message
 
 

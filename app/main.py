@@ -37,11 +37,10 @@ class Services:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette):
-    from store.migrate import upgrade_async
-
     from engine import AsyncEngine
     from engine.history import LocalClock
     from store import HistoryStore, RedisClock
+    from store.migrate import upgrade_async
 
     settings: Settings = app.state.settings
     config = settings.engine_config()
