@@ -214,7 +214,7 @@ class ChatSocket:
     async def _fail(self) -> None:
         """The turn produced no reply: close it in SQL with an empty `error` reply, and make
         the engine forget its copy so the next turn rebuilds the context from SQL."""
-        self.sv.engine.free(self.conversation_id)
+        await self.sv.engine.free(self.conversation_id)
         await self.sv.store.append_message(
             self.conversation_id, "assistant", "", [], finish_reason="error"
         )
@@ -275,9 +275,13 @@ class ChatSocket:
                 if piece:
                     await self.send({"type": "token", "text": piece})
         except Exception as e:
-            log.exception("engine failed on %s", cid)
+            # ValueError: refused once the engine saw its state (e.g. the chat outgrew the
+            # cache); anything else is a failure of the step.
+            refused = isinstance(e, ValueError)
+            if not refused:
+                log.exception("engine failed on %s", cid)
             await self._fail()
-            return await self.error("engine_error", f"the model failed: {e}")
+            return await self.error("rejected" if refused else "engine_error", str(e))
         finally:
             self.stream = None
         tail = detok.flush()
@@ -296,7 +300,7 @@ class ChatSocket:
                 expected_start=delta.context_len + len(delta.token_ids),
             )
         except Exception:
-            engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
+            await engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
             raise
         sv.clock.touch(cid)
         s = result.stats

@@ -34,9 +34,9 @@ EVIL = "<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\"
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("web")
     env = {
-        "PENSIEVE_GPU_CACHE_CHUNKS": "10",
-        "PENSIEVE_CPU_CACHE_CHUNKS": "12",
-        "PENSIEVE_MAX_TOKENS_DEFAULT": "160",
+        "PENSIEVE_GPU_CACHE_CHUNKS": "16",
+        "PENSIEVE_CPU_CACHE_CHUNKS": "16",
+        "PENSIEVE_MAX_TOKENS_DEFAULT": "120",
     }
     srv = Server(f"sqlite+aiosqlite:///{tmp}/pensieve.db", tmp / "server.log", env=env).start()
     yield srv
