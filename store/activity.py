@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +80,8 @@ class RedisClock:
 
     def touch(self, conversation_id: str, when: float | None = None) -> None:
         t = self._now() if when is None else float(when)
+        if not math.isfinite(t):
+            raise ValueError(f"activity time must be a finite unix time, got {when!r}")
         with self._lock:
             self._times[conversation_id] = t
             self._pending[conversation_id] = t
@@ -124,6 +127,9 @@ class RedisClock:
             await self._sync()
         except (TimeoutError, RedisError, OSError) as e:
             self._down(e)
+        except Exception as e:  # a bug must not stop the clock's retries
+            log.exception("redis activity clock sync failed")
+            self._down(e)
         else:
             self._up()
 
@@ -143,8 +149,9 @@ class RedisClock:
             pipe.zrange(self.key, 0, -1, withscores=True)
             remote = dict((await pipe.execute())[-1])
         except BaseException:
-            with self._lock:  # not sent: keep for the next try, newer touches win
-                self._pending = pending | self._pending
+            with self._lock:  # not sent: keep for the next try; what came in meanwhile wins
+                kept = {k: v for k, v in pending.items() if k not in self._forgotten}
+                self._pending = kept | self._pending
                 self._forgotten = (forgotten - self._pending.keys()) | self._forgotten
             raise
         with self._lock:

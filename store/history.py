@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from store.db import make_engine
@@ -60,10 +61,14 @@ class HistoryStore:
 
     async def start(self) -> None:
         """Remember the running loop (TokenHistory.read submits onto it) and check the link."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(select(1))
+        except (OSError, SQLAlchemyError) as e:
+            where = self.engine.url.render_as_string(hide_password=True)
+            raise RuntimeError(f"cannot reach the database at {where}: {e}") from e
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        async with self.engine.connect() as conn:
-            await conn.execute(select(1))
 
     async def close(self) -> None:
         await self.engine.dispose()

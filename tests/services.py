@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -143,8 +144,18 @@ class RedisServer:
             raise
         return self
 
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections hang instead of being refused."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server must still die
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None

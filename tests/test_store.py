@@ -16,6 +16,7 @@ from sqlalchemy import event, func, inspect, select, text
 
 from store import HistoryConflict, HistoryError, HistoryStore, hash_token, migrate
 from store.models import Base, Conversation, Message
+from tests.services import free_port
 
 TABLES = {"users", "conversations", "messages"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,11 +257,21 @@ def _alembic(*args: str, cwd: Path, url: str | None) -> str:
 
 def test_alembic_command_line(db_url: str, tmp_path: Path) -> None:
     assert "-> 0001" in _alembic("upgrade", "head", cwd=tmp_path, url=db_url)
-    assert "0001 (head)" in _alembic("current", cwd=tmp_path, url=db_url)
+    assert migrate.current(db_url) == "0001"
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
 
 
-def test_default_url_is_sqlite_under_data(tmp_path: Path) -> None:
-    _alembic("upgrade", "head", cwd=tmp_path, url=None)
+def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
+    migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
+    assert migrate.current() == "0001"
+
+
+async def test_unreachable_database_is_a_clear_error() -> None:
+    s = HistoryStore(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nowhere")
+    with pytest.raises(RuntimeError, match="cannot reach the database"):
+        await s.start()
+    await s.close()

@@ -113,3 +113,56 @@ async def test_unreachable_at_start_serves_locally(redis_server) -> None:
 def test_bad_redis_url_is_refused(url: str) -> None:
     with pytest.raises(ValueError):
         RedisClock(url)
+
+
+async def test_hung_redis_never_blocks_the_caller(redis_server) -> None:
+    clock = RedisClock(redis_server.url, interval=0.05, timeout=0.3)
+    await clock.start()
+    try:
+        clock.touch("a", 1.0)
+        await clock.sync()
+        redis_server.pause()  # accepts nothing, answers nothing
+        worst = 0.0
+        deadline = time.monotonic() + 3
+        while clock.healthy:  # each touch and read returns at once while the sync hangs
+            t0 = time.perf_counter()
+            clock.touch("b", 2.0)
+            assert clock.last_active("a") == 1.0
+            worst = max(worst, time.perf_counter() - t0)
+            assert time.monotonic() < deadline, "a hung Redis was never noticed"
+            await asyncio.sleep(0.01)
+        assert worst < 0.01
+        assert "Timeout" in (clock.last_error or "")
+        redis_server.resume()
+        await _until(lambda: clock.healthy)
+        assert redis.Redis.from_url(redis_server.url).zscore(KEY, "b") == 2.0
+    finally:
+        redis_server.resume()
+        await clock.stop()
+
+
+async def test_touch_during_a_refresh_is_not_lost(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    clock = RedisClock(redis_url, interval=60)  # syncs only when asked
+    await clock.start()
+    try:
+        r.zadd(KEY, {"x": 1.0})
+        flight = asyncio.create_task(clock.sync())
+        await asyncio.sleep(0)  # the sync has sent its request and awaits the answer
+        clock.touch("x", 9.0)
+        assert await flight
+        assert r.zscore(KEY, "x") == 1.0  # the touch came after the request left
+        assert clock.last_active("x") == 9.0  # and the older Redis answer did not undo it
+        await clock.sync()
+        assert r.zscore(KEY, "x") == 9.0
+    finally:
+        await clock.stop()
+        r.close()
+
+
+def test_touch_refuses_times_redis_would_reject() -> None:
+    clock = RedisClock("redis://127.0.0.1:1/0")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            clock.touch("a", bad)
+    assert clock.last_active("a") is None
