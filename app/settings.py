@@ -8,8 +8,6 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.types import EngineConfig
-
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PENSIEVE_", extra="forbid")
@@ -50,7 +48,9 @@ class Settings(BaseSettings):
             return [str(v).strip().rstrip("/") for v in value if str(v).strip()]
         return value
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self):
+        from engine.types import EngineConfig  # imports torch: not for `pensieve users`
+
         config = EngineConfig(
             model=self.model,
             device=self.device,

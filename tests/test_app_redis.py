@@ -50,14 +50,15 @@ async def test_redis_idle_time_decides_who_is_evicted(server, redis_server):
     assert all(t == "gpu" for t in tiers(server, a) + tiers(server, b))
     # By the server's own clock `a` is the older one; Redis says `b` has been idle an hour.
     r = redis.Redis.from_url(redis_server.url)
-    now = time.time()
-    r.zadd(KEY, {a: now, b: now - 3600})
 
     def b_idle():
+        # Written again until seen: the server's own last touches may still be on their way.
+        now = time.time()
+        r.zadd(KEY, {a: now, b: now - 3600})
         conv = [c for c in server.cache()["conversations"] if c["id"] == b]
         return conv and conv[0]["idle_s"] is not None and conv[0]["idle_s"] > 3000
 
-    assert wait_for(b_idle, timeout=10), "the engine did not see Redis's activity time"
+    assert wait_for(b_idle, timeout=10, every=0.3), "the engine did not see Redis's activity time"
     # Fill the small GPU tier with another chat: `b` gives way before `a`.
     c = server.new_chat(token)
     async with connect(server, c, token) as ws:
