@@ -4,22 +4,38 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import text
+from sqlalchemy import select, text
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api import problem
 from app.auth import is_admin
+from store.models import Conversation
 
 
 async def cache(request: Request) -> Response:
     sv = request.app.state.services
     if not is_admin(request, sv.admin_token):
         return problem(401, "unauthorized", "the admin token is required (Authorization: Bearer)")
-    snap = sv.engine.snapshot()
+    snap = dict(sv.engine.snapshot())
+    convs = [dict(c) for c in snap.get("conversations", [])]
+    titles = await _titles(sv.store, [c["id"] for c in convs])
+    for c in convs:
+        c["title"] = titles.get(c["id"])
+    snap["conversations"] = convs
     snap["time"] = time.time()
     return JSONResponse(snap, headers={"Cache-Control": "no-store"})
+
+
+async def _titles(store, ids: list[str]) -> dict[str, str]:
+    if not ids:
+        return {}
+    async with store.sessions() as s:
+        rows = await s.execute(
+            select(Conversation.id, Conversation.title).where(Conversation.id.in_(ids))
+        )
+        return {cid: title for cid, title in rows}
 
 
 async def healthz(request: Request) -> Response:

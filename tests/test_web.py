@@ -27,7 +27,7 @@ ARGS = [
 ]
 # Screenshots land in tmp; with PENSIEVE_SCREENSHOTS=1 they also refresh docs/*.png.
 SAVE_DOCS = os.environ.get("PENSIEVE_SCREENSHOTS") == "1"
-EVIL = "<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\"><b>bold?</b>"
+EVIL = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"><b>bold?</b>'
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,7 @@ def shot(page, tmp_path, name: str) -> None:
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path))
     if SAVE_DOCS:
+        (ROOT / "docs").mkdir(exist_ok=True)
         shutil.copy(path, ROOT / "docs" / f"{name}.png")
 
 
@@ -86,12 +87,16 @@ WATCH = """() => {
 }"""
 
 
+CHATS: list[str] = []  # ids of the chats the page made, oldest first
+
+
 def test_message_streams_and_content_is_text(server, page):
     page.goto(server.url + "/")
     page.evaluate(WATCH)
     send(page, EVIL + " Say hello.")
     reply = last(page, "assistant")
     reply.locator(".meta").filter(has_text="tokens").wait_for()
+    CHATS.append(page.evaluate("location.hash.slice(1)"))
     final = reply.locator(".bubble").text_content()
     seen = page.evaluate("window.seen")
     partial = {s for s in seen if s and s != final}
@@ -137,7 +142,7 @@ def test_reload_shows_history(server, page, tmp_path):
 
 
 def test_admin_shows_chunks_move_between_tiers(server, page, tmp_path):
-    cid = page.evaluate("location.hash.slice(1)")
+    cid = CHATS[0]  # the idlest chat: its chunks leave the GPU first
     page.goto(server.url + "/admin?token=" + ADMIN)
     assert page.url.endswith("/admin")  # the token left the address bar for a cookie
     row = page.locator(f".conv-row[data-id='{cid}']")

@@ -53,6 +53,7 @@ function conversation(c, chunkSize) {
   const name = el("code", "conv-id", c.id.slice(0, 12));
   name.title = c.id;
   head.append(name);
+  if (c.title) head.append(el("span", "conv-name", c.title));
   if (c.running) head.append(el("span", "badge live", "running"));
   head.append(
     el("span", "muted small", `${c.tokens} tokens · ${c.chunks.length} chunks of ${chunkSize}`),
