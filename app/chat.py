@@ -100,8 +100,12 @@ class Hub:
             await old.close(REPLACED, "replaced by a newer connection")
 
     def release(self, chat: ChatSocket) -> None:
-        if self.live.get(chat.conversation_id) is chat:
-            del self.live[chat.conversation_id]
+        cid = chat.conversation_id
+        if self.live.get(cid) is chat:
+            del self.live[cid]
+            lock = self.locks.get(cid)
+            if lock is not None and not lock.locked():
+                del self.locks[cid]
 
     async def close_chat(self, conversation_id: str, code: int, reason: str) -> None:
         chat = self.live.pop(conversation_id, None)

@@ -63,7 +63,12 @@ async def lifespan(app: Starlette):
         admin_token = settings.admin_token
         if not admin_token:
             admin_token = secrets.token_urlsafe(24)
-            log.warning("no PENSIEVE_ADMIN_TOKEN set; admin token for this run: %s", admin_token)
+            log.warning(
+                "no PENSIEVE_ADMIN_TOKEN set; this run's admin page: http://%s:%s/admin?token=%s",
+                settings.host,
+                settings.port,
+                admin_token,
+            )
         sv = Services(settings, store, clock, engine, admin_token)
         sv.metrics.watch(engine.snapshot)
         app.state.services = sv

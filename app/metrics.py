@@ -63,6 +63,10 @@ class EngineCollector:
                 "pensieve:recomputed_tokens",
                 "Dropped context recomputed from history.",
             ),
+            "dropped_tokens": (
+                "pensieve:dropped_tokens",
+                "Context tokens evicted from the CPU tier.",
+            ),
             "suspensions": ("pensieve:num_preemptions", "Running turns suspended to CPU."),
         }
         for key, (name, doc) in simple.items():

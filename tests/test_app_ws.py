@@ -244,6 +244,7 @@ async def test_health_and_metrics(server, token):
         "pensieve:generation_tokens_total",
         'pensieve:context_tokens_reused_total{tier="gpu"}',
         "pensieve:recomputed_tokens_total",
+        "pensieve:dropped_tokens_total",
         "pensieve:time_to_first_token_seconds_bucket",
         "pensieve:e2e_request_latency_seconds_count",
     ):
