@@ -82,6 +82,16 @@ def parse_message(frame: dict, max_chars: int, default_tokens: int, limit_tokens
     return Request(content, sampling, max_tokens is not None)
 
 
+def context_limit(engine) -> int:
+    """Most tokens one chat can hold: the model's positions, and the whole GPU tier (a turn's
+    context must fit there while it runs)."""
+    snap = engine.snapshot()
+    gpu = snap.get("pools", {}).get("gpu", {}).get("total")
+    if not gpu:
+        return engine.max_context
+    return min(engine.max_context, gpu * snap.get("chunk_size", 32) - 1)
+
+
 class Hub:
     """Live chat sockets by conversation: a newer connection replaces the older one."""
 
@@ -218,7 +228,10 @@ class ChatSocket:
     async def _fail(self) -> None:
         """The turn produced no reply: close it in SQL with an empty `error` reply, and make
         the engine forget its copy so the next turn rebuilds the context from SQL."""
-        await self.sv.engine.free(self.conversation_id)
+        try:
+            await self.sv.engine.free(self.conversation_id)
+        except Exception:  # the engine recomputes on the next turn's context_len anyway
+            log.exception("could not free %s", self.conversation_id)
         await self.sv.store.append_message(
             self.conversation_id, "assistant", "", [], finish_reason="error"
         )
@@ -235,13 +248,14 @@ class ChatSocket:
             conv.system_prompt, [(m.role, m.content) for m in history], req.content
         )
         delta = await asyncio.to_thread(render_delta, engine.tokenizer, messages, stored)
-        room = engine.max_context - delta.context_len - len(delta.token_ids)
+        limit = context_limit(engine)
+        room = limit - delta.context_len - len(delta.token_ids)
         sampling = req.sampling
         if room < 1 or (req.max_tokens_given and sampling.max_tokens > room):
             return await self.error(
                 "context_full",
                 f"the chat holds {delta.context_len} tokens and the message {len(delta.token_ids)}; "
-                f"the model's context is {engine.max_context} tokens ({max(room, 0)} left for a reply)",
+                f"a chat can hold {limit} tokens here ({max(room, 0)} left for a reply)",
             )
         sampling.max_tokens = min(sampling.max_tokens, room)
 

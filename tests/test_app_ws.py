@@ -186,6 +186,10 @@ async def test_bad_frames_get_one_error_each(server, token):
             got = await recv(ws, timeout=10)
             assert got["type"] == "error" and got["code"] == code, (frame, got)
             assert got["message"]
+        # Fits a frame, not the chat: refused before anything is stored.
+        await ws.send(json.dumps({"type": "message", "content": "lorem ipsum " * 1300}))
+        got = await recv(ws, timeout=30)
+        assert got["code"] == "context_full", got
         # Typing hints answer nothing; the connection still chats.
         await ws.send(json.dumps({"type": "typing"}))
         r = await say(ws, "Hello", max_tokens=4)
