@@ -127,7 +127,6 @@ async def delete_conversation(request: Request) -> Response:
         forget = getattr(sv.clock, "forget", None)
         if forget:
             forget(conv.id)
-    sv.hub.locks.pop(conv.id, None)
     return Response(status_code=204)
 
 

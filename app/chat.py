@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -97,11 +98,16 @@ class Hub:
 
     def __init__(self) -> None:
         self.live: dict[str, ChatSocket] = {}
-        self.locks: dict[str, asyncio.Lock] = {}  # one turn at a time per chat, across sockets
+        # One turn at a time per chat, across sockets; a lock lives while a turn holds or
+        # awaits it.
+        self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.turns: set[asyncio.Task] = set()  # turns still committing after their socket went
 
     def lock(self, conversation_id: str) -> asyncio.Lock:
-        return self.locks.setdefault(conversation_id, asyncio.Lock())
+        lock = self.locks.get(conversation_id)
+        if lock is None:
+            lock = self.locks[conversation_id] = asyncio.Lock()
+        return lock
 
     async def claim(self, chat: ChatSocket) -> None:
         old = self.live.get(chat.conversation_id)
@@ -110,12 +116,8 @@ class Hub:
             await old.close(REPLACED, "replaced by a newer connection")
 
     def release(self, chat: ChatSocket) -> None:
-        cid = chat.conversation_id
-        if self.live.get(cid) is chat:
-            del self.live[cid]
-            lock = self.locks.get(cid)
-            if lock is not None and not lock.locked():
-                del self.locks[cid]
+        if self.live.get(chat.conversation_id) is chat:
+            del self.live[chat.conversation_id]
 
     async def close_chat(self, conversation_id: str, code: int, reason: str) -> None:
         chat = self.live.pop(conversation_id, None)
@@ -136,6 +138,7 @@ class ChatSocket:
         self.conversation_id = conversation_id
         self.turn: asyncio.Task | None = None
         self.stream = None  # the engine stream of the running turn
+        self.cancelled = False  # a cancel came for the current turn (maybe before its stream)
         self.open = True
         self._send_lock = asyncio.Lock()
 
@@ -198,6 +201,7 @@ class ChatSocket:
         if kind == "typing":
             self.sv.clock.touch(self.conversation_id)
         elif kind == "cancel":
+            self.cancelled = True
             if self.stream is not None:
                 self.stream.cancel()
         elif kind == "message":
@@ -210,6 +214,7 @@ class ChatSocket:
                 return await self.error(e.code, str(e))
             if self.turn is not None and not self.turn.done():
                 return await self.error("busy", "a reply is still being generated; cancel it first")
+            self.cancelled = False
             self.turn = asyncio.create_task(self.run_turn(req, time.perf_counter()))
             self.sv.hub.turns.add(self.turn)
             self.turn.add_done_callback(self.sv.hub.turns.discard)
@@ -280,7 +285,7 @@ class ChatSocket:
             busy = type(e).__name__ == "ConversationBusy"
             return await self.error("busy" if busy else "bad_request", str(e))
         self.stream = stream
-        if not self.open:
+        if self.cancelled or not self.open:
             stream.cancel()
 
         detok = Detokenizer(engine.tokenizer, set(engine.stop_token_ids))

@@ -105,11 +105,21 @@ async def test_cancel_keeps_partial_reply_and_chat_goes_on(server, token):
         assert r.done["usage"]["completion_tokens"] < 400
         again = await say(ws, "Thanks.", max_tokens=4)
         assert again.done["finish_reason"] in ("stop", "length")
+        # A cancel right behind its message stops the turn even before it reaches the engine.
+        await ws.send(
+            json.dumps({"type": "message", "content": "Another story?", "max_tokens": 400})
+        )
+        await ws.send(json.dumps({"type": "cancel"}))
+        quick = await until_done(ws)
+        assert quick.done["finish_reason"] == "cancelled"
+        assert quick.done["usage"]["completion_tokens"] < 50
     assert roles(server, token, cid) == [
         ("user", None),
         ("assistant", "cancelled"),
         ("user", None),
         ("assistant", again.done["finish_reason"]),
+        ("user", None),
+        ("assistant", "cancelled"),
     ]
 
 

@@ -203,7 +203,7 @@ function onClose(ws, id, ev) {
     4401: "Not signed in: reload the page.",
     4403: "This chat belongs to someone else.",
     4404: "This chat does not exist any more.",
-    4409: "This chat was opened in another tab; reconnect here to continue.",
+    4409: "This chat was opened in another tab. Select it in the list to continue here.",
   };
   if (reasons[ev.code]) {
     setConn("closed", ev.code === 4409 ? "opened elsewhere" : "closed");
