@@ -62,6 +62,7 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         self._history, self._clock = history, clock
         self.engine = engine
+        self._owns_engine = engine is None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -86,7 +87,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
-        if self.engine is not None:
+        if self.engine is not None and self._owns_engine:
             self.engine.close()
 
     @property

@@ -237,6 +237,11 @@ class Engine:
             except Exception as e:  # a failed history read: fail that turn only
                 ended += self._fail_fetches(e)
                 return ended
+            for req in self.scheduler.full:  # no room to generate more: ends as if by max_tokens
+                if req.status == RUNNING:
+                    self._end(req, "length", time.time())
+                    ended.append(req)
+            self.scheduler.full.clear()
             plan = self.cache.take_plan()
             if pieces:
                 tokens = self.runner.step(pieces, plan)

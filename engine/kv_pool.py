@@ -1,8 +1,9 @@
 """The KV tensors of both tiers and the copies between them.
 
-GPU tier: per layer K and V of shape [num_blocks, block_size, kv_heads, head_dim] (one
-tensor [layers, 2, ...]). CPU tier: chunk-major [num_blocks, layers, 2, block_size, kv_heads,
-head_dim] in pinned memory, so a chunk is one contiguous region. On CUDA the copies run on a
+Both tiers are laid out [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; the
+CPU tier is pinned. A copy plan is coalesced into runs of consecutive blocks on both sides,
+so a run moves as one contiguous transfer per layer and K/V (the pools hand out low block
+ids first, so a conversation's chunks tend to form long runs). On CUDA the copies run on a
 side stream: swap-in is enqueued layer by layer with one event per layer, and attention of
 layer i waits for layer i's event only. On the CPU the same calls copy synchronously.
 """
@@ -26,7 +27,7 @@ class KVPool:
             (args.n_layers, 2, gpu_blocks, *shape), device=self.device, dtype=dtype
         )
         self.cpu = torch.zeros(
-            (max(cpu_blocks, 0), args.n_layers, 2, *shape), dtype=dtype, pin_memory=self.cuda
+            (args.n_layers, 2, max(cpu_blocks, 0), *shape), dtype=dtype, pin_memory=self.cuda
         )
         self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(args.n_layers)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -100,9 +101,28 @@ class KVPool:
     # ---- copies ----------------------------------------------------------------------------
 
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        for gpu, cpu in pairs:
-            self.cpu[cpu].copy_(self.gpu[:, :, gpu], non_blocking=self.cuda)
+        for gpu, cpu, n in runs(pairs):
+            for layer in range(self.gpu.shape[0]):
+                for kv in (0, 1):
+                    self.cpu[layer, kv, cpu : cpu + n].copy_(
+                        self.gpu[layer, kv, gpu : gpu + n], non_blocking=self.cuda
+                    )
 
     def _copy_in(self, pairs: list[tuple[int, int]], layer: int) -> None:
-        for cpu, gpu in pairs:
-            self.gpu[layer, :, gpu].copy_(self.cpu[cpu, layer], non_blocking=self.cuda)
+        for cpu, gpu, n in runs(pairs):
+            for kv in (0, 1):
+                self.gpu[layer, kv, gpu : gpu + n].copy_(
+                    self.cpu[layer, kv, cpu : cpu + n], non_blocking=self.cuda
+                )
+
+
+def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs as (src, dst, length) runs consecutive on both sides."""
+    out: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs):
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            s0, d0, n = out[-1]
+            out[-1] = (s0, d0, n + 1)
+        else:
+            out.append((src, dst, 1))
+    return out

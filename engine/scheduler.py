@@ -43,6 +43,7 @@ class Scheduler:
         self.fetch = fetch or (lambda req, n: req.prefix is not None and len(req.prefix) >= n)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.full: list[Request] = []  # turns that filled the whole GPU tier: the engine ends them
 
     def add(self, req: Request) -> None:
         req.status = WAITING
@@ -97,7 +98,11 @@ class Scheduler:
     def _room(self, req: Request, upto: int) -> bool:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
         while not self.cache.grow(req.conv, upto):
-            victim = max((r for r in self.running if r.status == RUNNING), key=lambda r: r.seq)
+            alive = [r for r in self.running if r.status == RUNNING]
+            if alive == [req]:  # it alone fills the GPU tier: it cannot grow any further
+                self.full.append(req)
+                return False
+            victim = max(alive, key=lambda r: r.seq)
             self.suspend(victim)
             if victim is req:
                 return False

@@ -1,6 +1,14 @@
-"""PyTorch reference paged attention: the CPU backend and the oracle for the Triton kernels."""
+"""PyTorch reference paged attention: the CPU backend and the oracle for the Triton kernels.
+
+Keys of a sub-request are gathered from the pool block by block (whole blocks copy faster than
+single slots) and fed to scaled_dot_product_attention. Decode sub-requests (q_len 1) are batched into one
+padded call with a key-padding mask; longer sub-requests get one causal call each. The gather
+indices are derived once per step and cached in `meta.derived`, so every layer reuses them.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -8,23 +16,63 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 
 
-def _plan(meta: AttentionMetadata, block_size: int):
-    """Per sub-request (row range, first position, flat slot indices of its keys); cached per step."""
+@dataclass
+class _Prompt:
+    start: int  # first row of the batch
+    end: int
+    pos: int  # absolute position of the first query
+    blocks: torch.Tensor  # [ceil((pos + q_len) / block_size)] its blocks, in order
+
+
+@dataclass
+class _Decodes:
+    rows: torch.Tensor  # [D] batch rows of the q_len-1 sub-requests
+    blocks: torch.Tensor  # [D, B] their blocks, padded with block 0
+    mask: torch.Tensor  # [D, 1, 1, B * block_size] True where the key exists
+
+
+@dataclass
+class _Plan:
+    prompts: list[_Prompt]
+    decodes: _Decodes | None
+
+
+def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     key = ("torch_plan", block_size)
-    if key not in meta.derived:
-        starts = meta.query_start.tolist()
-        pos = meta.query_pos.tolist()
-        tables = meta.block_tables
-        plan = []
-        for s in range(len(pos)):
-            q_len = starts[s + 1] - starts[s]
-            kv_len = pos[s] + q_len
-            n_blocks = -(-kv_len // block_size)
-            blocks = tables[s, :n_blocks].long()
-            slots = blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)
-            plan.append((starts[s], starts[s + 1], pos[s], slots.reshape(-1)[:kv_len]))
-        meta.derived[key] = plan
-    return meta.derived[key]
+    if key in meta.derived:
+        return meta.derived[key]
+    starts = meta.query_start.tolist()
+    positions = meta.query_pos.tolist()
+    device = meta.block_tables.device
+    prompts: list[_Prompt] = []
+    dec_rows: list[int] = []
+    dec_lens: list[int] = []
+    dec_blocks: list[torch.Tensor] = []
+    for s, pos in enumerate(positions):
+        start, end = starts[s], starts[s + 1]
+        q_len = end - start
+        if q_len <= 0:
+            continue
+        blocks = meta.block_tables[s, : -(-(pos + q_len) // block_size)].long()
+        if q_len == 1:
+            dec_rows.append(start)
+            dec_lens.append(pos + 1)
+            dec_blocks.append(blocks)
+        else:
+            prompts.append(_Prompt(start, end, pos, blocks))
+    decodes = None
+    if dec_rows:
+        width = max(t.numel() for t in dec_blocks)
+        padded = torch.zeros((len(dec_rows), width), dtype=torch.long, device=device)
+        for i, t in enumerate(dec_blocks):
+            padded[i, : t.numel()] = t
+        lens = torch.tensor(dec_lens, device=device)
+        mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+        rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+        decodes = _Decodes(rows, padded, mask[:, None, None, :])
+    plan = _Plan(prompts, decodes)
+    meta.derived[key] = plan
+    return plan
 
 
 def paged_attention_torch(
@@ -34,35 +82,39 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
-    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
-    for start, end, pos, slots in _plan(meta, block_size):
-        q_len = end - start
-        if q_len == 0:
-            continue
-        k = k_flat.index_select(0, slots).transpose(0, 1)  # [kvh, L, d]
-        v = v_flat.index_select(0, slots).transpose(0, 1)
-        qs = q[start:end].transpose(0, 1)  # [h, q, d]
-        kv_len = k.shape[1]
-        if q_len == 1:
-            mask = None
+    """Rows past query_start[-1] (padding) come back as zeros."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    gqa = q.shape[1] != num_kv_heads
+    out = torch.zeros_like(q)
+    plan = _plan(meta, block_size)
+    for p in plan.prompts:
+        q_len = p.end - p.start
+        kv_len = p.pos + q_len
+        k = k_cache[p.blocks].view(-1, num_kv_heads, head_dim)[:kv_len]
+        v = v_cache[p.blocks].view(-1, num_kv_heads, head_dim)[:kv_len]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
+        v = v.transpose(0, 1).unsqueeze(0)
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
+        if p.pos == 0:
+            mask, causal = None, True  # square: SDPA's top-left causal mask is the right one
         else:
             # query i sits at position pos + i and sees keys [0, pos + i].
-            qi = torch.arange(q_len, device=q.device)[:, None] + pos
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= qi
+            qi = torch.arange(q_len, device=q.device)[:, None] + p.pos
+            mask, causal = torch.arange(k.shape[2], device=q.device)[None, :] <= qi, False
         o = F.scaled_dot_product_attention(
-            qs.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=group > 1,
+            qs, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
         )
-        out[start:end] = o[0].transpose(0, 1)
+        out[p.start : p.end] = o[0].transpose(0, 1)
+    d = plan.decodes
+    if d is not None:
+        n = d.blocks.shape[0]
+        k = (
+            k_cache[d.blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        )  # [D, kvh, L, dim]
+        v = v_cache[d.blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qs = q.index_select(0, d.rows).unsqueeze(2)  # [D, h, 1, dim]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, d.rows, o.squeeze(2))
     return out
 
 
@@ -73,7 +125,11 @@ def write_kv_torch(
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Store new keys/values [T, kvh, d] at flat slots (block * block_size + offset)."""
-    num_blocks, block_size, kvh, d = k_cache.shape
-    k_cache.view(-1, kvh, d).index_copy_(0, slots.long(), k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slots.long(), v.to(v_cache.dtype))
+    """Store new keys/values [T, kvh, d] at flat slots (block * block_size + offset); -1 skips."""
+    _, _, kvh, d = k_cache.shape
+    slots = slots.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -226,6 +226,50 @@ class HistoryStore:
             s.add(msg)
         return msg
 
+    async def truncate(self, conversation_id: str, length: int) -> None:
+        """Cut the stored token stream to its first `length` tokens, in one transaction.
+
+        For chat templates that are not prefix-stable: messages keep their text, the
+        tokens past the cut are dropped, so the stream stays what the engine holds."""
+        if length < 0:
+            raise ValueError(f"bad stream length {length}")
+        async with self.sessions.begin() as s:
+            # Same lock as append_message: a cut never interleaves with an append.
+            res = await s.execute(
+                update(Conversation)
+                .where(Conversation.id == conversation_id)
+                .values(updated=utcnow())
+            )
+            if res.rowcount == 0:
+                raise HistoryError(f"unknown conversation {conversation_id!r}")
+            rows = (
+                await s.scalars(
+                    select(Message)
+                    .where(
+                        Message.conversation_id == conversation_id,
+                        Message.token_start + Message.token_count > length,
+                    )
+                    .order_by(Message.seq)
+                )
+            ).all()
+            if rows and rows[0].token_start > length:
+                raise HistoryError(f"history of {conversation_id!r} is shorter than {length}")
+            if not rows:
+                total = await s.scalar(
+                    select(func.coalesce(func.sum(Message.token_count), 0)).where(
+                        Message.conversation_id == conversation_id
+                    )
+                )
+                if (total or 0) < length:
+                    raise HistoryError(
+                        f"history of {conversation_id!r} has {total} tokens, cannot cut to {length}"
+                    )
+            for m in rows:
+                keep = max(0, length - m.token_start)
+                m.token_ids = list(m.token_ids[:keep])
+                m.token_start = min(m.token_start, length)
+                m.token_count = keep
+
     async def messages(self, conversation_id: str) -> list[Message]:
         """All messages in seq order."""
         async with self.sessions() as s:

@@ -34,6 +34,10 @@ def config(url: str | None = None) -> Config:
     return cfg
 
 
+# Alembic keeps its running context in module globals: one migration per process at a time.
+_alembic_lock = threading.Lock()
+
+
 def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     # env.py runs its own event loop (asyncio.run), which cannot nest in a running loop:
     # give it a thread of its own, and re-raise its error here.
@@ -42,7 +46,8 @@ def _in_thread(fn: Callable[..., T], *args: Any) -> T:
 
     def target() -> None:
         try:
-            out.append(fn(*args))
+            with _alembic_lock:
+                out.append(fn(*args))
         except BaseException as e:  # re-raised in the caller's thread
             errors.append(e)
 

@@ -27,9 +27,9 @@ def hf_model(engine: Engine):
 
 
 @torch.inference_mode()
-def hf_greedy(model, context: list[int], max_new: int, stop: set[int]) -> list[int]:
+def hf_greedy(model, context: list[int], max_new: int, stop: set[int], device="cpu") -> list[int]:
     """Greedy continuation with the model's own KV cache; includes the stop token if hit."""
-    ids = torch.tensor([context])
+    ids = torch.tensor([context], device=device)
     out = model(input_ids=ids, use_cache=True)
     past, tokens = out.past_key_values, []
     for _ in range(max_new):
@@ -37,6 +37,8 @@ def hf_greedy(model, context: list[int], max_new: int, stop: set[int]) -> list[i
         tokens.append(token)
         if token in stop:
             break
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([[token]], device=device), past_key_values=past, use_cache=True
+        )
         past = out.past_key_values
     return tokens

@@ -244,19 +244,27 @@ async def test_set_title(store: HistoryStore) -> None:
         await store.set_title(cid, "x" * 201)
 
 
-def _alembic(*args: str, cwd: Path, url: str | None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "PENSIEVE_DATABASE_URL"}
-    if url is not None:
-        env["PENSIEVE_DATABASE_URL"] = url
-    env["PYTHONPATH"] = str(ROOT)
+def _alembic_start(*args: str, cwd: Path, url: str) -> subprocess.Popen:
+    env = os.environ | {"PENSIEVE_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini"), *args]
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    return res.stdout + res.stderr
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
-def test_alembic_command_line(db_url: str, tmp_path: Path) -> None:
-    assert "-> 0001" in _alembic("upgrade", "head", cwd=tmp_path, url=db_url)
+def _alembic(*args: str, cwd: Path, url: str) -> str:
+    proc = _alembic_start(*args, cwd=cwd, url=url)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_path: Path) -> None:
+    # Two servers starting at once on one database: they migrate in turn, neither fails.
+    procs = [_alembic_start("upgrade", "head", cwd=tmp_path, url=db_url) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("-> 0001" in out for out in outs) == 1  # one migrated, the other saw head
     assert migrate.current(db_url) == "0001"
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
@@ -275,3 +283,25 @@ async def test_unreachable_database_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="cannot reach the database"):
         await s.start()
     await s.close()
+
+
+async def test_truncate_cuts_the_stream_and_keeps_the_text(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    for role, ids in [("user", [1, 2, 3]), ("assistant", [4, 5, 6]), ("user", [7, 8])]:
+        await store.append_message(cid, role, role, ids)
+    with pytest.raises(HistoryError, match="cannot cut"):
+        await store.truncate(cid, 9)
+    await store.truncate(cid, 8)  # a no-op at the exact length
+    await store.truncate(cid, 4)
+    assert await store.stream(cid) == [1, 2, 3, 4]
+    msgs = await store.messages(cid)
+    assert [(m.content, m.token_start, m.token_ids) for m in msgs] == [
+        ("user", 0, [1, 2, 3]),
+        ("assistant", 3, [4]),
+        ("user", 4, []),
+    ]
+    m = await store.append_message(cid, "user", "again", [9], expected_start=4)
+    assert (m.seq, m.token_start) == (3, 4)
+    assert await asyncio.to_thread(store.token_history().read, cid, 2, 5) == [3, 4, 9]
+    with pytest.raises(HistoryError):
+        await store.truncate("nope", 0)

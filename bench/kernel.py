@@ -1,0 +1,508 @@
+"""Kernel benchmark: multi-token paged attention against the ways around it.
+
+`python -m bench.kernel` (CUDA only) times, for a batch of 32 requests with 8 new query tokens
+each over 1k-16k tokens of context kept in shuffled, non-contiguous blocks:
+
+- triton:      the paged Triton kernel, all 8 query tokens in one call;
+- copy-out:    gather each request's KV into contiguous memory, then scaled_dot_product_attention;
+- multi-round: one query token at a time through the decode path (8 calls);
+- ideal:       KV already contiguous, SDPA's flash backend (no copy; the 8x8 causal corner is
+               ignored, which only makes it faster);
+- flex:        FlexAttention over the same contiguous KV with a bottom-right causal mask.
+
+It also times decode-only batches (q_len 1, batch 8, 64 and 256) and a mixed prompt + decode batch,
+reports medians of CUDA-event timings with achieved TFLOP/s and GB/s, and writes
+bench/results/kernel-<device>.json and .png. `--dry-run` runs tiny shapes on the CPU through the
+torch backend to check the plumbing (numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import AttentionMetadata, paged_attention
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+CONFIGS = [
+    HeadConfig("llama-2-13b", 40, 40, 128),
+    HeadConfig("llama-2-13b-gqa10", 40, 4, 128),
+]
+
+
+@dataclass
+class Point:
+    scenario: str  # "multi-token" | "decode" | "mixed"
+    config: str
+    method: str
+    batch: int
+    q_len: int  # query tokens per request (mixed: total tokens)
+    context: int  # context tokens before the new queries
+    ms: float | None
+    tflops: float | None = None
+    gbps: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Bench:
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    iters: int
+    max_pool_bytes: int
+    dry: bool
+    use_flex: bool = True
+    points: list[Point] = field(default_factory=list)
+
+    # ------------------------------------------------------------ timing
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        """Median milliseconds of fn over self.iters runs after warm-up."""
+        for _ in range(2 if self.dry else 5):
+            fn()
+        if self.device.type != "cuda":
+            runs = []
+            for _ in range(self.iters):
+                t = time.perf_counter()
+                fn()
+                runs.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(runs)
+        torch.cuda.synchronize()
+        runs = []
+        for _ in range(self.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end))
+        return statistics.median(runs)
+
+    def record(self, base: Point, method: str, fn, flops: int, nbytes: int, note: str = ""):
+        try:
+            ms = self.time_ms(fn)
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # a method may not support a shape
+            self.points.append(Point(**{**asdict(base), "method": method, "note": str(e)[:200]}))
+            print(f"  {method:<12} failed: {str(e)[:120]}", file=sys.stderr)
+            return
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        p = Point(**{**asdict(base), "method": method, "ms": ms, "note": note})
+        p.tflops = flops / (ms * 1e-3) / 1e12
+        p.gbps = nbytes / (ms * 1e-3) / 1e9
+        self.points.append(p)
+        print(
+            f"  {p.scenario:<11} {p.config:<18} b={p.batch:<4} q={p.q_len:<5} ctx={p.context:<6}"
+            f" {method:<12} {ms:9.3f} ms {p.tflops:7.2f} TFLOP/s {p.gbps:8.1f} GB/s"
+        )
+
+    # ------------------------------------------------------------ data
+
+    def pool(self, cfg: HeadConfig, blocks_per_seq: list[int], seed: int = 0):
+        """A random pool and shuffled, non-contiguous block tables."""
+        total = sum(blocks_per_seq)
+        ids = list(range(total))
+        random.Random(seed).shuffle(ids)
+        tables, at = [], 0
+        for n in blocks_per_seq:
+            tables.append(ids[at : at + n])
+            at += n
+        shape = (total, self.block_size, cfg.kv_heads, cfg.head_dim)
+        k = torch.randn(shape, device=self.device, dtype=self.dtype)
+        v = torch.randn(shape, device=self.device, dtype=self.dtype)
+        return k, v, tables
+
+    def pool_bytes(self, cfg: HeadConfig, tokens: int) -> int:
+        return 2 * tokens * cfg.kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def meta(self, q_lens, positions, tables) -> AttentionMetadata:
+        bs = self.block_size
+        cut = [t[: -(-(p + n) // bs)] for t, n, p in zip(tables, q_lens, positions, strict=True)]
+        return AttentionMetadata.build(q_lens, positions, cut, self.device)
+
+    # ------------------------------------------------------------ methods
+
+    def paged(self, q, k, v, meta, scale, **kw):
+        if self.dry:
+            return lambda: paged_attention(q, k, v, meta, scale, backend="torch")
+        from kernels.triton_attention import paged_attention_triton
+
+        return lambda: paged_attention_triton(q, k, v, meta, scale, **kw)
+
+    def copy_out(self, q, k, v, tables, q_len, context, scale):
+        """Gather every request's KV into a contiguous tensor, then one SDPA call."""
+        bs, (b, kvh, d) = self.block_size, (len(tables), k.shape[2], k.shape[3])
+        length = context + q_len
+        n_blocks = -(-length // bs)
+        idx = torch.tensor([t[:n_blocks] for t in tables], device=self.device, dtype=torch.long)
+        qi = torch.arange(q_len, device=self.device)[:, None] + context
+        mask = torch.arange(length, device=self.device)[None, :] <= qi
+        qs = q.view(b, q_len, -1, d).transpose(1, 2)
+
+        def run():
+            kc = k[idx].view(b, n_blocks * bs, kvh, d)[:, :length].transpose(1, 2).contiguous()
+            vc = v[idx].view(b, n_blocks * bs, kvh, d)[:, :length].transpose(1, 2).contiguous()
+            return F.scaled_dot_product_attention(
+                qs, kc, vc, attn_mask=mask, scale=scale, enable_gqa=kvh != qs.shape[1]
+            )
+
+        return run
+
+    def contiguous(self, k, v, tables, length):
+        bs, b = self.block_size, len(tables)
+        n_blocks = -(-length // bs)
+        idx = torch.tensor([t[:n_blocks] for t in tables], device=self.device, dtype=torch.long)
+        shape = (b, n_blocks * bs, k.shape[2], k.shape[3])
+        kc = k[idx].view(shape)[:, :length].transpose(1, 2).contiguous()
+        vc = v[idx].view(shape)[:, :length].transpose(1, 2).contiguous()
+        return kc, vc
+
+    def ideal(self, qs, kc, vc, scale):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [SDPBackend.MATH] if self.dry else [SDPBackend.FLASH_ATTENTION]
+        gqa = kc.shape[1] != qs.shape[1]
+
+        def run():
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=gqa)
+
+        return run
+
+    def flex(self, qs, kc, vc, q_len, context, scale):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        b, h = qs.shape[:2]
+        length = context + q_len
+
+        def causal(b_, h_, qi, ki):
+            return ki <= qi + context
+
+        block_mask = create_block_mask(causal, b, None, q_len, length, device=self.device)
+        compiled = _compiled_flex(flex_attention)
+        gqa = kc.shape[1] != h
+        return lambda: compiled(qs, kc, vc, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+    # ------------------------------------------------------------ scenarios
+
+    def multi_token(self, cfg: HeadConfig, batch: int, q_len: int, contexts: list[int]):
+        """The paper's figure: batch requests, q_len new tokens each, growing context."""
+        bs, scale = self.block_size, 1 / math.sqrt(cfg.head_dim)
+        fits = [
+            c for c in contexts if self.pool_bytes(cfg, batch * (c + q_len)) <= self.max_pool_bytes
+        ]
+        if not fits:
+            return
+        k, v, tables = self.pool(cfg, [-(-(max(fits) + q_len) // bs)] * batch)
+        for context in fits:
+            length = context + q_len
+            base = Point("multi-token", cfg.name, "", batch, q_len, context, None)
+            q = torch.randn(
+                batch * q_len, cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype
+            )
+            flops = attention_flops([q_len] * batch, [context] * batch, cfg.heads, cfg.head_dim)
+            nbytes = self.pool_bytes(cfg, batch * length) + 2 * q.numel() * q.element_size()
+            meta = self.meta([q_len] * batch, [context] * batch, tables)
+            self.record(base, "triton", self.paged(q, k, v, meta, scale), flops, nbytes)
+
+            qs = q.view(batch, q_len, cfg.heads, cfg.head_dim)
+            rounds = []
+            for i in range(q_len):
+                qi = qs[:, i].contiguous()
+                rounds.append((qi, self.meta([1] * batch, [context + i] * batch, tables)))
+            steps = [self.paged(qi, k, v, m, scale) for qi, m in rounds]
+            self.record(
+                base, "multi-round", lambda steps=steps: [s() for s in steps], flops, nbytes
+            )
+
+            self.record(
+                base,
+                "copy-out",
+                self.copy_out(q, k, v, tables, q_len, context, scale),
+                flops,
+                nbytes,
+            )
+            try:
+                kc, vc = self.contiguous(k, v, tables, length)
+            except torch.OutOfMemoryError:
+                print("  no memory for a contiguous copy: ideal and flex skipped", file=sys.stderr)
+                continue
+            qt = qs.transpose(1, 2)
+            self.record(base, "ideal", self.ideal(qt, kc, vc, scale), flops, nbytes)
+            if self.use_flex and not self.dry:
+                self.record(
+                    base, "flex", self.flex(qt, kc, vc, q_len, context, scale), flops, nbytes
+                )
+            del kc, vc
+
+    def decode(self, cfg: HeadConfig, batch: int, contexts: list[int]):
+        bs, scale = self.block_size, 1 / math.sqrt(cfg.head_dim)
+        fits = [c for c in contexts if self.pool_bytes(cfg, batch * (c + 1)) <= self.max_pool_bytes]
+        if not fits:
+            return
+        k, v, tables = self.pool(cfg, [-(-(max(fits) + 1) // bs)] * batch)
+        for context in fits:
+            base = Point("decode", cfg.name, "", batch, 1, context, None)
+            q = torch.randn(batch, cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype)
+            flops = attention_flops([1] * batch, [context] * batch, cfg.heads, cfg.head_dim)
+            nbytes = self.pool_bytes(cfg, batch * (context + 1)) + 2 * q.numel() * q.element_size()
+            meta = self.meta([1] * batch, [context] * batch, tables)
+            self.record(base, "triton", self.paged(q, k, v, meta, scale), flops, nbytes)
+            if not self.dry:
+                self.record(
+                    base,
+                    "triton-nosplit",
+                    self.paged(q, k, v, meta, scale, num_segs=1),
+                    flops,
+                    nbytes,
+                )
+            self.record(
+                base, "copy-out", self.copy_out(q, k, v, tables, 1, context, scale), flops, nbytes
+            )
+            try:
+                kc, vc = self.contiguous(k, v, tables, context + 1)
+            except torch.OutOfMemoryError:
+                print("  no memory for a contiguous copy: ideal skipped", file=sys.stderr)
+                continue
+            qt = q.view(batch, 1, cfg.heads, cfg.head_dim).transpose(1, 2)
+            self.record(base, "ideal", self.ideal(qt, kc, vc, scale), flops, nbytes)
+            del kc, vc
+
+    def mixed(self, cfg: HeadConfig, prompts: int, prompt_len: int, decodes: int, context: int):
+        """A unified step: a few prompts over their history plus many decode rows."""
+        bs, scale = self.block_size, 1 / math.sqrt(cfg.head_dim)
+        q_lens = [prompt_len] * prompts + [1] * decodes
+        positions = [context] * (prompts + decodes)
+        k, v, tables = self.pool(cfg, [-(-(context + n) // bs) for n in q_lens])
+        q = torch.randn(sum(q_lens), cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype)
+        meta = self.meta(q_lens, positions, tables)
+        flops = attention_flops(q_lens, positions, cfg.heads, cfg.head_dim)
+        tokens = sum(context + n for n in q_lens)
+        nbytes = self.pool_bytes(cfg, tokens) + 2 * q.numel() * q.element_size()
+        base = Point("mixed", cfg.name, "", prompts + decodes, sum(q_lens), context, None)
+        note = f"{prompts} prompts x {prompt_len} + {decodes} decodes"
+        self.record(base, "triton", self.paged(q, k, v, meta, scale), flops, nbytes, note)
+        self.record(
+            base,
+            "torch-reference",
+            lambda: paged_attention(q, k, v, meta, scale, backend="torch"),
+            flops,
+            nbytes,
+            note + "; per-sub-request gather + SDPA, decodes batched",
+        )
+
+
+_FLEX = None
+
+
+def _compiled_flex(flex_attention):
+    """One compiled FlexAttention for all shapes (each new shape recompiles once)."""
+    global _FLEX
+    if _FLEX is None:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def attention_flops(q_lens: list[int], positions: list[int], heads: int, head_dim: int) -> int:
+    """Useful FLOPs of causal attention: QK^T and PV over the keys each query sees."""
+    visible = sum(n * p + n * (n + 1) // 2 for n, p in zip(q_lens, positions, strict=True))
+    return 4 * visible * heads * head_dim
+
+
+def git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            text=True,
+            stderr=subprocess.DEVNULL,
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def plot(points: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [p for p in points if p["ms"] is not None]
+    methods = sorted({p["method"] for p in ok})
+    color = {m: f"C{i}" for i, m in enumerate(methods)}
+    styles = {8: ":", 64: "--", 256: "-"}
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    for row, cfg in enumerate(c.name for c in CONFIGS):
+        for col, scenario in enumerate(("multi-token", "decode")):
+            ax = axes[row, col]
+            series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+            for p in ok:
+                if p["scenario"] == scenario and p["config"] == cfg:
+                    series.setdefault((p["method"], p["batch"]), []).append((p["context"], p["ms"]))
+            for (method, batch), xy in sorted(series.items()):
+                xy.sort()
+                label = method if scenario == "multi-token" else f"{method} b={batch}"
+                ax.plot(
+                    [x for x, _ in xy],
+                    [y for _, y in xy],
+                    marker="o",
+                    color=color[method],
+                    linestyle=styles.get(batch, "-") if scenario == "decode" else "-",
+                    label=label,
+                )
+            what = "32 requests x 8 new tokens" if scenario == "multi-token" else "decode"
+            ax.set_title(f"{what}, {cfg}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context tokens")
+            ax.set_ylabel("latency (ms, median)")
+            ax.grid(True, which="both", alpha=0.3)
+            if series:
+                ax.legend(fontsize=7, ncol=2 if scenario == "decode" else 1)
+    ax = axes[0, 2]  # mixed batch
+    mixed = [p for p in ok if p["scenario"] == "mixed"]
+    labels = [f"{p['config']}\n{p['method']}" for p in mixed]
+    ax.barh(labels, [p["ms"] for p in mixed], color=[color[p["method"]] for p in mixed])
+    ax.set_xlabel("latency (ms, median)")
+    ax.set_title("mixed step: " + (mixed[0]["note"] if mixed else ""), fontsize=9)
+    ax.tick_params(axis="y", labelsize=7)
+    ax = axes[1, 2]  # achieved bandwidth, multi-token
+    for cfg, style in zip((c.name for c in CONFIGS), ("-", "--"), strict=False):
+        for method in methods:
+            xy = sorted(
+                (p["context"], p["gbps"])
+                for p in ok
+                if p["scenario"] == "multi-token" and p["config"] == cfg and p["method"] == method
+            )
+            if xy:
+                ax.plot(
+                    [x for x, _ in xy],
+                    [y for _, y in xy],
+                    marker="o",
+                    color=color[method],
+                    linestyle=style,
+                    label=f"{method}, {cfg}",
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("KV bytes / time (GB/s)")
+    ax.set_title("32 x 8 new tokens: achieved bandwidth")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(bench: Bench, name: str, out_dir: Path) -> None:
+    import triton
+
+    points = [asdict(p) for p in bench.points]
+    result = {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "dtype": str(bench.dtype).removeprefix("torch."),
+        "block_size": bench.block_size,
+        "iters": bench.iters,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "points": points,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"kernel-{device_slug(name)}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    title = f"Paged attention on {name} ({result['dtype']}, block {bench.block_size})"
+    plot(points, title, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and .png", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, torch backend")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-pool-gib", type=float, default=16.0, help="skip points needing more KV")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow to compile)")
+    args = ap.parse_args(argv)
+
+    if args.dry_run:
+        out_dir = args.out or Path(tempfile.mkdtemp(prefix="kernel-bench-"))
+        bench = Bench(torch.device("cpu"), torch.float32, 16, 2, 1 << 30, dry=True)
+        cfgs = [HeadConfig(c.name, c.heads // 8 or 1, max(1, c.kv_heads // 8), 32) for c in CONFIGS]
+        for cfg in cfgs:
+            bench.multi_token(cfg, 4, 8, [64, 128])
+            bench.decode(cfg, 8, [64, 128])
+        bench.mixed(cfgs[1], 2, 32, 6, 64)
+        save(bench, "cpu-dry-run", out_dir)
+        return 0
+    if not torch.cuda.is_available():
+        print(
+            "bench.kernel needs a CUDA GPU (none found); use --dry-run to check it on the CPU.",
+            file=sys.stderr,
+        )
+        return 2
+    out_dir = args.out or RESULTS
+    bench = Bench(
+        torch.device("cuda"),
+        getattr(torch, args.dtype),
+        args.block_size,
+        args.iters,
+        int(args.max_pool_gib * 2**30),
+        dry=False,
+        use_flex=not args.no_flex,
+    )
+    name = torch.cuda.get_device_name()
+    contexts = [1024, 2048, 4096, 8192, 16384]
+    for cfg in CONFIGS:
+        print(f"{cfg.name}: 32 x 8 query tokens", file=sys.stderr)
+        bench.multi_token(cfg, 32, 8, contexts)
+        for batch in (8, 64, 256):
+            print(f"{cfg.name}: decode batch {batch}", file=sys.stderr)
+            bench.decode(cfg, batch, contexts)
+        bench.mixed(cfg, 4, 512, 60, 2048)
+        save(bench, name, out_dir)  # after each config: a cut-short run still leaves results
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

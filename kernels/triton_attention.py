@@ -1,0 +1,369 @@
+"""Multi-token paged attention in Triton: causal attention of every sub-request over the paged pool.
+
+One program handles one tile of query rows of one sub-request against one KV head. A tile's rows
+are `BLOCK_Q` query tokens x the `GROUP` query heads sharing that KV head, so each K/V tile is
+loaded once per group. Keys are streamed in tiles of `TILE_N` positions, each position looked up
+through the block table, with an online softmax (scores never leave registers).
+
+The grid needs no host sync: sub-request s owns program ids starting at
+`query_start[s] // BLOCK_Q + s`, an upper bound on its number of query tiles, and each program finds
+its sub-request by binary search over that. Programs past the end of their sub-request exit.
+
+When the grid is too small to fill the GPU (decode batches), the keys of each tile are split into
+`NUM_SEGS` segments handled by separate programs (flash-decoding); a second kernel merges their
+partial results.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with query_start[s] // BLOCK_Q + s <= pid."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    query_start_ptr,
+    query_pos_ptr,
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGS, HEAD_PAD] fp32, split-KV only
+    part_ml_ptr,  # [num_tokens, num_heads, NUM_SEGS, 2] fp32 (running max, sum), split-KV only
+    scale_log2,
+    num_seqs,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_table,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SEGS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    seq = _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= q_len:
+        return
+    pos0 = tl.load(query_pos_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = tile * BLOCK_Q + rows // GROUP_PAD  # query index within the sub-request
+    hg = rows % GROUP_PAD  # head within the group
+    row_ok = (qi < q_len) & (hg < GROUP)
+    head = kvh * GROUP + hg
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    token = (q_start + qi).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_abs = pos0 + qi  # absolute position of each row's query
+
+    # Keys this tile needs: up to its last real query.
+    kv_len = pos0 + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    if NUM_SEGS > 1:
+        per_seg = tl.cdiv(num_tiles, NUM_SEGS)
+        t_lo = seg * per_seg
+        t_hi = tl.minimum(t_lo + per_seg, num_tiles)
+    else:
+        t_lo = 0
+        t_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    cols = tl.arange(0, TILE_N)
+
+    for t in range(t_lo, t_hi):
+        kpos = t * TILE_N + cols
+        k_ok = kpos < kv_len
+        block = tl.load(table_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_kt + kvh * stride_kh
+        v_off = block * stride_vb + slot * stride_vt + kvh * stride_vh
+        kt = tl.load(
+            k_ptr + k_off[None, :] + dims[:, None],
+            mask=k_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # [HEAD_PAD, TILE_N]
+        v = tl.load(
+            v_ptr + v_off[:, None] + dims[None, :],
+            mask=k_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_PAD]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
+        visible = (kpos[None, :] <= q_abs[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key of this tile yet (split-KV segments): keep exp2 finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SEGS > 1:
+        part = (token[:, None] * num_heads + head[:, None]) * NUM_SEGS + seg
+        tl.store(
+            part_acc_ptr + part * HEAD_PAD + dims[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+        ml = part_ml_ptr + (token * num_heads + head) * (NUM_SEGS * 2) + seg * 2
+        tl.store(ml, m_i, mask=row_ok)
+        tl.store(ml + 1, l_i, mask=row_ok)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    query_start_ptr,
+    num_seqs,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGS: tl.constexpr,
+):
+    """out[t, h] = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s (log-sum-exp merge)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_ptr + num_seqs):
+        return  # padding row past the last sub-request: nothing was computed for it
+    segs = tl.arange(0, NUM_SEGS)
+    dims = tl.arange(0, HEAD_PAD)
+    base = token.to(tl.int64) * num_heads + head
+    ml = part_ml_ptr + base * (NUM_SEGS * 2) + segs * 2
+    m = tl.load(ml)
+    lsum = tl.load(ml + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
+    acc = tl.load(part_acc_ptr + (base * NUM_SEGS + segs[:, None]) * HEAD_PAD + dims[None, :])
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(lsum * w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
+        (num / den).to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_q: int  # query tokens per tile (rows = block_q x padded group)
+    tile_n: int  # keys per step of the online softmax
+    max_segs: int  # cap on split-KV segments
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_tokens: int, num_seqs: int, group_pad: int, head_dim: int) -> LaunchConfig:
+    """Tile shapes from host-known sizes only (no sync on the metadata)."""
+    avg_q = num_tokens / max(num_seqs, 1)
+    # Decode-like batches: 16 rows (the smallest tensor-core tile). Longer queries: 64 rows.
+    target_rows = 64 if avg_q * group_pad >= 48 else 16
+    block_q = max(1, target_rows // group_pad)
+    rows = block_q * group_pad
+    if rows <= 16:
+        return LaunchConfig(block_q, 64, 32, 4, 2)
+    # Long prompts are compute-bound: narrower key tiles keep the accumulators in registers.
+    tile_n = 32 if avg_q >= 64 and head_dim > 64 else 64
+    return LaunchConfig(block_q, tile_n, 32, 4 if rows <= 64 else 8, 3)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_segs: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim].
+
+    `num_segs` forces the number of split-KV segments (a power of two); None picks from the shapes.
+    `out` (shaped like q) receives the result if given. Rows past query_start[-1] are left unwritten.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q, k_cache and v_cache must share dtype, caches the same shape")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("head_dim must be the contiguous dimension of q and the caches")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must be shaped like q")
+    num_seqs = meta.num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    cfg = pick_config(num_tokens, num_seqs, group_pad, head_dim)
+    block_q, tile_n = cfg.block_q, cfg.tile_n
+    grid_q = num_tokens // block_q + num_seqs
+
+    if num_segs is None:
+        # Split the keys only when the grid is too small for the GPU and contexts are long.
+        programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
+        max_tiles = triton.cdiv(meta.block_tables.shape[1] * block_size, tile_n)
+        sms = _num_sms(q.device)
+        num_segs = 1
+        if programs < sms:
+            while (
+                num_segs < cfg.max_segs
+                and programs * num_segs < 2 * sms
+                and max_tiles >= 8 * num_segs
+            ):
+                num_segs *= 2
+    if num_segs < 1 or num_segs & (num_segs - 1):
+        raise ValueError("num_segs must be a power of two")
+
+    if num_segs > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_segs, head_pad), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            (num_tokens, num_heads, num_segs, 2), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_acc = part_ml = out  # unused
+    # The CPU interpreter multiplies bf16 tiles wrongly: do those dots in fp32 there.
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    _paged_attention_kernel[(grid_q, num_kv_heads, num_segs)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start,
+        meta.query_pos,
+        part_acc,
+        part_ml,
+        scale * LOG2E,
+        num_seqs,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        meta.block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        BLOCK_SIZE=block_size,
+        NUM_SEGS=num_segs,
+        UPCAST=upcast,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_segs > 1:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_ml,
+            meta.query_start,
+            num_seqs,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            NUM_SEGS=num_segs,
+        )
+    return out
