@@ -14,7 +14,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.auth import origin_allowed, owner_token
 from app.detok import Detokenizer
-from app.history import truncate_stream
 from app.prompt import chat_messages, render_delta
 from engine.types import SamplingParams, Turn
 from store import HistoryConflict
@@ -267,7 +266,7 @@ class ChatSocket:
         # The user's tokens are durable before the engine sees them: after a crash the
         # engine recomputes this context from SQL, byte for byte.
         if delta.context_len < len(stored):
-            await truncate_stream(store, cid, delta.context_len)
+            await store.truncate(cid, delta.context_len)
         try:
             await store.append_message(
                 cid, "user", req.content, delta.token_ids, expected_start=delta.context_len

@@ -60,7 +60,7 @@ def serve(args: argparse.Namespace) -> None:
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
-        ws_max_size=4 * settings.max_message_chars + 4096,  # UTF-8 content plus the frame's JSON
+        ws_max_size=6 * settings.max_message_chars + 4096,  # \uXXXX-escaped content + JSON
     )
 
 

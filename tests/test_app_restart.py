@@ -61,3 +61,10 @@ async def test_sigkill_during_generation_then_continue(tmp_path):
     finally:
         engine.close()
     assert result.token_ids == reply.token_ids
+    # The interrupted turn left no reply, so the template re-rendered its end: the stored
+    # stream was cut back to the common prefix and is exactly the rendered chat.
+    chat = [{"role": m.role, "content": m.content} for m in messages[:-1]]
+    rendered = engine.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    assert engine.tokenizer.decode(prompt) == rendered

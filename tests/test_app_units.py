@@ -1,4 +1,4 @@
-"""Units of the app: frame validation, turn deltas, incremental detokenization, stream cuts."""
+"""Units of the app: frame validation, turn deltas, incremental detokenization, settings."""
 
 from __future__ import annotations
 
@@ -7,12 +7,9 @@ from transformers import AutoTokenizer
 
 from app.chat import BadFrame, parse_message
 from app.detok import Detokenizer
-from app.history import truncate_stream
 from app.prompt import chat_messages, common_prefix, render_delta
 from app.settings import Settings
 from engine.loader import convert_bundled
-from store import HistoryStore
-from store.migrate import upgrade_async
 
 
 @pytest.fixture(scope="module")
@@ -145,29 +142,3 @@ def test_detokenizer_flushes_an_incomplete_character(tok):
     assert "".join(detok.push(t) for t in partial) == ""
     out = detok.flush()
     assert out and set(out) == {"\ufffd"}
-
-
-# --- stream surgery ---------------------------------------------------------------------
-
-
-async def test_truncate_stream_cuts_tokens_and_appends_go_on(tmp_path):
-    url = f"sqlite+aiosqlite:///{tmp_path}/t.db"
-    await upgrade_async(url)
-    store = HistoryStore(url)
-    await store.start()
-    try:
-        user, _ = await store.create_user("u")
-        conv = await store.create_conversation(user.id)
-        await store.append_message(conv.id, "user", "a", [1, 2, 3])
-        await store.append_message(conv.id, "assistant", "b", [4, 5, 6], finish_reason="stop")
-        await truncate_stream(store, conv.id, 4)
-        assert await store.stream(conv.id) == [1, 2, 3, 4]
-        msg = await store.append_message(conv.id, "user", "c", [7, 8], expected_start=4)
-        assert msg.token_start == 4
-        assert await store.stream(conv.id) == [1, 2, 3, 4, 7, 8]
-        assert await store.read(conv.id, 2, 6) == [3, 4, 7, 8]
-        assert [m.content for m in await store.messages(conv.id)] == ["a", "b", "c"]
-        await truncate_stream(store, conv.id, 1)
-        assert await store.stream(conv.id) == [1]
-    finally:
-        await store.close()
