@@ -1,4 +1,5 @@
-"""A server killed mid-reply comes back with its history, and recomputes the lost context."""
+"""A server stopped or killed mid-reply comes back with its history and recomputes the
+lost context from SQL."""
 
 from __future__ import annotations
 
@@ -13,28 +14,39 @@ from tests.app_fixtures import TINY, Server, connect, recv, say
 pytestmark = pytest.mark.timeout(400)
 
 
-async def test_sigkill_during_generation_then_continue(tmp_path):
+async def test_restarts_during_generation_then_continue(tmp_path):
     url = f"sqlite+aiosqlite:///{tmp_path}/pensieve.db"
     srv = Server(url, tmp_path / "server.log", env=TINY).start()
     try:
         token = srv.user("survivor")
         cid = srv.new_chat(token, title="kept")
+        long = {"type": "message", "content": "Write a long poem.", "max_tokens": 300}
         async with connect(srv, cid, token) as ws:
             first = await say(ws, "Hi! What is a pensieve?", max_tokens=16)
-            await ws.send(
-                json.dumps({"type": "message", "content": "Write a long poem.", "max_tokens": 300})
-            )
+            await ws.send(json.dumps(long))
+            assert (await recv(ws))["type"] == "token"
+            srv.stop()  # SIGTERM: the running turn is cancelled and committed on the way out
+        srv.start()
+        msgs = srv.chat(token, cid)["messages"]
+        assert [(m["role"], m["finish_reason"]) for m in msgs][2:] == [
+            ("user", None),
+            ("assistant", "cancelled"),
+        ]
+        partial = msgs[3]["content"]
+        async with connect(srv, cid, token) as ws:
+            await ws.send(json.dumps({**long, "content": "Write another long poem."}))
             assert (await recv(ws))["type"] == "token"
             srv.kill()  # SIGKILL while the reply is being generated
         srv.start()
         chat = srv.chat(token, cid)
-        msgs = chat["messages"]
         # Everything committed is there; the interrupted question too, without a reply.
         assert chat["title"] == "kept"
-        assert [(m["role"], m["content"]) for m in msgs] == [
+        assert [(m["role"], m["content"]) for m in chat["messages"]] == [
             ("user", "Hi! What is a pensieve?"),
             ("assistant", first.text),
             ("user", "Write a long poem."),
+            ("assistant", partial),
+            ("user", "Write another long poem."),
         ]
         async with connect(srv, cid, token) as ws:
             after = await say(ws, "Tell me more.", max_tokens=16)
