@@ -1,0 +1,123 @@
+"""Prometheus metrics, named after vLLM's: cache gauges and token counters read from the
+engine at scrape time, latency histograms observed per turn."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: scrapers do not need them
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class EngineCollector:
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        snap = self._snapshot()
+        usage = GaugeMetricFamily(
+            "pensieve:kv_cache_usage_perc", "KV cache usage per tier (1 = full).", labels=["tier"]
+        )
+        blocks = GaugeMetricFamily(
+            "pensieve:kv_cache_blocks",
+            "KV cache blocks per tier and state.",
+            labels=["tier", "state"],
+        )
+        for tier, pool in snap.get("pools", {}).items():
+            total = pool.get("total") or 0
+            usage.add_metric([tier], pool.get("used", 0) / total if total else 0.0)
+            for state in ("total", "used", "free"):
+                blocks.add_metric([tier, state], pool.get(state, 0))
+        yield usage
+        yield blocks
+        c = snap.get("counters", {})
+        yield GaugeMetricFamily(
+            "pensieve:num_requests_running",
+            "Turns in the running batch.",
+            value=c.get("running", 0),
+        )
+        yield GaugeMetricFamily(
+            "pensieve:num_requests_waiting",
+            "Turns waiting to be admitted.",
+            value=c.get("waiting", 0),
+        )
+        yield GaugeMetricFamily(
+            "pensieve:num_conversations",
+            "Conversations with KV state in the engine.",
+            value=len(snap.get("conversations", [])),
+        )
+        simple = {
+            "prompt_tokens": ("pensieve:prompt_tokens", "New prompt tokens computed."),
+            "generated_tokens": ("pensieve:generation_tokens", "Tokens generated."),
+            "recomputed_tokens": (
+                "pensieve:recomputed_tokens",
+                "Dropped context recomputed from history.",
+            ),
+            "dropped_tokens": (
+                "pensieve:dropped_tokens",
+                "Context tokens evicted from the CPU tier.",
+            ),
+            "suspensions": ("pensieve:num_preemptions", "Running turns suspended to CPU."),
+        }
+        for key, (name, doc) in simple.items():
+            yield CounterMetricFamily(name, doc, value=c.get(key, 0))
+        reused = CounterMetricFamily(
+            "pensieve:context_tokens_reused",
+            "Context tokens served from a cache tier.",
+            labels=["tier"],
+        )
+        reused.add_metric(["gpu"], c.get("cached_tokens", 0))
+        reused.add_metric(["cpu"], c.get("swapped_in_tokens", 0))
+        yield reused
+        swaps = CounterMetricFamily(
+            "pensieve:swapped_tokens", "Tokens copied between tiers.", labels=["direction"]
+        )
+        swaps.add_metric(["in"], c.get("swapped_in_tokens", 0))
+        swaps.add_metric(["out"], c.get("swapped_out_tokens", 0))
+        yield swaps
+
+
+class Metrics:
+    """One registry per app, so several servers can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "pensieve:time_to_first_token_seconds",
+            "From the message frame to the first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "pensieve:e2e_request_latency_seconds",
+            "From the message frame to the end of the reply.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "pensieve:request_success",
+            "Finished turns by reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+
+    def watch(self, snapshot: Callable[[], dict]) -> None:
+        self.registry.register(EngineCollector(snapshot))
+
+    def observe_turn(self, ttft_s: float, total_s: float, finish_reason: str) -> None:
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(total_s)
+        self.finished.labels(finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,123 @@
+// Admin page: pool gauges per tier and each conversation's chunks by tier, polled live.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY = "pensieve-admin-token";
+const POLL_MS = 1000;
+let timer = null;
+
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+async function fetchCache() {
+  const token = sessionStorage.getItem(KEY);
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  const res = await fetch("/api/admin/cache", { headers, credentials: "same-origin", cache: "no-store" });
+  if (res.status === 401) return null;
+  if (!res.ok) throw new Error(`HTTP ${res.status}`);
+  return res.json();
+}
+
+function pool(name, p) {
+  const card = el("div", "card pool");
+  card.dataset.tier = name;
+  const pct = p.total ? (100 * p.used) / p.total : 0;
+  const head = el("div", "pool-head");
+  head.append(el("h2", "", `${name.toUpperCase()} pool`), el("span", "pool-pct", `${pct.toFixed(0)}%`));
+  const bar = el("div", "gauge");
+  const fill = el("div", `gauge-fill ${name}`);
+  fill.style.width = `${pct}%`;
+  bar.append(fill);
+  const info = el("div", "muted small", `${p.used} of ${p.total} chunks used · ${p.free} free`);
+  card.append(head, bar, info);
+  return card;
+}
+
+function idle(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 60) return `${s.toFixed(1)} s`;
+  if (s < 3600) return `${(s / 60).toFixed(1)} min`;
+  return `${(s / 3600).toFixed(1)} h`;
+}
+
+function conversation(c, chunkSize) {
+  const row = el("div", "conv-row" + (c.running ? " running" : ""));
+  row.dataset.id = c.id;
+  const counts = { gpu: 0, cpu: 0, dropped: 0 };
+  for (const t of c.chunks) counts[t] = (counts[t] || 0) + 1;
+  const head = el("div", "conv-row-head");
+  const name = el("code", "conv-id", c.id.slice(0, 12));
+  name.title = c.id;
+  head.append(name);
+  if (c.title) head.append(el("span", "conv-name", c.title));
+  if (c.running) head.append(el("span", "badge live", "running"));
+  head.append(
+    el("span", "muted small", `${c.tokens} tokens · ${c.chunks.length} chunks of ${chunkSize}`),
+    el("span", "muted small", `GPU ${counts.gpu} · CPU ${counts.cpu} · dropped ${counts.dropped}`),
+    el("span", "muted small", `idle ${idle(c.idle_s)}`)
+  );
+  const bar = el("div", "chunks");
+  c.chunks.forEach((tier, i) => {
+    const cell = el("i", `chunk ${tier}`);
+    cell.title = `chunk ${i}: tokens ${i * chunkSize}–${(i + 1) * chunkSize - 1} · ${tier}`;
+    bar.append(cell);
+  });
+  row.append(head, bar);
+  return row;
+}
+
+function render(snap) {
+  $("device").textContent = `${snap.device} · ${snap.cache_mode} · ${snap.eviction} eviction`;
+  $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  const pools = $("pools");
+  pools.replaceChildren(...Object.entries(snap.pools).map(([k, v]) => pool(k, v)));
+  const dl = $("counters");
+  dl.replaceChildren();
+  for (const [k, v] of Object.entries(snap.counters)) {
+    const item = el("div", "counter");
+    item.append(el("dt", "", k.replaceAll("_", " ")), el("dd", "", String(v)));
+    dl.append(item);
+  }
+  const convs = $("convs");
+  const rows = snap.conversations.map((c) => conversation(c, snap.chunk_size));
+  if (!rows.length) rows.push(el("p", "muted", "No conversation holds cache yet."));
+  convs.replaceChildren(...rows);
+}
+
+async function tick() {
+  try {
+    const snap = await fetchCache();
+    if (snap === null) return showLogin("");
+    $("login").hidden = true;
+    $("dash").hidden = false;
+    render(snap);
+  } catch (e) {
+    $("updated").textContent = `update failed: ${e.message}`;
+  }
+  timer = setTimeout(tick, POLL_MS);
+}
+
+function showLogin(message) {
+  clearTimeout(timer);
+  $("dash").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = message;
+  $("token").focus();
+}
+
+$("login").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  sessionStorage.setItem(KEY, $("token").value.trim());
+  const snap = await fetchCache().catch(() => null);
+  if (snap === null) {
+    sessionStorage.removeItem(KEY);
+    return showLogin("That token was not accepted.");
+  }
+  tick();
+});
+
+tick();
