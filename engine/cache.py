@@ -214,6 +214,14 @@ class KVCacheManager:
             self._evict_front_gpu(conv)
         self.counters.suspensions += 1
 
+    def drop_prefix(self, conv: Conversation, tokens: int) -> None:
+        """Positions [0, tokens) hold no valid KV (a recompute stopped half way): drop them."""
+        k = min(self.n_chunks(tokens), len(conv.chunks))
+        for c in conv.chunks[:k]:
+            self._free_chunk(c)
+        conv.n_dropped = max(conv.n_dropped, k)
+        conv.n_off_gpu = max(conv.n_off_gpu, k)
+
     def truncate(self, conv: Conversation, length: int) -> None:
         """Forget positions from `length` on (the caller's history says the stream is shorter)."""
         if conv.pinned:

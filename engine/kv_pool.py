@@ -117,9 +117,14 @@ class KVPool:
 
 
 def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(src, dst) block pairs as (src, dst, length) runs consecutive on both sides."""
+    """(src, dst) block pairs as (src, dst, length) runs consecutive on both sides.
+
+    A block can be the destination twice in one plan (its first chunk was dropped within the
+    same step and the block handed out again): only the later copy counts, and dropping the
+    earlier one is what makes reordering the copies into runs safe."""
+    latest = {dst: src for src, dst in pairs}
     out: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs):
+    for src, dst in sorted((src, dst) for dst, src in latest.items()):
         if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
             s0, d0, n = out[-1]
             out[-1] = (s0, d0, n + 1)

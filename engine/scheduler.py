@@ -108,7 +108,14 @@ class Scheduler:
                 return False
         return True
 
+    def _discard_partial_recompute(self, req: Request) -> None:
+        """A recompute of dropped chunks that has not finished leaves invalid KV behind."""
+        if req.pending and req.pending[0][0] < req.conv.kv_len:
+            self.cache.drop_prefix(req.conv, req.pending[0][1])
+            req.pending.pop(0)
+
     def suspend(self, req: Request) -> None:
+        self._discard_partial_recompute(req)
         self.cache.suspend(req.conv)
         self.running.remove(req)
         req.status = WAITING
@@ -152,6 +159,7 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         """End a turn (running or waiting): release its pins, keep its KV."""
         if req.status == RUNNING:
+            self._discard_partial_recompute(req)
             self.running.remove(req)
             self.cache.release(req.conv)
         elif req.status == WAITING and req in self.waiting:

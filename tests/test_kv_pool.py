@@ -12,6 +12,9 @@ from engine.shapes import DUMMY_SHAPES
 def test_runs_coalesce_consecutive_pairs():
     assert runs([(5, 1), (3, 9), (4, 10), (6, 2), (8, 3)]) == [(3, 9, 2), (5, 1, 2), (8, 3, 1)]
     assert runs([]) == []
+    # block 1 was written twice in one plan: the later copy wins, whatever the order of runs
+    assert runs([(4, 1), (1, 1), (0, 1)]) == [(0, 1, 1)]
+    assert runs([(0, 1), (5, 1), (6, 2)]) == [(5, 1, 2)]
 
 
 def test_swap_out_then_in_restores_blocks():
