@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-fast lint bench bench-kernel browser services
+.PHONY: install serve test test-fast test-gpu lint bench bench-kernel browser
 
 install: $(VENV)/.installed
 
@@ -31,10 +31,14 @@ lint: install
 
 test: install browser
 	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
 
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
+
+# On a CUDA machine: the kernels compiled (no interpreter), the engine on the GPU.
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu
 
 bench: install
 	$(BIN)/python -m bench.serve --preset cpu
