@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -22,29 +20,11 @@ import torch
 from engine.cache import CopyPlan
 from engine.kv_pool import KVPool
 from engine.loader import load
+from engine.profile import timed
 from engine.shapes import DUMMY_SHAPES
 from kernels import AttentionMetadata
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def sync(device: torch.device) -> None:

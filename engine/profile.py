@@ -17,7 +17,8 @@ from engine.policy import CostModel
 log = logging.getLogger(__name__)
 
 
-def _timed(fn, device: torch.device, repeats: int = 3) -> float:
+def timed(fn, device: torch.device, repeats: int = 3) -> float:
+    """Median seconds of `fn` after a warm-up: CUDA events on the GPU, wall time elsewhere."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -59,7 +60,7 @@ def profile(
         )
         attn.append(
             a.n_layers
-            * _timed(
+            * timed(
                 lambda m=meta: kernels.paged_attention(q, k, v, m, a.head_dim**-0.5, backend),
                 device,
             )
@@ -73,7 +74,7 @@ def profile(
         gate, up = layer.w13(layer.mlp_norm(h)).chunk(2, dim=-1)
         layer.w2(torch.nn.functional.silu(gate) * up)
 
-    other = a.n_layers * _timed(rest, device)
+    other = a.n_layers * timed(rest, device)
     # Keep it monotone: noise must not make a longer context look cheaper.
     for i in range(1, len(attn)):
         attn[i] = max(attn[i], attn[i - 1])
