@@ -21,7 +21,7 @@ def _plan(meta: AttentionMetadata, block_size: int):
             kv_len = pos[s] + q_len
             n_blocks = -(-kv_len // block_size)
             blocks = tables[s, :n_blocks].long()
-            slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device))
+            slots = blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)
             plan.append((starts[s], starts[s + 1], pos[s], slots.reshape(-1)[:kv_len]))
         meta.derived[key] = plan
     return meta.derived[key]
@@ -67,7 +67,11 @@ def paged_attention_torch(
 
 
 def write_kv_torch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Store new keys/values [T, kvh, d] at flat slots (block * block_size + offset)."""
     num_blocks, block_size, kvh, d = k_cache.shape

@@ -1,0 +1,163 @@
+"""Swap bandwidth and overlap: how close chunk swaps come to the pinned-memory copy rate, and
+how much of the layer-by-layer swap-in hides behind compute.
+
+    python -m bench.swap                       # CUDA: dummy:llama-2-13b-gqa10, bfloat16
+    python -m bench.swap --model dummy:tiny --device cpu --chunks 16   # plumbing check
+
+Writes bench/results/swap-<device>.json. Times are medians of CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from engine.cache import CopyPlan
+from engine.kv_pool import KVPool
+from engine.loader import load
+from engine.shapes import DUMMY_SHAPES
+from kernels import AttentionMetadata
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="dummy:llama-2-13b-gqa10")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--chunks", type=int, default=256, help="chunks swapped per measurement")
+    ap.add_argument(
+        "--batch-tokens", type=int, default=2048, help="prompt tokens of the overlapped forward"
+    )
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    if args.model.startswith("dummy:") and args.model.split(":", 1)[1] not in DUMMY_SHAPES:
+        raise SystemExit(f"unknown dummy shape in {args.model}")
+    loaded = load(args.model, device, dtype)
+    shape, model = loaded.args, loaded.model
+    cs, n = 32, args.chunks
+    ctx_blocks = -(-args.batch_tokens // cs)
+    pool = KVPool(shape, n + ctx_blocks, n, cs, device, dtype)
+    chunk_bytes = KVPool.bytes_per_block(shape, cs, dtype)
+    total = n * chunk_bytes
+
+    # Baseline: one pinned host buffer of the same size copied in one go.
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty(total, dtype=torch.uint8, device=device)
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True), device, args.repeats)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), device, args.repeats)
+
+    out_pairs = [(g, c) for g, c in zip(range(n), range(n), strict=True)]
+    in_pairs = [(c, g) for g, c in out_pairs]
+
+    def swap_out() -> None:
+        pool.begin_step(CopyPlan(swap_out=out_pairs))
+        sync(device)
+
+    def swap_in() -> None:
+        pool.begin_step(CopyPlan(swap_in=in_pairs))
+        for layer in range(shape.n_layers):
+            pool.before_attention(layer)
+        pool.end_step(CopyPlan())
+        sync(device)
+
+    t_out = timed(swap_out, device, args.repeats)
+    t_in = timed(swap_in, device, args.repeats)
+
+    # Overlap: a prefill of batch_tokens over its own blocks while n chunks swap in.
+    t_tok = args.batch_tokens
+    blocks = list(range(n, n + ctx_blocks))
+    meta = AttentionMetadata.build([t_tok], [0], [blocks], device)
+    ids = torch.randint(0, shape.vocab_size, (t_tok,), device=device)
+    pos = torch.arange(t_tok, device=device)
+    slots = torch.tensor([blocks[i // cs] * cs + i % cs for i in range(t_tok)], device=device)
+    rows = torch.tensor([t_tok - 1], device=device)
+
+    def forward(plan: CopyPlan) -> None:
+        pool.begin_step(plan)
+        model(ids, pos, pool.layers, meta, slots, rows, before_attention=pool.before_attention)
+        pool.end_step(CopyPlan())
+        sync(device)
+
+    t_fwd = timed(lambda: forward(CopyPlan()), device, args.repeats)
+    t_both = timed(lambda: forward(CopyPlan(swap_in=in_pairs)), device, args.repeats)
+    exposed = max(0.0, t_both - t_fwd)
+    result = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "commit": commit(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "chunk_bytes": chunk_bytes,
+        "chunks": n,
+        "pinned_h2d_GBps": total / h2d / 1e9,
+        "pinned_d2h_GBps": total / d2h / 1e9,
+        "swap_in_GBps": total / t_in / 1e9,
+        "swap_out_GBps": total / t_out / 1e9,
+        "swap_in_fraction_of_pinned": h2d / t_in,
+        "swap_out_fraction_of_pinned": d2h / t_out,
+        "forward_s": t_fwd,
+        "forward_with_swap_in_s": t_both,
+        "swap_in_s": t_in,
+        "swap_in_hidden_share": 1.0 - min(1.0, exposed / t_in),
+    }
+    print(json.dumps(result, indent=2))
+    out = (
+        Path(args.out) if args.out else RESULTS / f"swap-{result['device'].replace(' ', '_')}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

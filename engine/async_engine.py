@@ -1,0 +1,246 @@
+"""The asyncio front of the engine: the step loop runs in its own thread, tokens stream back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from engine.engine import ConversationBusy, Engine
+from engine.history import ActivityClock, TokenHistory
+from engine.request import Request
+from engine.types import EngineConfig, Turn, TurnResult
+
+log = logging.getLogger(__name__)
+
+_END = object()
+SNAPSHOT_EVERY_S = 0.2
+
+
+class TurnStream:
+    """Async iterator over a turn's sampled token ids; `result` once it has ended."""
+
+    def __init__(self, owner: AsyncEngine, turn: Turn) -> None:
+        self.turn = turn
+        self.result: TurnResult | None = None
+        self.error: BaseException | None = None
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.request: Request | None = None  # set by the loop thread once submitted
+
+    def __aiter__(self) -> TurnStream:
+        return self
+
+    async def __anext__(self) -> int:
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # iterating again ends again
+            if self.error is not None:
+                raise self.error
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        """Stop the turn; it ends within a step with finish_reason "cancelled"."""
+        self._owner._post(("cancel", self))
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        history: TokenHistory | None = None,
+        clock: ActivityClock | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self._history, self._clock = history, clock
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy: set[str] = set()
+        self._snapshot: dict = {}
+        self._snapshot_at = 0.0
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(Engine, self.config, self._history, self._clock)
+        self._snapshot = self.engine.snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        if self.engine is not None:
+            self.engine.close()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.engine.stop_token_ids
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def submit(self, turn: Turn) -> TurnStream:
+        """Queue a turn. Raises ValueError for bad input, ConversationBusy if one is in flight."""
+        if self._thread is None:
+            raise RuntimeError("the engine is not started")
+        self.engine.validate(turn)
+        if turn.conversation_id in self._busy:
+            raise ConversationBusy(
+                f"conversation {turn.conversation_id!r} already has a turn in flight"
+            )
+        self._busy.add(turn.conversation_id)
+        stream = TurnStream(self, turn)
+        self._post(("submit", stream))
+        return stream
+
+    async def generate(self, turn: Turn) -> TurnResult:
+        stream = self.submit(turn)
+        async for _ in stream:
+            pass
+        return stream.result
+
+    def free(self, conversation_id: str) -> asyncio.Future:
+        """Forget a conversation's cache; await the result to know it is done."""
+        fut = self._loop.create_future()
+        self._post(("free", conversation_id, fut))
+        return fut
+
+    def snapshot(self) -> dict:
+        """Residency as of at most a fraction of a second ago (never waits for a step)."""
+        return self._snapshot
+
+    def metrics(self) -> dict:
+        return dict(self._snapshot.get("counters", {}))
+
+    def is_busy(self, conversation_id: str) -> bool:
+        return conversation_id in self._busy
+
+    # ---- the loop thread ---------------------------------------------------------------------
+
+    def _post(self, item) -> None:
+        self._inbox.put(item)
+        self._wake.set()
+
+    def _call(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain()
+            if engine.has_work():
+                try:
+                    ended = engine.step()
+                except Exception as e:  # keep serving: fail what was in flight
+                    log.exception("engine step failed")
+                    ended = self._fail_all(e)
+                for req in ended:
+                    self._finish(req)
+                if not ended and not engine.scheduler.running:
+                    engine.wait_for_io()
+            else:
+                self._refresh_snapshot(force=True)
+                self._wake.wait(0.5)
+                self._wake.clear()
+            self._refresh_snapshot()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = item[0]
+            if kind == "submit":
+                stream: TurnStream = item[1]
+                self._submit(stream)
+            elif kind == "cancel":
+                req = item[1].request
+                if req is not None:
+                    self.engine.cancel(req)
+            elif kind == "free":
+                _, cid, fut = item
+                try:
+                    self.engine.free(cid)
+                    self._call(_resolve, fut, None, None)
+                except Exception as e:
+                    self._call(_resolve, fut, None, e)
+
+    def _submit(self, stream: TurnStream) -> None:
+        def on_token(token: int) -> None:
+            self._call(stream._queue.put_nowait, token)
+
+        try:
+            req = self.engine.submit(stream.turn, on_token=on_token)
+        except Exception as e:
+            self._call(self._end, stream, None, e)
+            return
+        req.stream = stream  # type: ignore[attr-defined]
+        stream.request = req
+
+    def _finish(self, req: Request) -> None:
+        stream: TurnStream | None = getattr(req, "stream", None)
+        if stream is None:
+            return
+        error = getattr(req, "error", None)
+        self._call(self._end, stream, None if error else req.result(), error)
+
+    def _end(
+        self, stream: TurnStream, result: TurnResult | None, error: BaseException | None
+    ) -> None:
+        # On the event loop: free the conversation before the caller sees the end.
+        self._busy.discard(stream.turn.conversation_id)
+        stream.result, stream.error = result, error
+        stream._queue.put_nowait(_END)
+
+    def _fail_all(self, error: Exception) -> list[Request]:
+        sched = self.engine.scheduler
+        failed = [*sched.running, *sched.waiting]
+        for req in failed:
+            req.error = error  # type: ignore[attr-defined]
+            try:
+                sched.finish(req, "error")
+            except Exception:  # state is already broken; the turn is failed regardless
+                log.exception("could not release %s", req.conv.id)
+        return failed
+
+    def _refresh_snapshot(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._snapshot_at >= SNAPSHOT_EVERY_S:
+            self._snapshot = self.engine.snapshot()
+            self._snapshot_at = now
+
+
+def _resolve(fut: asyncio.Future, value, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)

@@ -1,0 +1,128 @@
+"""The KV tensors of both tiers and the copies between them.
+
+Both tiers are laid out [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; the
+CPU tier is pinned. A copy plan is coalesced into runs of consecutive blocks on both sides,
+so a run moves as one contiguous transfer per layer and K/V (the pools hand out low block
+ids first, so a conversation's chunks tend to form long runs). On CUDA the copies run on a
+side stream: swap-in is enqueued layer by layer with one event per layer, and attention of
+layer i waits for layer i's event only. On the CPU the same calls copy synchronously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import CopyPlan
+from engine.shapes import ModelArgs
+
+
+class KVPool:
+    def __init__(
+        self, args: ModelArgs, gpu_blocks: int, cpu_blocks: int, block_size: int, device, dtype
+    ) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        shape = (block_size, args.n_kv_heads, args.head_dim)
+        self.gpu = torch.zeros(
+            (args.n_layers, 2, gpu_blocks, *shape), device=self.device, dtype=dtype
+        )
+        self.cpu = torch.zeros(
+            (args.n_layers, 2, max(cpu_blocks, 0), *shape), dtype=dtype, pin_memory=self.cuda
+        )
+        self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(args.n_layers)]
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._layer_events: list | None = None
+        self._pending_swap_in: list[tuple[int, int]] = []
+        self._background_done = None
+
+    @staticmethod
+    def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return args.n_layers * 2 * block_size * args.n_kv_heads * args.head_dim * elem
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def begin_step(self, plan: CopyPlan) -> None:
+        """Before the forward: synchronous swap-outs, then start the swap-in."""
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(compute)  # chunks to copy were written by earlier steps
+            with torch.cuda.stream(self.stream):
+                self._copy_out(plan.swap_out)
+                # Freed GPU blocks may be rewritten by this forward: it waits for the swap-outs
+                # and for the previous step's background copies (long done, usually).
+                if plan.swap_out or self._background_done is not None:
+                    freed = torch.cuda.Event()
+                    freed.record(self.stream)
+                    compute.wait_event(freed)
+                events = []
+                for layer in range(len(self.layers)):
+                    self._copy_in(plan.swap_in, layer)
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    events.append(ev)
+            self._layer_events = events if plan.swap_in else None
+            self._background_done = None
+        else:
+            self._copy_out(plan.swap_out)
+            self._pending_swap_in = plan.swap_in
+
+    def before_attention(self, layer: int) -> None:
+        """Hook called by the model before layer `layer` reads its KV."""
+        if self.cuda:
+            if self._layer_events is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+        elif self._pending_swap_in:
+            self._copy_in(self._pending_swap_in, layer)
+
+    def end_step(self, plan: CopyPlan) -> None:
+        """After the forward: start the ahead-of-time swap-outs in the background."""
+        self._pending_swap_in = []
+        if not plan.background:
+            return
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                self._copy_out(plan.background)
+                self._background_done = torch.cuda.Event()
+                self._background_done.record(self.stream)
+        else:
+            self._copy_out(plan.background)
+
+    def swap_in_busy(self) -> bool:
+        """A swap-in is still being copied (swap-out waits for it: swap-in has priority)."""
+        if self._layer_events is None:
+            return False
+        if self._layer_events[-1].query():
+            self._layer_events = None
+            return False
+        return True
+
+    # ---- copies ----------------------------------------------------------------------------
+
+    def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        for gpu, cpu, n in runs(pairs):
+            for layer in range(self.gpu.shape[0]):
+                for kv in (0, 1):
+                    self.cpu[layer, kv, cpu : cpu + n].copy_(
+                        self.gpu[layer, kv, gpu : gpu + n], non_blocking=self.cuda
+                    )
+
+    def _copy_in(self, pairs: list[tuple[int, int]], layer: int) -> None:
+        for cpu, gpu, n in runs(pairs):
+            for kv in (0, 1):
+                self.gpu[layer, kv, gpu : gpu + n].copy_(
+                    self.cpu[layer, kv, cpu : cpu + n], non_blocking=self.cuda
+                )
+
+
+def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs as (src, dst, length) runs consecutive on both sides."""
+    out: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs):
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            s0, d0, n = out[-1]
+            out[-1] = (s0, d0, n + 1)
+        else:
+            out.append((src, dst, 1))
+    return out

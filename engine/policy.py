@@ -1,0 +1,69 @@
+"""Eviction order: the retention value V = Cost(l) / T of Pensieve, or plain LRU."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from engine.conversation import Conversation
+
+
+@dataclass
+class CostModel:
+    """Seconds to recompute one chunk whose context is `l` tokens long: attention measured at
+    powers of two (linearly interpolated) plus a constant for the rest of the layers."""
+
+    contexts: list[int]  # increasing
+    attention_s: list[float]
+    other_s: float
+
+    def __call__(self, context: int) -> float:
+        xs, ys = self.contexts, self.attention_s
+        if context <= xs[0]:
+            return ys[0] + self.other_s
+        if context >= xs[-1]:  # extrapolate the last segment: attention is linear in l
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            return ys[-1] + slope * (context - xs[-1]) + self.other_s
+        i = bisect.bisect_right(xs, context)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (context - x0) / (x1 - x0) + self.other_s
+
+    def to_dict(self) -> dict:
+        return {"contexts": self.contexts, "attention_s": self.attention_s, "other_s": self.other_s}
+
+    @staticmethod
+    def from_dict(d: dict) -> CostModel:
+        return CostModel(list(d["contexts"]), list(d["attention_s"]), float(d["other_s"]))
+
+    @staticmethod
+    def linear(chunk_size: int = 32, max_context: int = 1 << 16) -> CostModel:
+        """A shape-only model (attention grows linearly), for tests and before profiling."""
+        xs = [chunk_size << i for i in range(max(1, (max_context // chunk_size).bit_length()))]
+        return CostModel(xs, [x * 1e-6 for x in xs], chunk_size * 1e-5)
+
+
+MIN_IDLE_S = 1e-3
+
+
+class Policy:
+    """Sort key of a chunk: lower goes first. `now` is fixed per eviction round."""
+
+    def __init__(self, kind: str, cost: CostModel, chunk_size: int, clock) -> None:
+        self.kind = kind
+        self.cost = cost
+        self.chunk_size = chunk_size
+        self.clock = clock
+
+    def last_active(self, conv: Conversation) -> float:
+        t = self.clock.last_active(conv.id)
+        return 0.0 if t is None else t  # never seen active: as idle as can be
+
+    def value(self, conv: Conversation, chunk: int, now: float) -> float:
+        """Retention value of a chunk: recompute cost over idle time."""
+        idle = max(now - self.last_active(conv), MIN_IDLE_S)
+        return self.cost(chunk * self.chunk_size) / idle
+
+    def key(self, conv: Conversation, chunk: int, now: float) -> tuple[float, int]:
+        if self.kind == "lru":
+            return (self.last_active(conv), chunk)
+        return (self.value(conv, chunk, now), chunk)

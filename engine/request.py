@@ -1,0 +1,63 @@
+"""A turn in flight: the tokens it knows, the positions it still has to compute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.conversation import Conversation
+from engine.types import Turn, TurnResult, TurnStats
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    turn: Turn
+    conv: Conversation
+    seq: int  # arrival order
+    base: int  # position of tokens[0] in the conversation
+    tokens: list[int]  # positions [base, ...): uncomputed tail, prompt, then the outputs
+    stats: TurnStats
+    generator: torch.Generator | None = None
+    on_token: Callable[[int], None] | None = None
+    prefix: list[int] | None = None  # raw history, positions [0, len(prefix))
+    fetch: Future | None = None
+    pending: list[tuple[int, int]] = field(default_factory=list)  # position ranges to compute
+    output: list[int] = field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None
+    cancelled: bool = False
+    admitted_once: bool = False
+
+    @property
+    def total(self) -> int:
+        """Positions known so far: [0, total)."""
+        return self.base + len(self.tokens)
+
+    @property
+    def in_prefill(self) -> bool:
+        return (
+            not self.pending or self.pending[0][1] - self.pending[0][0] > 1 or len(self.pending) > 1
+        )
+
+    def prefix_needed(self, dropped_tokens: int) -> int:
+        """History tokens needed to recompute the dropped positions [0, dropped_tokens)."""
+        return min(dropped_tokens, self.base)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        out: list[int] = []
+        if start < self.base:
+            assert self.prefix is not None and len(self.prefix) >= min(end, self.base)
+            out.extend(self.prefix[start : min(end, self.base)])
+        if end > self.base:
+            out.extend(self.tokens[max(start, self.base) - self.base : end - self.base])
+        return out
+
+    def result(self) -> TurnResult:
+        return TurnResult(
+            self.conv.id, list(self.output), self.finish_reason or "cancelled", self.stats
+        )

@@ -1,0 +1,81 @@
+"""Database URLs and async engines (SQLite via aiosqlite, PostgreSQL via asyncpg)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+DEFAULT_URL = "sqlite+aiosqlite:///./data/pensieve.db"
+ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+SQLITE_BUSY_MS = 10_000
+
+
+def database_url() -> str:
+    """The configured URL: PENSIEVE_DATABASE_URL, else a SQLite file under ./data."""
+    return os.environ.get("PENSIEVE_DATABASE_URL") or DEFAULT_URL
+
+
+def parse_url(url: str | URL) -> URL:
+    """Parse and check a URL, mapping plain `sqlite:`/`postgresql:` to their async drivers."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        raise ValueError(f"invalid database URL {str(url)!r}: {e}") from None
+    backend = parsed.get_backend_name()
+    if backend not in ASYNC_DRIVERS:
+        raise ValueError(
+            f"unsupported database {backend!r} in {parsed.render_as_string(hide_password=True)}; "
+            "use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
+        )
+    driver = ASYNC_DRIVERS[backend]
+    if parsed.drivername not in (backend, driver):
+        raise ValueError(
+            f"driver {parsed.drivername!r} is not async; use {driver!r} for {backend} databases"
+        )
+    return parsed.set(drivername=driver)
+
+
+def is_sqlite(url: str | URL) -> bool:
+    return parse_url(url).get_backend_name() == "sqlite"
+
+
+def prepare_url(url: str | URL) -> URL:
+    """parse_url, and create the directory of a SQLite file so that it can be opened."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        db = parsed.database
+        if not db or db == ":memory:" or db.startswith("file:"):
+            raise ValueError(
+                "an in-memory SQLite database cannot be shared between connections; "
+                "give a file path, e.g. sqlite+aiosqlite:///./data/pensieve.db"
+            )
+        Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return parsed
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    # WAL lets readers run while one writer commits; the busy timeout makes writers queue.
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def make_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    """An async engine with the per-backend settings the store relies on."""
+    parsed = prepare_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("connect_args", {"timeout": SQLITE_BUSY_MS / 1000})
+        engine = create_async_engine(parsed, **kwargs)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(parsed, **kwargs)

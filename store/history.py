@@ -1,0 +1,361 @@
+"""Async repository of users, conversations and their messages' exact token streams."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import threading
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+from store.db import make_engine
+from store.models import ROLES, Conversation, Message, User, utcnow
+
+MAX_TITLE = 200
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class HistoryError(KeyError):
+    """Asked for tokens or a conversation the store does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class HistoryConflict(HistoryError):
+    """The stream grew under the caller: its tokens would land at another position."""
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _check_tokens(token_ids: Sequence[int]) -> list[int]:
+    ids = list(token_ids)
+    for t in ids:
+        # bool is an int subclass; a True in a token stream is a bug upstream.
+        if type(t) is not int or t < 0:
+            raise ValueError(f"token ids must be non-negative ints, got {t!r}")
+    return ids
+
+
+class HistoryStore:
+    """Conversations and messages in SQL; every operation runs on the loop given to start()."""
+
+    def __init__(self, url: str | URL, **engine_kwargs) -> None:
+        self.url = url
+        self.engine: AsyncEngine = make_engine(url, **engine_kwargs)
+        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+
+    async def start(self) -> None:
+        """Remember the running loop (TokenHistory.read submits onto it) and check the link."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(select(1))
+        except (OSError, SQLAlchemyError) as e:
+            where = self.engine.url.render_as_string(hide_password=True)
+            raise RuntimeError(f"cannot reach the database at {where}: {e}") from e
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+        self._loop = None
+
+    async def __aenter__(self) -> HistoryStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # Users.
+
+    async def create_user(self, name: str) -> tuple[User, str]:
+        """A new owner and its bearer token; the token is returned only here, never stored."""
+        name = name.strip()
+        if not name or len(name) > 200:
+            raise ValueError("user name must be 1 to 200 characters")
+        token = secrets.token_urlsafe(32)
+        user = User(id=new_id(), name=name, token_hash=hash_token(token), created=utcnow())
+        async with self.sessions.begin() as s:
+            s.add(user)
+        return user, token
+
+    async def user_by_token(self, token: str) -> User | None:
+        if not token:
+            return None
+        async with self.sessions() as s:
+            return await s.scalar(select(User).where(User.token_hash == hash_token(token)))
+
+    async def get_user(self, user_id: str) -> User | None:
+        async with self.sessions() as s:
+            return await s.get(User, user_id)
+
+    # Conversations.
+
+    async def create_conversation(
+        self, owner_id: str, title: str = "", system_prompt: str | None = None
+    ) -> Conversation:
+        if len(title) > MAX_TITLE:
+            raise ValueError(f"title is longer than {MAX_TITLE} characters")
+        now = utcnow()
+        conv = Conversation(
+            id=new_id(),
+            owner_id=owner_id,
+            title=title,
+            system_prompt=system_prompt,
+            created=now,
+            updated=now,
+        )
+        async with self.sessions.begin() as s:
+            if await s.get(User, owner_id) is None:
+                raise HistoryError(f"unknown user {owner_id!r}")
+            s.add(conv)
+        return conv
+
+    async def get_conversation(
+        self, conversation_id: str, owner_id: str | None = None
+    ) -> Conversation | None:
+        """The conversation, or None when unknown (or not owned by `owner_id` when given)."""
+        q = select(Conversation).where(Conversation.id == conversation_id)
+        if owner_id is not None:
+            q = q.where(Conversation.owner_id == owner_id)
+        async with self.sessions() as s:
+            return await s.scalar(q)
+
+    async def list_conversations(self, owner_id: str, limit: int = 200) -> list[Conversation]:
+        """The owner's conversations, most recently updated first."""
+        q = (
+            select(Conversation)
+            .where(Conversation.owner_id == owner_id)
+            .order_by(Conversation.updated.desc(), Conversation.id)
+            .limit(limit)
+        )
+        async with self.sessions() as s:
+            return list(await s.scalars(q))
+
+    async def set_title(self, conversation_id: str, title: str) -> None:
+        if len(title) > MAX_TITLE:
+            raise ValueError(f"title is longer than {MAX_TITLE} characters")
+        async with self.sessions.begin() as s:
+            res = await s.execute(
+                update(Conversation).where(Conversation.id == conversation_id).values(title=title)
+            )
+            if res.rowcount == 0:
+                raise HistoryError(f"unknown conversation {conversation_id!r}")
+
+    async def delete_conversation(self, conversation_id: str, owner_id: str | None = None) -> bool:
+        """Delete a conversation and (by ON DELETE CASCADE) its messages; False if not found."""
+        q = delete(Conversation).where(Conversation.id == conversation_id)
+        if owner_id is not None:
+            q = q.where(Conversation.owner_id == owner_id)
+        async with self.sessions.begin() as s:
+            res = await s.execute(q)
+            return res.rowcount > 0
+
+    # Messages.
+
+    async def append_message(
+        self,
+        conversation_id: str,
+        role: str,
+        content: str,
+        token_ids: Sequence[int],
+        finish_reason: str | None = None,
+        expected_start: int | None = None,
+    ) -> Message:
+        """Append a message at the end of the conversation, in one transaction.
+
+        seq and token_start follow the last stored message; concurrent appends to one
+        conversation are serialised by the row lock the first UPDATE takes. With
+        `expected_start`, the append is refused (HistoryConflict, nothing written) unless
+        the stream is exactly that long, i.e. the tokens land where the caller computed."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if finish_reason is not None and finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None")
+        ids = _check_tokens(token_ids)
+        now = utcnow()
+        async with self.sessions.begin() as s:
+            # Writing the conversation row first takes its lock before anything is read:
+            # a row lock on PostgreSQL (like SELECT ... FOR UPDATE), the database write
+            # lock on SQLite (waiting on the busy timeout, with no stale read snapshot).
+            res = await s.execute(
+                update(Conversation).where(Conversation.id == conversation_id).values(updated=now)
+            )
+            if res.rowcount == 0:
+                raise HistoryError(f"unknown conversation {conversation_id!r}")
+            last = (
+                await s.execute(
+                    select(Message.seq, Message.token_start + Message.token_count)
+                    .where(Message.conversation_id == conversation_id)
+                    .order_by(Message.seq.desc())
+                    .limit(1)
+                )
+            ).first()
+            seq, start = (last[0] + 1, last[1]) if last else (0, 0)
+            if expected_start is not None and start != expected_start:
+                raise HistoryConflict(
+                    f"conversation {conversation_id!r} has {start} tokens, "
+                    f"the new message expected {expected_start}"
+                )
+            msg = Message(
+                conversation_id=conversation_id,
+                seq=seq,
+                role=role,
+                content=content,
+                token_ids=ids,
+                token_start=start,
+                token_count=len(ids),
+                created=now,
+                finish_reason=finish_reason,
+            )
+            s.add(msg)
+        return msg
+
+    async def truncate(self, conversation_id: str, length: int) -> None:
+        """Cut the stored token stream to its first `length` tokens, in one transaction.
+
+        For chat templates that are not prefix-stable: messages keep their text, the
+        tokens past the cut are dropped, so the stream stays what the engine holds."""
+        if length < 0:
+            raise ValueError(f"bad stream length {length}")
+        async with self.sessions.begin() as s:
+            # Same lock as append_message: a cut never interleaves with an append.
+            res = await s.execute(
+                update(Conversation)
+                .where(Conversation.id == conversation_id)
+                .values(updated=utcnow())
+            )
+            if res.rowcount == 0:
+                raise HistoryError(f"unknown conversation {conversation_id!r}")
+            rows = (
+                await s.scalars(
+                    select(Message)
+                    .where(
+                        Message.conversation_id == conversation_id,
+                        Message.token_start + Message.token_count > length,
+                    )
+                    .order_by(Message.seq)
+                )
+            ).all()
+            if rows and rows[0].token_start > length:
+                raise HistoryError(f"history of {conversation_id!r} is shorter than {length}")
+            if not rows:
+                total = await s.scalar(
+                    select(func.coalesce(func.sum(Message.token_count), 0)).where(
+                        Message.conversation_id == conversation_id
+                    )
+                )
+                if (total or 0) < length:
+                    raise HistoryError(
+                        f"history of {conversation_id!r} has {total} tokens, cannot cut to {length}"
+                    )
+            for m in rows:
+                keep = max(0, length - m.token_start)
+                m.token_ids = list(m.token_ids[:keep])
+                m.token_start = min(m.token_start, length)
+                m.token_count = keep
+
+    async def messages(self, conversation_id: str) -> list[Message]:
+        """All messages in seq order."""
+        async with self.sessions() as s:
+            return list(
+                await s.scalars(
+                    select(Message)
+                    .where(Message.conversation_id == conversation_id)
+                    .order_by(Message.seq)
+                )
+            )
+
+    async def token_count(self, conversation_id: str) -> int:
+        """Length of the conversation's stored token stream."""
+        async with self.sessions() as s:
+            n = await s.scalar(
+                select(func.coalesce(func.sum(Message.token_count), 0)).where(
+                    Message.conversation_id == conversation_id
+                )
+            )
+            return int(n or 0)
+
+    async def stream(self, conversation_id: str) -> list[int]:
+        """The whole token stream: every message's token ids, in seq order."""
+        async with self.sessions() as s:
+            rows = await s.scalars(
+                select(Message.token_ids)
+                .where(Message.conversation_id == conversation_id)
+                .order_by(Message.seq)
+            )
+            return [t for ids in rows for t in ids]
+
+    async def read(self, conversation_id: str, start: int, end: int) -> list[int]:
+        """Exactly positions [start, end) of the stream; only overlapping rows are fetched."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad token range [{start}, {end})")
+        if start == end:
+            return []
+        async with self.sessions() as s:
+            rows = (
+                await s.execute(
+                    select(Message.token_start, Message.token_ids)
+                    .where(
+                        Message.conversation_id == conversation_id,
+                        Message.token_start < end,
+                        Message.token_start + Message.token_count > start,
+                    )
+                    .order_by(Message.seq)
+                )
+            ).all()
+        if not rows or rows[0][0] > start:
+            raise HistoryError(f"history of {conversation_id!r} does not cover [{start}, {end})")
+        first = rows[0][0]
+        tokens = [t for _, ids in rows for t in ids][start - first : end - first]
+        if len(tokens) != end - start:
+            raise HistoryError(
+                f"history of {conversation_id!r} ends before {end}, asked for [{start}, {end})"
+            )
+        return tokens
+
+    def token_history(self, timeout: float = 30.0) -> TokenHistory:
+        """A synchronous reader for the engine's worker threads (needs start())."""
+        if self._loop is None:
+            raise RuntimeError("HistoryStore.start() must run before token_history()")
+        return TokenHistory(self, timeout)
+
+
+class TokenHistory:
+    """The engine's TokenHistory over a HistoryStore: blocking reads from worker threads."""
+
+    def __init__(self, store: HistoryStore, timeout: float = 30.0) -> None:
+        self.store = store
+        self.timeout = timeout
+
+    def read(self, conversation_id: str, start: int, end: int) -> list[int]:
+        loop = self.store._loop
+        if loop is None or loop.is_closed():
+            raise RuntimeError("the history store is not running (start() it on the app loop)")
+        if threading.get_ident() == self.store._loop_thread:
+            raise RuntimeError(
+                "TokenHistory.read blocks; call it from a worker thread, not the event loop"
+            )
+        fut = asyncio.run_coroutine_threadsafe(self.store.read(conversation_id, start, end), loop)
+        try:
+            return fut.result(self.timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(
+                f"reading tokens [{start}, {end}) of {conversation_id!r} took over {self.timeout}s"
+            ) from None

@@ -1,0 +1,72 @@
+"""Shared fixtures: real PostgreSQL, SQLite and Redis, started when not running."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests import services
+
+# Redis databases 1..15 in turn, so a test's keys never meet another's (0 is left alone).
+_redis_dbs = itertools.cycle(range(1, 16))
+
+
+def _service(start: Callable[[], None]) -> None:
+    try:
+        start()
+    except services.ServiceError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> None:
+    _service(services.ensure_postgres)
+
+
+@pytest.fixture(scope="session")
+def redis_service() -> None:
+    _service(services.ensure_redis)
+
+
+@pytest.fixture
+def pg_url(postgres: None) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test (asyncpg URL); dropped afterwards."""
+    try:
+        name = services.create_database()
+    except services.ServiceError as e:
+        pytest.fail(str(e), pytrace=False)
+    yield services.pg_async_url(name)
+    services.drop_database(name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path}/pensieve.db"
+
+
+@pytest.fixture
+def redis_url(redis_service: None) -> Iterator[str]:
+    """The shared Redis, on a database number of this test's own, flushed before and after."""
+    import redis
+
+    db = next(_redis_dbs)
+    url = f"redis://{services.REDIS_HOST}:{services.REDIS_PORT}/{db}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[services.RedisServer]:
+    """A redis-server of this test's own on a free port; the test may kill() and start() it."""
+    server = services.RedisServer()
+    try:
+        server.start()
+    except services.ServiceError as e:
+        pytest.fail(str(e), pytrace=False)
+    yield server
+    server.kill()

@@ -1,0 +1,162 @@
+"""Start the PostgreSQL and Redis services tests need, when they are not already running."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PG_HOST, PG_PORT, PG_USER = "127.0.0.1", 5432, "postgres"
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(host: str, port: int, timeout: float = 30.0, up: bool = True) -> None:
+    """Wait until the port accepts connections (or, with up=False, until it refuses them)."""
+    deadline = time.monotonic() + timeout
+    while port_open(host, port) != up:
+        if time.monotonic() > deadline:
+            state = "accept connections" if up else "close"
+            raise ServiceError(f"{host}:{port} did not {state} within {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], what: str) -> None:
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ServiceError(f"cannot start {what}: {cmd[0]} is not installed") from None
+    except subprocess.CalledProcessError as e:
+        raise ServiceError(
+            f"cannot start {what}: {' '.join(cmd)} exited {e.returncode}: {e.stderr.strip()}"
+        ) from None
+
+
+def ensure_postgres() -> None:
+    if port_open(PG_HOST, PG_PORT):
+        return
+    conf = Path("/etc/postgresql")
+    versions = sorted(conf.iterdir()) if conf.is_dir() else []
+    if not versions:
+        raise ServiceError(
+            "PostgreSQL is not running and no cluster is configured in /etc/postgresql"
+        )
+    _run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1].name, "main", "start"],
+        "PostgreSQL",
+    )
+    wait_port(PG_HOST, PG_PORT)
+
+
+def ensure_redis() -> None:
+    if port_open(REDIS_HOST, REDIS_PORT):
+        return
+    for d in ("/var/lib/redis", "/var/log/redis"):
+        os.makedirs(d, exist_ok=True)
+    # Each argument on its own: "--bind" takes both addresses.
+    _run(
+        [
+            "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1",
+            "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
+            "--dir", "/var/lib/redis", "--logfile", "/var/log/redis/ci.log",
+        ],
+        "Redis",
+    )  # fmt: skip
+    wait_port(REDIS_HOST, REDIS_PORT)
+
+
+def psql(sql: str, database: str = "postgres") -> str:
+    """Run one SQL statement as the postgres user over TCP; returns psql's output."""
+    if shutil.which("psql") is None:
+        raise ServiceError("psql is not installed")
+    cmd = ["psql", "-h", PG_HOST, "-p", str(PG_PORT), "-U", PG_USER, "-d", database]
+    cmd += ["-v", "ON_ERROR_STOP=1", "-Atqc", sql]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise ServiceError(f"psql {sql!r} failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def create_database(prefix: str = "pensieve_test") -> str:
+    """A new empty PostgreSQL database; returns its name."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    psql(f'CREATE DATABASE "{name}"')
+    return name
+
+
+def drop_database(name: str) -> None:
+    psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def pg_async_url(name: str) -> str:
+    return f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
+
+
+@dataclass
+class RedisServer:
+    """A throwaway redis-server on its own port, which a test may kill and restart."""
+
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{REDIS_HOST}:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        if shutil.which("redis-server") is None:
+            raise ServiceError("redis-server is not installed")
+        self.proc = subprocess.Popen(
+            [
+                "redis-server", "--bind", REDIS_HOST, "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--daemonize", "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_port(REDIS_HOST, self.port, timeout=10)
+        except ServiceError:
+            self.kill()
+            raise
+        return self
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections hang instead of being refused."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server must still die
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+        wait_port(REDIS_HOST, self.port, timeout=10, up=False)

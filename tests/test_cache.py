@@ -1,0 +1,241 @@
+"""KVCacheManager bookkeeping with tiny pools: exact residency after scripted sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.cache import KVCacheManager
+from engine.history import LocalClock
+from engine.policy import CostModel, Policy
+
+CS = 4  # tiny chunks keep the scripts readable
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def manager(gpu: int, cpu: int, mode="pensieve", eviction="pensieve", **kw):
+    now = FakeTime()
+    clock = LocalClock(now=now)
+    policy = Policy(eviction, CostModel.linear(CS, 1024), CS, clock)
+    return KVCacheManager(gpu, cpu, CS, policy, mode, now=now, **kw), clock, now
+
+
+def turn(m: KVCacheManager, clock, cid: str, tokens: int, when: float) -> None:
+    """A whole turn: admit to `tokens` positions, compute them all, release."""
+    conv = m.get(cid)
+    m.admit(conv, tokens)
+    m.take_plan()
+    conv.kv_len = tokens
+    conv.length = tokens
+    m.release(conv)
+    clock.touch(cid, when)
+    m.check()
+
+
+def test_idle_conversation_leading_chunks_go_first():
+    m, clock, now = manager(gpu=6, cpu=4)
+    turn(m, clock, "old", 12, when=900.0)  # 3 chunks, idle for 100 s
+    turn(m, clock, "new", 12, when=999.0)  # 3 chunks, idle for 1 s
+    assert m.gpu.num_free == 0
+    # A third conversation needs 2 blocks: the leading chunks of "old" move to the CPU.
+    turn(m, clock, "third", 8, when=1000.0)
+    assert m.get("old").tiers() == ["cpu", "cpu", "gpu"]
+    assert m.get("new").tiers() == ["gpu", "gpu", "gpu"]
+    plan_out = m.counters.swapped_out_tokens
+    assert plan_out == 8
+
+
+def test_cpu_full_drops_leading_chunks():
+    m, clock, now = manager(gpu=4, cpu=2)
+    turn(m, clock, "a", 16, when=900.0)  # fills the GPU
+    turn(m, clock, "b", 8, when=990.0)  # a's first two chunks -> CPU
+    assert m.get("a").tiers() == ["cpu", "cpu", "gpu", "gpu"]
+    turn(m, clock, "c", 8, when=995.0)  # a's next two -> CPU, its first two are dropped
+    assert m.get("a").tiers() == ["dropped", "dropped", "cpu", "cpu"]
+    assert m.get("b").tiers() == ["gpu", "gpu"]
+    assert m.counters.dropped_tokens == 8
+
+
+def test_admission_swaps_in_and_recomputes():
+    m, clock, now = manager(gpu=4, cpu=2)
+    turn(m, clock, "a", 16, when=900.0)
+    turn(m, clock, "b", 8, when=990.0)
+    turn(m, clock, "c", 8, when=995.0)
+    conv = m.get("a")
+    now.t = 1001.0
+    conv.kv_len = 15  # its last token's KV was never computed: 4 chunks, the last one partial
+    adm = m.admit(conv, 16)  # a returns: needs the whole GPU
+    assert (adm.recompute_tokens, adm.swapped_in_tokens, adm.cached_tokens) == (8, 7, 0)
+    assert conv.tiers() == ["gpu"] * 4
+    # The CPU held only a's chunks (pinned now), so b and c had to be dropped.
+    assert m.get("b").tiers() == ["dropped"] * 2 and m.get("c").tiers() == ["dropped"] * 2
+    plan = m.take_plan()
+    assert len(plan.swap_in) == 2
+    m.check()
+
+
+def test_gpu_mode_drops_instead_of_swapping():
+    m, clock, now = manager(gpu=4, cpu=8, mode="gpu")
+    assert m.cpu.num_blocks == 0
+    turn(m, clock, "a", 16, when=900.0)
+    turn(m, clock, "b", 8, when=990.0)
+    assert m.get("a").tiers() == ["dropped", "dropped", "gpu", "gpu"]
+
+
+def test_stateless_keeps_nothing():
+    m, clock, now = manager(gpu=8, cpu=8, mode="stateless")
+    turn(m, clock, "a", 10, when=900.0)
+    assert m.get("a").tiers() == ["dropped"] * 3
+    assert m.gpu.num_free == 8
+
+
+def test_lru_evicts_whole_oldest_conversation_first():
+    m, clock, now = manager(gpu=6, cpu=0, mode="gpu", eviction="lru")
+    turn(m, clock, "old", 12, when=900.0)
+    turn(m, clock, "new", 12, when=999.0)
+    turn(m, clock, "third", 12, when=1000.0)
+    assert m.get("old").tiers() == ["dropped"] * 3
+    assert m.get("new").tiers() == ["gpu"] * 3
+
+
+def test_pensieve_prefers_cheap_leading_chunks_of_recent_conversations():
+    # Cost grows with context: the long idle conversation's late chunks are worth more than
+    # the recent one's first chunk once its idle time is not much larger.
+    m, clock, now = manager(gpu=12, cpu=0, mode="gpu")
+    m.policy.cost = CostModel([4, 8, 16, 32, 64], [1.0, 2.0, 4.0, 8.0, 16.0], 0.0)
+    turn(m, clock, "long", 48, when=998.0)  # 12 chunks, idle 2 s
+    conv = m.get("long")
+    assert conv.tiers() == ["gpu"] * 12
+    turn(m, clock, "short", 4, when=999.5)  # 1 chunk: evicts "long"'s first chunk only
+    assert m.get("long").tiers()[:2] == ["dropped", "gpu"]
+    assert m.get("short").tiers() == ["gpu"]
+
+
+def test_ahead_of_time_swap_out_under_threshold():
+    m, clock, now = manager(gpu=8, cpu=8, swap_out_threshold=0.25)
+    turn(m, clock, "a", 32, when=900.0)  # all 8 blocks used, none free
+    copied = m.swap_out_ahead()
+    assert copied == 2  # 25% of 8
+    plan = m.take_plan()
+    assert len(plan.background) == 2
+    # The GPU blocks stay until reallocated; the chunks are still GPU-resident with a copy.
+    assert m.get("a").tiers() == ["gpu"] * 8
+    assert m.reclaimable() == 2
+    assert m.swap_out_ahead() == 0  # already at the threshold
+    # Reallocation reclaims them at no cost: no synchronous swap-out.
+    turn(m, clock, "b", 8, when=1000.0)
+    assert m.get("a").tiers()[:2] == ["cpu", "cpu"]
+    m.check()
+
+
+def test_swap_out_waits_for_swap_in():
+    m, clock, now = manager(gpu=8, cpu=8)
+    turn(m, clock, "a", 32, when=900.0)
+    assert m.swap_out_ahead(busy=True) == 0
+
+
+def test_admission_keeps_ten_percent_for_decoding():
+    m, clock, now = manager(gpu=20, cpu=0, admit_reserve=0.10)
+    first = m.get("a")
+    assert m.can_admit(first, 19 * CS)  # nothing running: a lone turn may use it all
+    m.admit(first, 10 * CS)
+    second = m.get("b")
+    assert m.can_admit(second, 8 * CS)  # 18 pinned of 20: 10% left
+    assert not m.can_admit(second, 9 * CS)  # 19 pinned: under 10% left
+
+
+def test_suspend_moves_running_turn_off_gpu_and_back():
+    m, clock, now = manager(gpu=6, cpu=6)
+    conv = m.get("a")
+    m.admit(conv, 10)
+    conv.kv_len = 10
+    m.take_plan()
+    m.suspend(conv)
+    assert conv.tiers() == ["cpu"] * 3 and not conv.pinned
+    assert m.counters.suspensions == 1
+    assert m.gpu.num_free == 6
+    adm = m.admit(conv, 11)
+    assert adm.swapped_in_tokens == 10
+    m.check()
+
+
+def test_growth_fails_only_when_everything_is_pinned():
+    m, clock, now = manager(gpu=2, cpu=0, mode="gpu")
+    a = m.get("a")
+    m.admit(a, 8)
+    assert not m.grow(a, 9)  # both blocks pinned by itself
+    a.kv_len = 8
+    m.release(a)
+    b = m.get("b")
+    m.admit(b, 4)  # evicts a's leading chunk
+    assert a.tiers() == ["dropped", "gpu"]
+    assert m.grow(b, 8)  # and then the other one
+    assert a.tiers() == ["dropped", "dropped"]
+
+
+def test_forget_frees_everything():
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 16, when=900.0)
+    m.forget("a")
+    assert m.gpu.num_free == 4 and "a" not in m.convs
+    m.check()
+
+
+def test_double_release_is_caught():
+    m, *_ = manager(gpu=2, cpu=0)
+    b = m.gpu.allocate()
+    m.gpu.release(b)
+    with pytest.raises(RuntimeError):
+        m.gpu.release(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(0, 50)),
+        min_size=1,
+        max_size=40,
+    ),
+    gpu=st.integers(4, 16),
+    cpu=st.integers(0, 12),
+    mode=st.sampled_from(["pensieve", "gpu", "stateless"]),
+    eviction=st.sampled_from(["pensieve", "lru"]),
+)
+def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction):
+    """Randomized multi-turn workload: after every step, no block is leaked or double-owned
+    and every conversation is laid out [dropped | CPU | GPU]."""
+    m, clock, now = manager(gpu=gpu, cpu=cpu, mode=mode, eviction=eviction)
+    running = {}
+    for cid_n, grow_by, dt in ops:
+        now.t += dt
+        cid = f"c{cid_n}"
+        conv = m.get(cid)
+        if cid in running:  # decode a few tokens, or end the turn
+            target = conv.kv_len + grow_by
+            if m.grow(conv, target):
+                conv.kv_len = target
+            else:
+                m.suspend(conv)
+                del running[cid]
+            if grow_by > 8 and cid in running:
+                m.release(conv)
+                clock.touch(cid)
+                del running[cid]
+        else:
+            target = conv.kv_len + grow_by
+            if m.can_admit(conv, target):
+                m.admit(conv, target)
+                conv.kv_len = target
+                running[cid] = True
+        m.take_plan()
+        m.swap_out_ahead()
+        m.take_plan()
+        m.check()

@@ -1,0 +1,39 @@
+"""KV pool copies: what goes out to the CPU tier comes back bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import CopyPlan
+from engine.kv_pool import KVPool, runs
+from engine.shapes import DUMMY_SHAPES
+
+
+def test_runs_coalesce_consecutive_pairs():
+    assert runs([(5, 1), (3, 9), (4, 10), (6, 2), (8, 3)]) == [(3, 9, 2), (5, 1, 2), (8, 3, 1)]
+    assert runs([]) == []
+
+
+def test_swap_out_then_in_restores_blocks():
+    args = DUMMY_SHAPES["tiny"]
+    pool = KVPool(args, gpu_blocks=8, cpu_blocks=8, block_size=4, device="cpu", dtype=torch.float32)
+    pool.gpu.normal_()
+    original = pool.gpu.clone()
+    pool.begin_step(CopyPlan(swap_out=[(1, 6), (2, 7), (5, 0)]))
+    pool.gpu[:, :, [1, 2, 5]] = 0.0
+    # swap back into other GPU blocks, layer by layer as the forward asks for them
+    pool.begin_step(CopyPlan(swap_in=[(6, 3), (7, 4), (0, 0)]))
+    for layer in range(args.n_layers):
+        pool.before_attention(layer)
+    pool.end_step(CopyPlan())
+    assert torch.equal(pool.gpu[:, :, 3], original[:, :, 1])
+    assert torch.equal(pool.gpu[:, :, 4], original[:, :, 2])
+    assert torch.equal(pool.gpu[:, :, 0], original[:, :, 5])
+
+
+def test_background_copy_after_forward():
+    args = DUMMY_SHAPES["tiny"]
+    pool = KVPool(args, gpu_blocks=4, cpu_blocks=4, block_size=4, device="cpu", dtype=torch.float32)
+    pool.gpu.normal_()
+    pool.end_step(CopyPlan(background=[(2, 3)]))
+    assert torch.equal(pool.cpu[:, :, 3], pool.gpu[:, :, 2])

@@ -1,0 +1,307 @@
+"""The SQL history store on SQLite and PostgreSQL: migrations, token streams, ownership."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import event, func, inspect, select, text
+
+from store import HistoryConflict, HistoryError, HistoryStore, hash_token, migrate
+from store.models import Base, Conversation, Message
+from tests.services import free_port
+
+TABLES = {"users", "conversations", "messages"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request) -> str:
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[HistoryStore]:
+    await migrate.upgrade_async(db_url)
+    async with HistoryStore(db_url) as s:
+        yield s
+
+
+async def _chat(store: HistoryStore, name: str = "ada") -> str:
+    user, _ = await store.create_user(name)
+    conv = await store.create_conversation(user.id, title="t", system_prompt="be brief")
+    return conv.id
+
+
+def _schema(conn) -> tuple[set[str], list]:
+    diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    return set(inspect(conn).get_table_names()), diff
+
+
+async def test_migrations_up_and_down(db_url: str) -> None:
+    # Called on the running loop on purpose: the server does the same at start.
+    migrate.upgrade(db_url)
+    assert migrate.current(db_url) == "0001"
+    s = HistoryStore(db_url)
+    try:
+        async with s.engine.connect() as conn:
+            tables, diff = await conn.run_sync(_schema)
+        assert tables >= TABLES
+        assert diff == [], f"migration and models disagree: {diff}"
+
+        migrate.downgrade(db_url)
+        assert migrate.current(db_url) is None
+        async with s.engine.connect() as conn:
+            tables, _ = await conn.run_sync(_schema)
+        assert not TABLES & tables
+
+        migrate.upgrade(db_url)  # and back up, on the same database
+        assert migrate.current(db_url) == "0001"
+    finally:
+        await s.close()
+
+
+async def test_round_trip_and_exact_reads(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    parts = [[1, 2, 3, 4, 5], [], [6, 7], list(range(100, 117)), [8]]
+    roles = ["system", "user", "assistant", "user", "assistant"]
+    for i, (role, ids) in enumerate(zip(roles, parts, strict=True)):
+        reason = "stop" if role == "assistant" else None
+        m = await store.append_message(cid, role, f"m{i}", ids, finish_reason=reason)
+        assert (m.seq, m.token_count) == (i, len(ids))
+
+    whole = [t for p in parts for t in p]
+    assert await store.stream(cid) == whole
+    assert await store.token_count(cid) == len(whole)
+    msgs = await store.messages(cid)
+    assert [m.content for m in msgs] == [f"m{i}" for i in range(5)]
+    assert [m.token_ids for m in msgs] == parts
+    assert [m.finish_reason for m in msgs] == [None, None, "stop", None, "stop"]
+    starts = [sum(map(len, parts[:i])) for i in range(5)]
+    assert [m.token_start for m in msgs] == starts
+    assert msgs[0].created.tzinfo is not None
+
+    reader = store.token_history(timeout=10)
+
+    def read_all() -> dict[tuple[int, int], list[int]]:
+        n = len(whole)
+        return {(a, b): reader.read(cid, a, b) for a in range(n + 1) for b in range(a, n + 1)}
+
+    # The engine reads from a worker thread while the loop keeps running.
+    got = await asyncio.to_thread(read_all)
+    assert all(v == whole[a:b] for (a, b), v in got.items())
+
+    with pytest.raises(HistoryError, match="does not cover|ends before"):
+        await asyncio.to_thread(reader.read, cid, 3, len(whole) + 1)
+    with pytest.raises(HistoryError):
+        await asyncio.to_thread(reader.read, "nope", 0, 1)
+    with pytest.raises(ValueError, match="bad token range"):
+        await asyncio.to_thread(reader.read, cid, 5, 2)
+    with pytest.raises(RuntimeError, match="worker thread"):
+        reader.read(cid, 0, 1)  # on the loop itself it would deadlock
+
+
+async def test_concurrent_appends_get_distinct_seq(store: HistoryStore, db_url: str) -> None:
+    cid = await _chat(store)
+    async with HistoryStore(db_url) as other:  # a second server on the same database
+        jobs = [
+            (store if i % 2 else other).append_message(cid, "user", str(i), [i] * (i % 4 + 1))
+            for i in range(24)
+        ]
+        made = await asyncio.gather(*jobs)
+    msgs = await store.messages(cid)
+    assert sorted(m.seq for m in made) == list(range(24))
+    assert [m.seq for m in msgs] == list(range(24))
+    pos = 0
+    for m in msgs:  # contiguous, in seq order, each at the stream length before it
+        assert m.token_start == pos
+        pos += m.token_count
+    assert await store.stream(cid) == [t for m in msgs for t in m.token_ids]
+
+
+async def test_owner_scoping(store: HistoryStore) -> None:
+    ada, _ = await store.create_user("ada")
+    bob, _ = await store.create_user("bob")
+    a1 = await store.create_conversation(ada.id, title="a1")
+    a2 = await store.create_conversation(ada.id, title="a2")
+    b1 = await store.create_conversation(bob.id, title="b1")
+    await store.append_message(a1.id, "user", "hi", [1])  # a1 becomes the latest
+
+    assert [c.id for c in await store.list_conversations(ada.id)] == [a1.id, a2.id]
+    assert [c.id for c in await store.list_conversations(bob.id)] == [b1.id]
+    assert await store.get_conversation(a1.id, owner_id=bob.id) is None
+    assert (await store.get_conversation(a1.id, owner_id=ada.id)).title == "a1"
+    assert not await store.delete_conversation(a1.id, owner_id=bob.id)
+    assert await store.get_conversation(a1.id) is not None
+    with pytest.raises(HistoryError, match="unknown user"):
+        await store.create_conversation("ghost")
+
+
+async def test_delete_cascades_to_messages(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    keep = await _chat(store, "bob")
+    for i in range(3):
+        await store.append_message(cid, "user", "x", [i])
+    await store.append_message(keep, "user", "y", [9])
+    assert await store.delete_conversation(cid)
+    assert not await store.delete_conversation(cid)
+    async with store.sessions() as s:  # the database itself, not the store's view of it
+        left = await s.scalar(select(func.count()).select_from(Message))
+        rows = await s.scalar(
+            select(func.count()).select_from(Message).where(Message.conversation_id == cid)
+        )
+    assert (left, rows) == (1, 0)
+    assert await store.stream(keep) == [9]
+
+
+async def test_failed_append_leaves_nothing(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    await store.append_message(cid, "user", "first", [1, 2])
+    before = await store.get_conversation(cid)
+
+    def fail_insert(conn, cursor, statement, params, context, executemany) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO MESSAGES"):
+            raise RuntimeError("disk on fire")
+
+    # The failure comes after the conversation row was already updated in the transaction.
+    event.listen(store.engine.sync_engine, "before_cursor_execute", fail_insert)
+    try:
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            await store.append_message(cid, "assistant", "lost", [3, 4])
+    finally:
+        event.remove(store.engine.sync_engine, "before_cursor_execute", fail_insert)
+
+    assert await store.stream(cid) == [1, 2]
+    assert (await store.get_conversation(cid)).updated == before.updated
+    m = await store.append_message(cid, "assistant", "ok", [3, 4])
+    assert (m.seq, m.token_start) == (1, 2)
+
+
+async def test_users_and_tokens(store: HistoryStore) -> None:
+    user, token = await store.create_user("  ada ")
+    assert user.name == "ada" and len(token) >= 32
+    assert (await store.user_by_token(token)).id == user.id
+    assert await store.user_by_token(token + "x") is None
+    assert await store.user_by_token("") is None
+    async with store.engine.connect() as conn:
+        rows = (await conn.execute(text("SELECT id, name, token_hash FROM users"))).all()
+    assert rows == [(user.id, "ada", hash_token(token))]
+    assert token not in str(rows)
+    with pytest.raises(ValueError, match="user name"):
+        await store.create_user("  ")
+
+
+async def test_bad_input_is_refused(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    with pytest.raises(ValueError, match="role"):
+        await store.append_message(cid, "robot", "x", [1])
+    with pytest.raises(ValueError, match="token ids"):
+        await store.append_message(cid, "user", "x", [1, "2"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="token ids"):
+        await store.append_message(cid, "user", "x", [1, -2])
+    with pytest.raises(ValueError, match="finish_reason"):
+        await store.append_message(cid, "assistant", "x", [1], finish_reason="bored")
+    with pytest.raises(HistoryError, match="unknown conversation"):
+        await store.append_message("nope", "user", "x", [1])
+    assert await store.messages(cid) == []
+    async with store.sessions() as s:
+        assert await s.scalar(select(func.count()).select_from(Conversation)) == 1
+
+
+def test_bad_urls_are_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported database"):
+        HistoryStore("mysql://x@localhost/db")
+    with pytest.raises(ValueError, match="not async"):
+        HistoryStore("postgresql+psycopg2://x@localhost/db")
+    with pytest.raises(ValueError, match="in-memory"):
+        migrate.upgrade("sqlite+aiosqlite://")
+
+
+async def test_expected_start_guards_the_stream(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    await store.append_message(cid, "user", "a", [1, 2, 3], expected_start=0)
+    with pytest.raises(HistoryConflict, match="has 3 tokens"):
+        await store.append_message(cid, "assistant", "b", [4], expected_start=2)
+    m = await store.append_message(cid, "assistant", "b", [4], expected_start=3)
+    assert (m.seq, m.token_start) == (1, 3)
+    assert await store.stream(cid) == [1, 2, 3, 4]
+
+
+async def test_set_title(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    await store.set_title(cid, "renamed")
+    assert (await store.get_conversation(cid)).title == "renamed"
+    with pytest.raises(HistoryError):
+        await store.set_title("nope", "x")
+    with pytest.raises(ValueError, match="title"):
+        await store.set_title(cid, "x" * 201)
+
+
+def _alembic_start(*args: str, cwd: Path, url: str) -> subprocess.Popen:
+    env = os.environ | {"PENSIEVE_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini"), *args]
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _alembic(*args: str, cwd: Path, url: str) -> str:
+    proc = _alembic_start(*args, cwd=cwd, url=url)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_path: Path) -> None:
+    # Two servers starting at once on one database: they migrate in turn, neither fails.
+    procs = [_alembic_start("upgrade", "head", cwd=tmp_path, url=db_url) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("-> 0001" in out for out in outs) == 1  # one migrated, the other saw head
+    assert migrate.current(db_url) == "0001"
+    assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
+    assert migrate.current(db_url) is None
+
+
+def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
+    migrate.upgrade()
+    assert (tmp_path / "data" / "pensieve.db").is_file()
+    assert migrate.current() == "0001"
+
+
+async def test_unreachable_database_is_a_clear_error() -> None:
+    s = HistoryStore(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nowhere")
+    with pytest.raises(RuntimeError, match="cannot reach the database"):
+        await s.start()
+    await s.close()
+
+
+async def test_truncate_cuts_the_stream_and_keeps_the_text(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    for role, ids in [("user", [1, 2, 3]), ("assistant", [4, 5, 6]), ("user", [7, 8])]:
+        await store.append_message(cid, role, role, ids)
+    with pytest.raises(HistoryError, match="cannot cut"):
+        await store.truncate(cid, 9)
+    await store.truncate(cid, 8)  # a no-op at the exact length
+    await store.truncate(cid, 4)
+    assert await store.stream(cid) == [1, 2, 3, 4]
+    msgs = await store.messages(cid)
+    assert [(m.content, m.token_start, m.token_ids) for m in msgs] == [
+        ("user", 0, [1, 2, 3]),
+        ("assistant", 3, [4]),
+        ("user", 4, []),
+    ]
+    m = await store.append_message(cid, "user", "again", [9], expected_start=4)
+    assert (m.seq, m.token_start) == (3, 4)
+    assert await asyncio.to_thread(store.token_history().read, cid, 2, 5) == [3, 4, 9]
+    with pytest.raises(HistoryError):
+        await store.truncate("nope", 0)
