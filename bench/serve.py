@@ -67,9 +67,9 @@ class EngineDriver:
             error=None if res.finish_reason != "cancelled" else "cancelled",
         )
 
-    def free(self) -> None:
+    async def free(self) -> None:
         for conv in self.ids:
-            self.engine.free(conv)
+            await self.engine.free(conv)
         self.ids.clear()
 
 
@@ -215,8 +215,13 @@ def claims(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
             "capacity_rps": cap,
             "pensieve_over_stateless": p / s if p and s else None,
             "pensieve_over_gpu": p / g if p and g else None,
-            "pensieve_2x_stateless": bool(p and s and p >= 2 * s),
-            "pensieve_beats_gpu": bool(p and (not g or p > g)),
+            # None: a mode was not measured. A mode with no run inside the bound has capacity 0.
+            "pensieve_2x_stateless": None
+            if "stateless" not in cap or "pensieve" not in cap
+            else bool(p and (not s or p >= 2 * s)),
+            "pensieve_beats_gpu": None
+            if "gpu" not in cap or "pensieve" not in cap
+            else bool(p and (not g or p > g)),
         }
     return out
 
@@ -292,15 +297,29 @@ def size_pools(preset: Preset) -> Preset:
     """Turn the preset's GB pool sizes into chunk counts from the model's KV bytes per chunk."""
     if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
         return preset
-    from engine import kv_bytes_per_chunk
-
-    per = kv_bytes_per_chunk(preset.model, preset.dtype, chunk_size=32)
+    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16")
     gpu, cpu = preset.gpu_cache_chunks, preset.cpu_cache_chunks
     if preset.gpu_cache_gb is not None:
         gpu = int(preset.gpu_cache_gb * 2**30 // per)
     if preset.cpu_cache_gb is not None:
         cpu = int(_cpu_pool_gb(preset.cpu_cache_gb) * 2**30 // per)
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+
+
+def kv_bytes_per_chunk(model: str, dtype: str, chunk_size: int = 32) -> int:
+    """K and V bytes of one chunk across all layers, from the model's shape."""
+    import torch
+
+    from engine.kv_pool import KVPool
+    from engine.loader import BUNDLED, convert_bundled
+    from engine.shapes import DUMMY_SHAPES, ModelArgs
+
+    if model.startswith("dummy:"):
+        args = DUMMY_SHAPES[model.split(":", 1)[1]]
+    else:
+        path = convert_bundled(None) if model == BUNDLED else Path(model).expanduser()
+        args = ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
+    return KVPool.bytes_per_block(args, chunk_size, getattr(torch, dtype))
 
 
 def _cpu_pool_gb(wanted: float) -> float:
@@ -383,7 +402,7 @@ async def bench_engine(preset: Preset, modes: list[str], log=print) -> dict[str,
                         driver.send, convs, rate, think, preset, f"{mode_name} rate {rate:g}"
                     )
                     counters = counters_delta(before, engine.snapshot())
-                    driver.free()
+                    await driver.free()
                     run = _record(mode_name, think, rate, records, wall, {"counters": counters})
                     runs.append(run)
                     log(_line(run))
@@ -420,9 +439,13 @@ async def bench_url(preset: Preset, url: str, token: str, log=print) -> dict[str
 
 def load_tokenizer(model: str):
     """The tokenizer of the model the server runs (the sample's token counts depend on it)."""
-    from engine.model import load_tokenizer as load
+    from transformers import AutoTokenizer
 
-    return load(model)
+    from engine.loader import BUNDLED, convert_bundled
+
+    if model == BUNDLED or model.startswith("dummy:"):  # dummy shapes use the bundled tokenizer
+        return AutoTokenizer.from_pretrained(convert_bundled(None))
+    return AutoTokenizer.from_pretrained(Path(model).expanduser())
 
 
 def load_workload(preset: Preset, tokenizer, max_context: int | None):
