@@ -306,20 +306,38 @@ def size_pools(preset: Preset) -> Preset:
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
 
 
+def model_args(model: str):
+    """The model's shape without loading its weights."""
+    from engine.loader import BUNDLED, convert_bundled
+    from engine.shapes import DUMMY_SHAPES, ModelArgs
+
+    if model.startswith("dummy:"):
+        return DUMMY_SHAPES[model.split(":", 1)[1]]
+    path = convert_bundled(None) if model == BUNDLED else Path(model).expanduser()
+    return ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
+
+
 def kv_bytes_per_chunk(model: str, dtype: str, chunk_size: int = 32) -> int:
     """K and V bytes of one chunk across all layers, from the model's shape."""
     import torch
 
     from engine.kv_pool import KVPool
-    from engine.loader import BUNDLED, convert_bundled
-    from engine.shapes import DUMMY_SHAPES, ModelArgs
 
-    if model.startswith("dummy:"):
-        args = DUMMY_SHAPES[model.split(":", 1)[1]]
-    else:
-        path = convert_bundled(None) if model == BUNDLED else Path(model).expanduser()
-        args = ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
-    return KVPool.bytes_per_block(args, chunk_size, getattr(torch, dtype))
+    return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype))
+
+
+def history_chunks(convs: list[wl.Conversation], chunk: int = 32) -> int:
+    """Chunks that every conversation's full context takes: the idle history at its largest."""
+    return sum(-(-c.context_lens()[-1] // chunk) for c in convs)
+
+
+def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> Preset:
+    """First tier = gpu_fraction of the sample's history (at least room for the longest
+    conversation twice over); the second tier holds all of it."""
+    total = history_chunks(convs, chunk)
+    longest = max(-(-c.context_lens()[-1] // chunk) for c in convs)
+    gpu = max(int(total * preset.gpu_fraction), 2 * longest + 2)
+    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=max(total, gpu))
 
 
 def _cpu_pool_gb(wanted: float) -> float:
@@ -339,7 +357,8 @@ async def run_once(
     preset: Preset,
     desc: str,
 ) -> tuple[list[wl.TurnRecord], float]:
-    plans = wl.plan(convs, rate, think, preset.seed)
+    # `rate` is in real seconds; time_scale compresses the think times of the replay.
+    plans = wl.plan(convs, rate * preset.time_scale, think, preset.seed)
     total = sum(len(c.turns) for c in convs)
     bar = _bar(total, desc)
     start = time.monotonic()
@@ -350,9 +369,19 @@ async def run_once(
     return records, time.monotonic() - start
 
 
-def _bar(total: int, desc: str):
-    from tqdm import tqdm
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
 
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a bare GPU box may lack it; the bar is only a nicety
+        return _NoBar()
     return tqdm(total=total, desc=desc, unit="turn", leave=False, disable=None, file=sys.stderr)
 
 
@@ -379,21 +408,34 @@ def _line(r: dict[str, Any]) -> str:
     )
 
 
-async def bench_engine(preset: Preset, modes: list[str], log=print) -> dict[str, Any]:
+def _log(*a) -> None:
+    print(*a, flush=True)
+
+
+async def bench_engine(
+    preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
+) -> dict[str, Any]:
     from engine import AsyncEngine
 
     preset = size_pools(preset)
+    convs, workload = load_workload(
+        preset, load_tokenizer(preset.model), model_args(preset.model).max_position, sample_file
+    )
+    log(wl.format_summary(workload["summary"]))
+    if preset.gpu_fraction is not None:
+        preset = fit_pools(preset, convs)
+    workload["pools"] = {
+        "gpu_cache_chunks": preset.gpu_cache_chunks,
+        "cpu_cache_chunks": preset.cpu_cache_chunks,
+        "history_chunks": history_chunks(convs),
+    }
+    log(f"pools: {workload['pools']}")
     runs: list[dict[str, Any]] = []
-    workload: dict[str, Any] = {}
-    convs: list[wl.Conversation] | None = None
     for mode_name in modes:
         mode = MODES[mode_name]
         engine = AsyncEngine(engine_config(preset, mode))
         await engine.start()
         try:
-            if convs is None:
-                convs, workload = load_workload(preset, engine.tokenizer, engine.max_context)
-                log(wl.format_summary(workload["summary"]))
             for think in preset.think_s:
                 for rate in preset.rates:
                     driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
@@ -401,11 +443,14 @@ async def bench_engine(preset: Preset, modes: list[str], log=print) -> dict[str,
                     records, wall = await run_once(
                         driver.send, convs, rate, think, preset, f"{mode_name} rate {rate:g}"
                     )
+                    await asyncio.sleep(0.6)  # the loop refreshes its snapshot once idle
                     counters = counters_delta(before, engine.snapshot())
                     await driver.free()
                     run = _record(mode_name, think, rate, records, wall, {"counters": counters})
                     runs.append(run)
                     log(_line(run))
+                    if on_run is not None:
+                        on_run({"workload": workload, "runs": runs})
                     if (
                         run["metrics"]["norm_latency_p90"]
                         > preset.latency_bound * preset.stop_past_bound
@@ -417,7 +462,7 @@ async def bench_engine(preset: Preset, modes: list[str], log=print) -> dict[str,
     return {"workload": workload, "runs": runs}
 
 
-async def bench_url(preset: Preset, url: str, token: str, log=print) -> dict[str, Any]:
+async def bench_url(preset: Preset, url: str, token: str, log=_log) -> dict[str, Any]:
     tokenizer = load_tokenizer(preset.model)
     convs, workload = load_workload(preset, tokenizer, preset.context_cap)
     log(wl.format_summary(workload["summary"]))
@@ -448,7 +493,24 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(Path(model).expanduser())
 
 
-def load_workload(preset: Preset, tokenizer, max_context: int | None):
+def save_sample(path: Path, convs: list[wl.Conversation], workload: dict[str, Any]) -> None:
+    """The tokenized sample as JSON: a machine without the dataset package replays it as is."""
+    data = {"workload": workload, "conversations": [asdict(c) for c in convs]}
+    path.write_text(json.dumps(data))
+
+
+def read_sample(path: Path) -> tuple[list[wl.Conversation], dict[str, Any]]:
+    data = json.loads(path.read_text())
+    convs = [
+        wl.Conversation(c["id"], [wl.TurnSpec(**t) for t in c["turns"]])
+        for c in data["conversations"]
+    ]
+    return convs, {**data["workload"], "sample_file": path.name}
+
+
+def load_workload(preset: Preset, tokenizer, max_context: int | None, sample_file=None):
+    if sample_file is not None and Path(sample_file).exists():
+        return read_sample(Path(sample_file))
     data = wl.load_sharegpt(tokenizer)
     cap = min(preset.context_cap, max_context or preset.context_cap)
     convs = wl.sample(
@@ -459,6 +521,7 @@ def load_workload(preset: Preset, tokenizer, max_context: int | None):
         max_output=preset.max_output,
         min_turns=preset.min_turns,
         max_turns=preset.max_turns,
+        min_context=preset.min_context,
     )
     return convs, {
         "source": data.source,
@@ -487,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help="JSON path (default bench/results/serve_<preset>.json)"
     )
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--sample-file", type=Path, help="replay this tokenized sample (JSON) when it exists"
+    )
+    ap.add_argument("--save-sample", type=Path, help="write the tokenized sample as JSON and exit")
     args = ap.parse_args(argv)
 
     preset = PRESETS[args.preset]
@@ -516,25 +583,42 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and not args.url:
         ap.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
 
+    if args.save_sample:
+        preset = size_pools(preset)
+        convs, workload = load_workload(
+            preset, load_tokenizer(preset.model), model_args(preset.model).max_position
+        )
+        save_sample(args.save_sample, convs, workload)
+        print(wl.format_summary(workload["summary"]))
+        print(f"wrote {args.save_sample}")
+        return 0
+
+    out = args.out or RESULTS / f"serve_{preset.name}{'_url' if args.url else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+
+    def report(result: dict[str, Any]) -> dict[str, Any]:
+        result = {
+            "benchmark": "serve",
+            "preset": asdict(preset),
+            "modes": modes,
+            "environment": environment(),
+            "elapsed_s": time.monotonic() - t0,
+            **result,
+            "claims": claims(result["runs"], preset.latency_bound),
+        }
+        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        return result
+
     if args.url:
         if not args.token:
             ap.error("--url needs --token (or PENSIEVE_TOKEN)")
         result = asyncio.run(bench_url(preset, args.url, args.token))
     else:
-        result = asyncio.run(bench_engine(preset, modes))
-    result = {
-        "benchmark": "serve",
-        "preset": asdict(preset),
-        "modes": modes,
-        "environment": environment(),
-        "elapsed_s": time.monotonic() - t0,
-        **result,
-        "claims": claims(result["runs"], preset.latency_bound),
-    }
-    out = args.out or RESULTS / f"serve_{preset.name}{'_url' if args.url else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        result = asyncio.run(
+            bench_engine(preset, modes, sample_file=args.sample_file, on_run=report)
+        )
+    result = report(result)
     print(f"wrote {out} in {result['elapsed_s']:.0f}s")
     print(json.dumps(result["claims"], indent=1))
     if not args.no_plot:

@@ -285,8 +285,10 @@ def sample(
     max_output: int = 1024,
     min_turns: int = 1,
     max_turns: int | None = None,
+    min_context: int = 0,
 ) -> list[Conversation]:
-    """`n` conversations drawn with `seed`, capped; those left with too few turns are skipped."""
+    """`n` conversations drawn with `seed`, capped; those left with too few turns (or, after
+    `max_turns`, less than `min_context` tokens of context) are skipped."""
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
     out = []
@@ -296,6 +298,8 @@ def sample(
             continue
         if max_turns is not None:
             conv = Conversation(conv.id, conv.turns[:max_turns])
+        if conv.context_lens()[-1] < min_context:
+            continue
         out.append(conv)
         if len(out) == n:
             break
