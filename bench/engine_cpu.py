@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload as wl
-from bench.serve import RESULTS, environment, history_chunks, load_tokenizer, model_args
+from bench.serve import (
+    RESULTS,
+    environment,
+    history_chunks,
+    load_tokenizer,
+    model_args,
+    read_sample,
+)
 
 
 @dataclass
@@ -44,9 +51,12 @@ SETUPS = [
 
 
 def conversations(args, tokenizer, max_context: int) -> list[wl.Conversation]:
-    data = wl.load_sharegpt(tokenizer)
+    if args.sample_file is not None:
+        pool, _ = read_sample(args.sample_file)
+    else:
+        pool = wl.load_sharegpt(tokenizer).conversations
     convs = wl.sample(
-        data.conversations,
+        pool,
         args.conversations,
         args.seed,
         context_cap=min(args.context_cap, max_context),
@@ -219,8 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-cap", type=int, default=1024)
     ap.add_argument("--min-context", type=int, default=512)
     ap.add_argument("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
+    ap.add_argument(
+        "--tight-cpu", type=float, default=0.3, help="second tier / idle history (tight)"
+    )
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: OpenMP threads spin badly on a busy 2-core machine)",
+    )
+    ap.add_argument("--sample-file", type=Path, help="draw from this tokenized sample (JSON)")
     ap.add_argument("--only", help="comma-separated systems to run (default: all)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate_batch")
     ap.add_argument("--out", type=Path, default=RESULTS / "engine_cpu.json")
@@ -228,14 +248,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    tokenizer = load_tokenizer(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = None if args.sample_file else load_tokenizer(args.model)
     convs = conversations(args, tokenizer, model_args(args.model).max_position)
     print(wl.format_summary(wl.summarize(convs)))
     total = history_chunks(convs)
     longest = max(-(-c.context_lens()[-1] // 32) for c in convs)
     tight = max(int(total * args.tight), 2 * longest + 2)
-    pools = {"roomy": (total + 64, total + 64), "tight": (tight, total + 64)}
-    print(f"idle history {total} chunks; first tier: roomy {pools['roomy'][0]}, tight {tight}")
+    # Tight: half the history cannot stay in the first tier, and some cannot stay at all, so
+    # the eviction policy decides what is recomputed.
+    pools = {"roomy": (total + 64, total + 64), "tight": (tight, int(total * args.tight_cpu))}
+    print(f"idle history {total} chunks; pools (first, second tier): {pools}")
 
     only = set(args.only.split(",")) if args.only else None
     rows = []
@@ -256,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": wl.summarize(convs),
         "pools": {"history_chunks": total, **{k: list(v) for k, v in pools.items()}},
         "results": rows,
+        "note": "tight pools: first tier holds --tight of the idle history, second --tight-cpu",
         "goals": goals(by_name),
     }
     print(table(rows))

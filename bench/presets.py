@@ -53,20 +53,22 @@ class Preset:
     latency_bound: float = 0.5  # p90 normalized latency (s / output token) a mode must keep
     stop_past_bound: float = 3.0  # stop a mode's sweep once its p90 passes bound x this
     seed: int = 0
+    threads: int | None = None  # torch intra-op threads; None: torch's default
     note: str = ""
 
 
 PRESETS: dict[str, Preset] = {
-    # SmolLM2-135M in float32 on a 2-core CPU. Times are compressed 10x (think time 60 s is
-    # replayed as 6 s), contexts capped at 2048 tokens and replies at 128, so that the whole
-    # sweep runs in under 15 minutes. The first tier holds about half of the idle history.
+    # SmolLM2-135M in float32 on a 2-core CPU, one torch thread (two spin against any other
+    # load). To fit every mode's sweep in under 15 minutes: 12 ShareGPT conversations with at
+    # least 600 tokens of context, 3-4 turns, contexts capped at 1024 tokens and replies at
+    # 16; think time 60 s replayed as 3 s (x0.05). The first tier holds half the history.
     "cpu": Preset(
         name="cpu",
         model="smollm2-135m-instruct",
         device="cpu",
         dtype="float32",
-        conversations=8,
-        rates=[0.1, 0.2, 0.4],
+        conversations=12,
+        rates=[0.25, 0.5, 1.0],
         think_s=[60.0],
         time_scale=0.05,
         context_cap=1024,
@@ -77,7 +79,8 @@ PRESETS: dict[str, Preset] = {
         modes=["pensieve", "gpu", "stateless", "pensieve-separate"],
         gpu_fraction=0.5,
         max_batch_tokens=512,
-        latency_bound=2.0,
+        latency_bound=1.0,
+        threads=1,
         note="think time 60 s replayed as 3 s (x0.05); context cap 1024, reply cap 16 tokens",
     ),
     # The paper's setting: Llama 2-13B shape with GQA (random weights), 40 GB GPU KV pool,

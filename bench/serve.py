@@ -417,6 +417,10 @@ async def bench_engine(
 ) -> dict[str, Any]:
     from engine import AsyncEngine
 
+    if preset.threads:
+        import torch
+
+        torch.set_num_threads(preset.threads)
     preset = size_pools(preset)
     convs, workload = load_workload(
         preset, load_tokenizer(preset.model), model_args(preset.model).max_position, sample_file
@@ -544,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device")
     ap.add_argument("--gpu-chunks", type=int)
     ap.add_argument("--cpu-chunks", type=int)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads")
     ap.add_argument("--url", help="benchmark a running server instead of the engine in process")
     ap.add_argument("--token", default=os.environ.get("PENSIEVE_TOKEN"), help="bearer token")
     ap.add_argument(
@@ -570,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         ("device", args.device),
         ("gpu_cache_chunks", args.gpu_chunks),
         ("cpu_cache_chunks", args.cpu_chunks),
+        ("threads", args.threads),
     ):
         if val is not None:
             changes[key] = val

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -66,21 +67,71 @@ def test_plot_serve_writes_a_png(tmp_path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+def _sample_file(path, n: int = 3, seed: int = 0):
+    """A small tokenized sample in the format of --save-sample, without the dataset."""
+    rng = random.Random(seed)
+    convs = [
+        wl.Conversation(
+            f"c{i}",
+            [
+                wl.TurnSpec([rng.randrange(100, 20000) for _ in range(rng.randint(20, 90))], 6)
+                for _ in range(2 + i % 2)
+            ],
+        )
+        for i in range(n)
+    ]
+    serve.save_sample(path, convs, {"summary": wl.summarize(convs), "source": "synthetic"})
+    return convs
+
+
+def test_sample_file_round_trip(tmp_path) -> None:
+    convs = _sample_file(tmp_path / "s.json")
+    back, info = serve.read_sample(tmp_path / "s.json")
+    assert back == convs and info["source"] == "synthetic" and info["sample_file"] == "s.json"
+
+
 @pytest.mark.timeout(300)
 def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
-    pytest.importorskip("engine.engine")
+    """The tiny preset end to end on the real engine (dummy:tiny), a few seconds."""
+    sample = tmp_path / "sample.json"
+    convs = _sample_file(sample)
     out = tmp_path / "serve.json"
-    assert serve.main(["--preset", "tiny", "--out", str(out), "--no-plot"]) == 0
+    argv = ["--preset", "tiny", "--sample-file", str(sample), "--out", str(out), "--no-plot"]
+    assert serve.main(argv) == 0
     result = json.loads(out.read_text())
     assert {r["mode"] for r in result["runs"]} == {"pensieve", "stateless"}
-    summary = result["workload"]["summary"]
-    planned = round(summary["output_tokens_per_turn"]["mean"] * summary["turns"])
+    turns = sum(len(c.turns) for c in convs)
     for r in result["runs"]:
         m = r["metrics"]
-        assert m["errors"] == 0 and m["turns"] == summary["turns"]
-        assert m["output_tokens"] == planned  # ignore_eos: every reply has its reference length
+        assert m["errors"] == 0 and m["turns"] == turns
+        assert m["output_tokens"] == 6 * turns  # ignore_eos: every reply has its planned length
+        assert m["norm_latency_p90"] >= m["norm_latency_p50"] > 0
     by_mode = {r["mode"]: r["metrics"] for r in result["runs"]}
-    # Later turns reuse the kept context in pensieve mode; stateless recomputes it all.
-    assert by_mode["pensieve"]["cached_tokens"] + by_mode["pensieve"]["swapped_in_tokens"] > 0
+    # Later turns reuse the kept context in pensieve mode; stateless recomputes all of it.
+    later = sum(len(t.prompt) + 6 for c in convs for t in c.turns[:-1])
+    assert by_mode["pensieve"]["cached_tokens"] + by_mode["pensieve"]["swapped_in_tokens"] == later
+    assert by_mode["pensieve"]["recomputed_tokens"] == 0
+    assert by_mode["stateless"]["recomputed_tokens"] == later
     assert by_mode["stateless"]["cached_tokens"] == 0
-    assert result["environment"]["git_commit"]
+    assert result["environment"]["git_commit"] and "claims" in result
+
+
+@pytest.mark.timeout(300)
+def test_engine_cpu_smoke(tmp_path) -> None:
+    from bench import engine_cpu
+
+    sample = tmp_path / "sample.json"
+    _sample_file(sample, n=4)
+    out = tmp_path / "engine_cpu.json"
+    argv = ["--model", "dummy:tiny", "--sample-file", str(sample), "--conversations", "3"]
+    argv += ["--turns", "2", "--output", "3", "--min-context", "0", "--no-hf", "--out", str(out)]
+    assert engine_cpu.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["results"]}
+    assert set(rows) == {"stateless", "pensieve (roomy)", "pensieve", "gpu", "pensieve-lru"}
+    assert all(r["generated"] == 3 * 2 * 3 for r in rows.values())
+    assert rows["stateless"]["recomputed_tokens"] > 0 and rows["stateless"]["cached_tokens"] == 0
+    assert rows["pensieve (roomy)"]["recomputed_tokens"] == 0
+    assert rows["pensieve (roomy)"]["cached_tokens"] == rows["stateless"]["recomputed_tokens"]
+    assert "pensieve_recomputes_less_than_lru" in result["goals"]
+    assert out.with_suffix(".png").stat().st_size > 5_000
