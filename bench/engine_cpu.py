@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--output", type=int, default=16, help="tokens generated per turn")
-    ap.add_argument("--context-cap", type=int, default=1024)
-    ap.add_argument("--min-context", type=int, default=512)
+    ap.add_argument("--context-cap", type=int, default=768)
+    ap.add_argument("--min-context", type=int, default=400)
     ap.add_argument("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
     ap.add_argument(
         "--tight-cpu", type=float, default=0.3, help="second tier / idle history (tight)"

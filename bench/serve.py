@@ -210,8 +210,13 @@ def claims(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
     for think in sorted({r["think_s"] for r in runs}):
         cap = capacity([r for r in runs if r["think_s"] == think], bound)
         p, s, g = cap.get("pensieve"), cap.get("stateless"), cap.get("gpu")
+        peak: dict[str, float] = {}
+        for r in runs:
+            if r["think_s"] == think and r["metrics"]["turns"]:
+                peak[r["mode"]] = max(peak.get(r["mode"], 0.0), r["metrics"]["throughput_rps"])
         out[f"think_{think:g}s"] = {
             "latency_bound_s_per_token": bound,
+            "peak_rps": peak,  # the most each mode served at any rate, whatever its latency
             "capacity_rps": cap,
             "pensieve_over_stateless": p / s if p and s else None,
             "pensieve_over_gpu": p / g if p and g else None,
@@ -561,6 +566,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-sample", type=Path, help="write the tokenized sample as JSON and exit")
     args = ap.parse_args(argv)
 
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        if args.bound is not None:
+            result["preset"]["latency_bound"] = args.bound
+        result["claims"] = claims(result["runs"], result["preset"]["latency_bound"])
+        args.from_json.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(json.dumps(result["claims"], indent=1))
+        if not args.no_plot:
+            from bench.plots import plot_serve
+
+            print(f"wrote {plot_serve(result, args.from_json.with_suffix('.png'))}")
+        return 0
+
     preset = PRESETS[args.preset]
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     changes: dict[str, Any] = {}
@@ -576,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         ("gpu_cache_chunks", args.gpu_chunks),
         ("cpu_cache_chunks", args.cpu_chunks),
         ("threads", args.threads),
+        ("latency_bound", args.bound),
     ):
         if val is not None:
             changes[key] = val
