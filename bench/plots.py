@@ -25,7 +25,7 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
     runs = result["runs"]
     thinks = sorted({r["think_s"] for r in runs})
     fig, axes = plt.subplots(
-        2, len(thinks), figsize=(5.5 * len(thinks), 7), squeeze=False, sharex="col"
+        2, len(thinks), figsize=(max(7.5, 5.5 * len(thinks)), 7), squeeze=False, sharex="col"
     )
     bound = result.get("preset", {}).get("latency_bound")
     for col, think in enumerate(thinks):
@@ -34,11 +34,12 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
         ):
             ax = axes[row][col]
             for mode in dict.fromkeys(r["mode"] for r in runs):
-                pts = sorted(
+                # One point per request rate, joined in rate order.
+                pts = [
                     (r["metrics"]["throughput_rps"], r["metrics"][key])
-                    for r in runs
+                    for r in sorted(runs, key=lambda r: r["rate"])
                     if r["mode"] == mode and r["think_s"] == think and r["metrics"]["turns"]
-                )
+                ]
                 if not pts:
                     continue
                 color, marker = STYLE.get(mode, (None, "o"))
@@ -57,9 +58,9 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
     preset = result.get("preset", {})
     env = result.get("environment", {})
     fig.suptitle(
-        f"{preset.get('model', '')} on {env.get('device', '?')} "
-        f"({preset.get('conversations', '?')} ShareGPT conversations)",
-        fontsize=10,
+        f"{preset.get('model', '')} on {env.get('device', '?')}\n"
+        f"{preset.get('conversations', '?')} ShareGPT conversations; {preset.get('note', '')}",
+        fontsize=8,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -564,7 +564,24 @@ def main(argv: list[str] | None = None) -> int:
         "--sample-file", type=Path, help="replay this tokenized sample (JSON) when it exists"
     )
     ap.add_argument("--save-sample", type=Path, help="write the tokenized sample as JSON and exit")
+    ap.add_argument("--bound", type=float, help="p90 normalized latency bound (s/token)")
+    ap.add_argument(
+        "--from-json", type=Path, help="recompute claims and the plot of an earlier result"
+    )
     args = ap.parse_args(argv)
+
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        if args.bound is not None:
+            result["preset"]["latency_bound"] = args.bound
+        result["claims"] = claims(result["runs"], result["preset"]["latency_bound"])
+        args.from_json.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(json.dumps(result["claims"], indent=1))
+        if not args.no_plot:
+            from bench.plots import plot_serve
+
+            print(f"wrote {plot_serve(result, args.from_json.with_suffix('.png'))}")
+        return 0
 
     if args.from_json:
         result = json.loads(args.from_json.read_text())
