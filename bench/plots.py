@@ -1,0 +1,86 @@
+"""Figures of the benchmarks: latency vs throughput curves per mode, and throughput bars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+STYLE = {
+    "pensieve": ("tab:red", "o"),
+    "pensieve-lru": ("tab:orange", "v"),
+    "pensieve-separate": ("tab:purple", "s"),
+    "gpu": ("tab:blue", "^"),
+    "stateless": ("tab:gray", "D"),
+    "server": ("tab:green", "o"),
+}
+
+
+def plot_serve(result: dict[str, Any], path: Path) -> Path:
+    """Normalized latency (mean and p90) vs throughput, one line per mode, one column per think time."""
+    runs = result["runs"]
+    thinks = sorted({r["think_s"] for r in runs})
+    fig, axes = plt.subplots(
+        2, len(thinks), figsize=(max(7.5, 5.5 * len(thinks)), 7), squeeze=False, sharex="col"
+    )
+    bound = result.get("preset", {}).get("latency_bound")
+    for col, think in enumerate(thinks):
+        for row, (key, label) in enumerate(
+            (("norm_latency_mean", "mean"), ("norm_latency_p90", "p90"))
+        ):
+            ax = axes[row][col]
+            for mode in dict.fromkeys(r["mode"] for r in runs):
+                # One point per request rate, joined in rate order.
+                pts = [
+                    (r["metrics"]["throughput_rps"], r["metrics"][key])
+                    for r in sorted(runs, key=lambda r: r["rate"])
+                    if r["mode"] == mode and r["think_s"] == think and r["metrics"]["turns"]
+                ]
+                if not pts:
+                    continue
+                color, marker = STYLE.get(mode, (None, "o"))
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, [y * 1e3 for y in ys], marker=marker, color=color, label=mode)
+            if bound and row == 1:
+                ax.axhline(bound * 1e3, ls="--", lw=1, color="black", label="bound")
+            ax.set_yscale("log")
+            ax.set_ylabel(f"{label} normalized latency (ms/token)")
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 0:
+                ax.set_title(f"think time {think:g} s")
+            else:
+                ax.set_xlabel("throughput (requests/s)")
+            ax.legend(fontsize=8)
+    preset = result.get("preset", {})
+    env = result.get("environment", {})
+    fig.suptitle(
+        f"{preset.get('model', '')} on {env.get('device', '?')}\n"
+        f"{preset.get('conversations', '?')} ShareGPT conversations; {preset.get('note', '')}",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_bars(rows: list[dict[str, Any]], key: str, ylabel: str, title: str, path: Path) -> Path:
+    """One bar per row (row["name"], row[key]), labelled with its value."""
+    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
+    names = [r["name"] for r in rows]
+    vals = [r[key] for r in rows]
+    colors = [STYLE.get(n.split(" ")[0], ("tab:green", ""))[0] for n in names]
+    bars = ax.bar(names, vals, color=colors)
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,137 @@
+"""Named settings of the serving benchmark: the CPU preset (`make bench`) and the GPU ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One line of the plot: how the engine keeps (or not) the conversations' KV."""
+
+    name: str
+    cache_mode: str = "pensieve"
+    eviction: str = "pensieve"
+    unified: bool = True
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("pensieve"),
+        Mode("gpu", cache_mode="gpu"),
+        Mode("stateless", cache_mode="stateless"),
+        Mode("pensieve-lru", eviction="lru"),
+        Mode("pensieve-separate", unified=False),
+    )
+}
+
+
+@dataclass
+class Preset:
+    name: str
+    model: str
+    device: str | None = None
+    dtype: str | None = None
+    conversations: int = 100
+    rates: list[float] = field(default_factory=lambda: [0.5, 1.0])  # new conversations / s
+    think_s: list[float] = field(default_factory=lambda: [60.0])  # mean user think time
+    time_scale: float = 1.0  # every planned time (arrivals, think) is multiplied by this
+    context_cap: int = 16384
+    max_output: int = 1024
+    min_turns: int = 1
+    max_turns: int | None = None
+    min_context: int = 0  # skip conversations shorter than this (after the caps)
+    modes: list[str] = field(default_factory=lambda: ["pensieve", "gpu", "stateless"])
+    gpu_cache_chunks: int | None = None
+    cpu_cache_chunks: int | None = None
+    gpu_fraction: float | None = None  # first tier = this share of the sample's history
+    gpu_cache_gb: float | None = None  # sizes the pool from the model's KV bytes per chunk
+    cpu_cache_gb: float | None = None
+    max_batch_tokens: int = 2048
+    max_running: int = 256
+    latency_bound: float = 0.5  # p90 normalized latency (s / output token) a mode must keep
+    stop_past_bound: float = 3.0  # stop a mode's sweep once its p90 passes bound x this
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    note: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    # SmolLM2-135M in float32 on a 2-core CPU, one torch thread (two spin against any other
+    # load). To fit every mode's sweep in under 15 minutes: 12 ShareGPT conversations with at
+    # least 600 tokens of context, 3-4 turns, contexts capped at 1024 tokens and replies at
+    # 16; think time 60 s replayed as 3 s (x0.05). The first tier holds half the history.
+    "cpu": Preset(
+        name="cpu",
+        model="smollm2-135m-instruct",
+        device="cpu",
+        dtype="float32",
+        conversations=12,
+        rates=[0.25, 0.5, 1.0],
+        think_s=[60.0],
+        time_scale=0.05,
+        context_cap=1024,
+        max_output=16,
+        min_turns=3,
+        max_turns=4,
+        min_context=600,
+        modes=["pensieve", "gpu", "stateless", "pensieve-separate"],
+        gpu_fraction=0.5,
+        max_batch_tokens=512,
+        latency_bound=2.5,  # p90 s/token: the lowest-rate stateless run just fits under it
+        threads=1,
+        note="think time 60 s replayed as 3 s (x0.05); context cap 1024, reply cap 16 tokens",
+    ),
+    # The paper's setting: Llama 2-13B shape with GQA (random weights), 40 GB GPU KV pool,
+    # ShareGPT contexts up to 16384 tokens. Think times are compressed 10x so a sweep fits in
+    # minutes (60 s is replayed as 6 s); pass --time-scale 1 for real time.
+    "gpu": Preset(
+        name="gpu",
+        model="dummy:llama-2-13b-gqa10",
+        device="cuda",
+        dtype="bfloat16",
+        conversations=100,
+        rates=[2.0, 4.0],
+        think_s=[60.0],
+        time_scale=0.1,
+        context_cap=16384,
+        max_output=1024,
+        modes=["pensieve", "stateless", "gpu"],
+        gpu_cache_gb=40.0,
+        cpu_cache_gb=200.0,
+        latency_bound=0.2,
+        note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
+    ),
+    "gpu-llama3": Preset(
+        name="gpu-llama3",
+        model="dummy:llama-3-8b",
+        device="cuda",
+        dtype="bfloat16",
+        conversations=400,
+        rates=[1.0, 2.0, 4.0, 6.0, 8.0],
+        think_s=[60.0],
+        modes=["pensieve", "gpu", "stateless"],
+        gpu_cache_gb=40.0,
+        cpu_cache_gb=200.0,
+        latency_bound=0.2,
+    ),
+    # A few seconds: the smoke test and a quick check of a checkout.
+    "tiny": Preset(
+        name="tiny",
+        model="dummy:tiny",
+        device="cpu",
+        dtype="float32",
+        conversations=3,
+        rates=[4.0],
+        think_s=[0.5],
+        context_cap=512,
+        max_output=8,
+        max_turns=3,
+        modes=["pensieve", "stateless"],
+        gpu_cache_chunks=64,
+        cpu_cache_chunks=64,
+        max_batch_tokens=256,
+        latency_bound=1.0,
+    ),
+}

@@ -1,0 +1,674 @@
+"""Multi-turn serving benchmark: replay ShareGPT conversations and measure latency vs throughput.
+
+    python -m bench.serve --preset cpu                 # the engine in process, every mode
+    python -m bench.serve --preset gpu --think 600     # one of the paper's settings
+    python -m bench.serve --url http://127.0.0.1:8000 --token T --preset cpu --modes server
+
+In process, each mode (pensieve / gpu / stateless, lru, separate prefill and decode) gets
+its own AsyncEngine; every conversation is an asyncio task that arrives, sends a turn,
+waits for the whole reply, thinks, and sends the next. With --url the same replay goes to
+a running server over its WebSocket protocol (conversations created through REST).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench import workload as wl
+from bench.presets import MODES, PRESETS, Mode, Preset
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# ---------------------------------------------------------------- drivers
+
+
+class EngineDriver:
+    """Sends turns to an in-process AsyncEngine; each turn replays the reference reply length."""
+
+    def __init__(self, engine, tag: str) -> None:
+        self.engine = engine
+        self.tag = tag  # keeps ids of successive runs on one engine apart
+        self.ids: set[str] = set()
+
+    async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
+        from engine import SamplingParams, Turn
+
+        conv = f"{self.tag}/{cid}"
+        self.ids.add(conv)
+        sampling = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+        try:
+            stream = self.engine.submit(Turn(conv, list(spec.prompt), sampling))
+            first = None
+            async for _ in stream:
+                if first is None:
+                    first = time.monotonic()
+            done = time.monotonic()
+            res = stream.result
+        except Exception as e:  # a refused turn is a result of the run, not a crash
+            now = time.monotonic()
+            return wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}")
+        return wl.Reply(
+            first_token_at=first if first is not None else done,
+            done_at=done,
+            output_tokens=len(res.token_ids),
+            stats=_stats(res.stats),
+            error=None if res.finish_reason != "cancelled" else "cancelled",
+        )
+
+    async def free(self) -> None:
+        for conv in self.ids:
+            await self.engine.free(conv)
+        self.ids.clear()
+
+
+def _stats(stats) -> dict[str, Any]:
+    keep = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
+    out = {k: getattr(stats, k, 0) for k in keep}
+    out["suspensions"] = getattr(stats, "suspensions", 0)
+    return out
+
+
+class UrlDriver:
+    """Sends turns to a running server: REST to create chats, one WebSocket per chat.
+
+    The server takes text, so each turn sends the user's message and asks for the reference
+    reply's length as max_tokens; the reply may end earlier on a stop token.
+    """
+
+    def __init__(self, url: str, token: str, timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.chats: dict[str, str] = {}
+        self.sockets: dict[str, Any] = {}
+
+    def _create(self) -> str:
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"{self.url}/api/conversations",
+            data=json.dumps({"title": "bench"}).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())["id"]
+
+    async def _socket(self, cid: str):
+        if cid not in self.sockets:
+            from websockets.asyncio.client import connect
+
+            self.chats[cid] = await asyncio.to_thread(self._create)
+            ws_url = self.url.replace("http", "ws", 1) + f"/ws/chat/{self.chats[cid]}"
+            self.sockets[cid] = await connect(
+                ws_url, additional_headers={"Authorization": f"Bearer {self.token}"}
+            )
+        return self.sockets[cid]
+
+    async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
+        try:
+            ws = await self._socket(cid)
+            msg = {"type": "message", "content": spec.text, "max_tokens": spec.output_len}
+            await ws.send(json.dumps({**msg, "temperature": 0.0}))
+            first = None
+            while True:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), self.timeout))
+                if frame["type"] == "token" and first is None:
+                    first = time.monotonic()
+                elif frame["type"] == "error":
+                    now = time.monotonic()
+                    return wl.Reply(now, now, 0, error=f"{frame['code']}: {frame['message']}")
+                elif frame["type"] == "done":
+                    done = time.monotonic()
+                    usage = frame.get("usage", {})
+                    stats = {k: usage.get(k, 0) for k in _USAGE}
+                    return wl.Reply(
+                        first or done, done, int(usage.get("completion_tokens", 0)), stats
+                    )
+        except Exception as e:
+            now = time.monotonic()
+            return wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}")
+
+    async def close(self) -> None:
+        for ws in self.sockets.values():
+            await ws.close()
+        self.sockets.clear()
+
+
+_USAGE = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def metrics(records: list[wl.TurnRecord], wall_s: float) -> dict[str, Any]:
+    """Throughput, normalized latency (latency / output tokens), TTFT and cache hits of a run."""
+    ok = [r for r in records if r.error is None and r.output_tokens > 0]
+    span = max((r.done_s for r in ok), default=0.0) - min((r.sent_s for r in ok), default=0.0)
+    span = span or wall_s or 1e-9
+    norm = [r.latency_s / r.output_tokens for r in ok]
+    ttft = [r.ttft_s for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+
+    def tot(key: str) -> int:
+        return int(sum(r.stats.get(key, 0) for r in ok))
+
+    return {
+        "turns": len(ok),
+        "errors": len(records) - len(ok),
+        "error_samples": sorted({r.error for r in records if r.error})[:3],
+        "duration_s": span,
+        "throughput_rps": len(ok) / span,
+        "throughput_tps": out_tokens / span,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "norm_latency_mean": statistics.fmean(norm) if norm else float("nan"),
+        "norm_latency_p50": wl.percentile(norm, 50),
+        "norm_latency_p90": wl.percentile(norm, 90),
+        "latency_mean_s": statistics.fmean(r.latency_s for r in ok) if ok else float("nan"),
+        "ttft_p50_s": wl.percentile(ttft, 50),
+        "ttft_p90_s": wl.percentile(ttft, 90),
+        "context_tokens": sum(r.context_tokens for r in ok),
+        "cached_tokens": tot("cached_tokens"),
+        "swapped_in_tokens": tot("swapped_in_tokens"),
+        "recomputed_tokens": tot("recomputed_tokens"),
+        "suspensions": tot("suspensions"),
+    }
+
+
+def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    a, b = after.get("counters", {}), before.get("counters", {})
+    return {k: int(a[k]) - int(b.get(k, 0)) for k in a if k not in ("running", "waiting")}
+
+
+def capacity(runs: list[dict[str, Any]], bound: float) -> dict[str, float | None]:
+    """Per mode: the highest throughput among runs whose p90 normalized latency is in bound."""
+    out: dict[str, float | None] = {}
+    for r in runs:
+        best = out.setdefault(r["mode"], None)
+        m = r["metrics"]
+        if m["turns"] and m["errors"] == 0 and m["norm_latency_p90"] <= bound:
+            out[r["mode"]] = max(best or 0.0, m["throughput_rps"])
+    return out
+
+
+def claims(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """The paper's comparison at a p90 normalized-latency bound, per think time."""
+    out = {}
+    for think in sorted({r["think_s"] for r in runs}):
+        cap = capacity([r for r in runs if r["think_s"] == think], bound)
+        p, s, g = cap.get("pensieve"), cap.get("stateless"), cap.get("gpu")
+        peak: dict[str, float] = {}
+        for r in runs:
+            if r["think_s"] == think and r["metrics"]["turns"]:
+                peak[r["mode"]] = max(peak.get(r["mode"], 0.0), r["metrics"]["throughput_rps"])
+        out[f"think_{think:g}s"] = {
+            "latency_bound_s_per_token": bound,
+            "peak_rps": peak,  # the most each mode served at any rate, whatever its latency
+            "capacity_rps": cap,
+            "pensieve_over_stateless": p / s if p and s else None,
+            "pensieve_over_gpu": p / g if p and g else None,
+            # None: a mode was not measured. A mode with no run inside the bound has capacity 0.
+            "pensieve_2x_stateless": None
+            if "stateless" not in cap or "pensieve" not in cap
+            else bool(p and (not s or p >= 2 * s)),
+            "pensieve_beats_gpu": None
+            if "gpu" not in cap or "pensieve" not in cap
+            else bool(p and (not g or p > g)),
+        }
+    return out
+
+
+# ---------------------------------------------------------------- running
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": _git_commit(),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["device"] = (
+            torch.cuda.get_device_name(0)
+            if torch.cuda.is_available()
+            else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        )
+    except ImportError:  # pragma: no cover - torch is a dependency
+        env["device"] = "unknown"
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        env["memory_gb"] = round(pages / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return env
+
+
+def _git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def engine_config(preset: Preset, mode: Mode):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model=preset.model,
+        device=preset.device,
+        dtype=preset.dtype,
+        gpu_cache_chunks=preset.gpu_cache_chunks,
+        cpu_cache_chunks=preset.cpu_cache_chunks if mode.cache_mode == "pensieve" else 0,
+        cache_mode=mode.cache_mode,
+        eviction=mode.eviction,
+        unified=mode.unified,
+        max_batch_tokens=preset.max_batch_tokens,
+        max_running=preset.max_running,
+        seed=preset.seed,
+    )
+
+
+def size_pools(preset: Preset) -> Preset:
+    """Turn the preset's GB pool sizes into chunk counts from the model's KV bytes per chunk."""
+    if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
+        return preset
+    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16")
+    gpu, cpu = preset.gpu_cache_chunks, preset.cpu_cache_chunks
+    if preset.gpu_cache_gb is not None:
+        gpu = int(preset.gpu_cache_gb * 2**30 // per)
+    if preset.cpu_cache_gb is not None:
+        cpu = int(_cpu_pool_gb(preset.cpu_cache_gb) * 2**30 // per)
+    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+
+
+def model_args(model: str):
+    """The model's shape without loading its weights."""
+    from engine.loader import BUNDLED, convert_bundled
+    from engine.shapes import DUMMY_SHAPES, ModelArgs
+
+    if model.startswith("dummy:"):
+        return DUMMY_SHAPES[model.split(":", 1)[1]]
+    path = convert_bundled(None) if model == BUNDLED else Path(model).expanduser()
+    return ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def kv_bytes_per_chunk(model: str, dtype: str, chunk_size: int = 32) -> int:
+    """K and V bytes of one chunk across all layers, from the model's shape."""
+    import torch
+
+    from engine.kv_pool import KVPool
+
+    return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype))
+
+
+def history_chunks(convs: list[wl.Conversation], chunk: int = 32) -> int:
+    """Chunks that every conversation's full context takes: the idle history at its largest."""
+    return sum(-(-c.context_lens()[-1] // chunk) for c in convs)
+
+
+def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> Preset:
+    """First tier = gpu_fraction of the sample's history (at least room for the longest
+    conversation twice over); the second tier holds all of it."""
+    total = history_chunks(convs, chunk)
+    longest = max(-(-c.context_lens()[-1] // chunk) for c in convs)
+    gpu = max(int(total * preset.gpu_fraction), 2 * longest + 2)
+    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=max(total, gpu))
+
+
+def _cpu_pool_gb(wanted: float) -> float:
+    """The paper's CPU pool when the host has the memory, else 60% of the host's RAM."""
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError):
+        return wanted
+    return min(wanted, 0.6 * host)
+
+
+async def run_once(
+    driver_send,
+    convs: list[wl.Conversation],
+    rate: float,
+    think: float,
+    preset: Preset,
+    desc: str,
+) -> tuple[list[wl.TurnRecord], float]:
+    # `rate` is in real seconds; time_scale compresses the think times of the replay.
+    plans = wl.plan(convs, rate * preset.time_scale, think, preset.seed)
+    total = sum(len(c.turns) for c in convs)
+    bar = _bar(total, desc)
+    start = time.monotonic()
+    records = await wl.replay(
+        plans, driver_send, time_scale=preset.time_scale, on_turn=lambda _: bar.update(1)
+    )
+    bar.close()
+    return records, time.monotonic() - start
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a bare GPU box may lack it; the bar is only a nicety
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="turn", leave=False, disable=None, file=sys.stderr)
+
+
+def _record(mode: str, think: float, rate: float, records, wall: float, extra: dict) -> dict:
+    return {
+        "mode": mode,
+        "think_s": think,
+        "rate": rate,
+        "wall_s": wall,
+        "metrics": metrics(records, wall),
+        **extra,
+    }
+
+
+def _line(r: dict[str, Any]) -> str:
+    m = r["metrics"]
+    return (
+        f"{r['mode']:<18} think {r['think_s']:>5g}s rate {r['rate']:>5g}/s  "
+        f"{m['throughput_rps']:6.2f} req/s {m['throughput_tps']:7.1f} tok/s  "
+        f"norm lat mean {m['norm_latency_mean'] * 1e3:7.1f} p90 {m['norm_latency_p90'] * 1e3:7.1f} ms/tok  "
+        f"ttft p50 {m['ttft_p50_s']:.2f}s p90 {m['ttft_p90_s']:.2f}s  "
+        f"cached {m['cached_tokens']} swapped {m['swapped_in_tokens']} "
+        f"recomputed {m['recomputed_tokens']} susp {m['suspensions']} err {m['errors']}"
+    )
+
+
+def _log(*a) -> None:
+    print(*a, flush=True)
+
+
+async def bench_engine(
+    preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
+) -> dict[str, Any]:
+    from engine import AsyncEngine
+
+    if preset.threads:
+        import torch
+
+        torch.set_num_threads(preset.threads)
+    preset = size_pools(preset)
+    convs, workload = load_workload(
+        preset, load_tokenizer(preset.model), model_args(preset.model).max_position, sample_file
+    )
+    log(wl.format_summary(workload["summary"]))
+    if preset.gpu_fraction is not None:
+        preset = fit_pools(preset, convs)
+    workload["pools"] = {
+        "gpu_cache_chunks": preset.gpu_cache_chunks,
+        "cpu_cache_chunks": preset.cpu_cache_chunks,
+        "history_chunks": history_chunks(convs),
+    }
+    log(f"pools: {workload['pools']}")
+    runs: list[dict[str, Any]] = []
+    for mode_name in modes:
+        mode = MODES[mode_name]
+        engine = AsyncEngine(engine_config(preset, mode))
+        await engine.start()
+        try:
+            for think in preset.think_s:
+                for rate in preset.rates:
+                    driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
+                    before = engine.snapshot()
+                    records, wall = await run_once(
+                        driver.send, convs, rate, think, preset, f"{mode_name} rate {rate:g}"
+                    )
+                    await asyncio.sleep(0.6)  # the loop refreshes its snapshot once idle
+                    counters = counters_delta(before, engine.snapshot())
+                    await driver.free()
+                    run = _record(mode_name, think, rate, records, wall, {"counters": counters})
+                    runs.append(run)
+                    log(_line(run))
+                    if on_run is not None:
+                        on_run({"workload": workload, "runs": runs})
+                    if (
+                        run["metrics"]["norm_latency_p90"]
+                        > preset.latency_bound * preset.stop_past_bound
+                    ):
+                        log(f"{mode_name}: past the latency bound, skipping higher rates")
+                        break
+        finally:
+            await engine.stop()
+    return {"workload": workload, "runs": runs}
+
+
+async def bench_url(preset: Preset, url: str, token: str, log=_log) -> dict[str, Any]:
+    tokenizer = load_tokenizer(preset.model)
+    convs, workload = load_workload(preset, tokenizer, preset.context_cap)
+    log(wl.format_summary(workload["summary"]))
+    runs = []
+    for think in preset.think_s:
+        for rate in preset.rates:
+            driver = UrlDriver(url, token)
+            try:
+                records, wall = await run_once(
+                    driver.send, convs, rate, think, preset, f"server rate {rate:g}"
+                )
+            finally:
+                await driver.close()
+            run = _record("server", think, rate, records, wall, {"url": url})
+            runs.append(run)
+            log(_line(run))
+    return {"workload": workload, "runs": runs}
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of the model the server runs (the sample's token counts depend on it)."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import BUNDLED, convert_bundled
+
+    if model == BUNDLED or model.startswith("dummy:"):  # dummy shapes use the bundled tokenizer
+        return AutoTokenizer.from_pretrained(convert_bundled(None))
+    return AutoTokenizer.from_pretrained(Path(model).expanduser())
+
+
+def save_sample(path: Path, convs: list[wl.Conversation], workload: dict[str, Any]) -> None:
+    """The tokenized sample as JSON: a machine without the dataset package replays it as is."""
+    data = {"workload": workload, "conversations": [asdict(c) for c in convs]}
+    path.write_text(json.dumps(data))
+
+
+def read_sample(path: Path) -> tuple[list[wl.Conversation], dict[str, Any]]:
+    data = json.loads(path.read_text())
+    convs = [
+        wl.Conversation(c["id"], [wl.TurnSpec(**t) for t in c["turns"]])
+        for c in data["conversations"]
+    ]
+    return convs, {**data["workload"], "sample_file": path.name}
+
+
+def load_workload(preset: Preset, tokenizer, max_context: int | None, sample_file=None):
+    if sample_file is not None and Path(sample_file).exists():
+        return read_sample(Path(sample_file))
+    data = wl.load_sharegpt(tokenizer)
+    cap = min(preset.context_cap, max_context or preset.context_cap)
+    convs = wl.sample(
+        data.conversations,
+        preset.conversations,
+        preset.seed,
+        context_cap=cap,
+        max_output=preset.max_output,
+        min_turns=preset.min_turns,
+        max_turns=preset.max_turns,
+        min_context=preset.min_context,
+    )
+    return convs, {
+        "source": data.source,
+        "parse": asdict(data.report),
+        "tokenizer": wl.tokenizer_name(tokenizer),
+        "context_cap": cap,
+        "summary": wl.summarize(convs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--modes", help=f"comma-separated, of {sorted(MODES)}")
+    ap.add_argument("--rates", help="comma-separated new conversations per second")
+    ap.add_argument("--think", help="comma-separated mean think times (s)")
+    ap.add_argument("--conversations", type=int)
+    ap.add_argument("--time-scale", type=float)
+    ap.add_argument("--model")
+    ap.add_argument("--device")
+    ap.add_argument("--gpu-chunks", type=int)
+    ap.add_argument("--cpu-chunks", type=int)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads")
+    ap.add_argument("--url", help="benchmark a running server instead of the engine in process")
+    ap.add_argument("--token", default=os.environ.get("PENSIEVE_TOKEN"), help="bearer token")
+    ap.add_argument(
+        "--out", type=Path, help="JSON path (default bench/results/serve_<preset>.json)"
+    )
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--sample-file", type=Path, help="replay this tokenized sample (JSON) when it exists"
+    )
+    ap.add_argument("--save-sample", type=Path, help="write the tokenized sample as JSON and exit")
+    ap.add_argument("--bound", type=float, help="p90 normalized latency bound (s/token)")
+    ap.add_argument(
+        "--from-json", type=Path, help="recompute claims and the plot of an earlier result"
+    )
+    args = ap.parse_args(argv)
+
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        if args.bound is not None:
+            result["preset"]["latency_bound"] = args.bound
+        result["claims"] = claims(result["runs"], result["preset"]["latency_bound"])
+        args.from_json.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(json.dumps(result["claims"], indent=1))
+        if not args.no_plot:
+            from bench.plots import plot_serve
+
+            print(f"wrote {plot_serve(result, args.from_json.with_suffix('.png'))}")
+        return 0
+
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        if args.bound is not None:
+            result["preset"]["latency_bound"] = args.bound
+        result["claims"] = claims(result["runs"], result["preset"]["latency_bound"])
+        args.from_json.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(json.dumps(result["claims"], indent=1))
+        if not args.no_plot:
+            from bench.plots import plot_serve
+
+            print(f"wrote {plot_serve(result, args.from_json.with_suffix('.png'))}")
+        return 0
+
+    preset = PRESETS[args.preset]
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    changes: dict[str, Any] = {}
+    if args.rates:
+        changes["rates"] = floats(args.rates)
+    if args.think:
+        changes["think_s"] = floats(args.think)
+    for key, val in (
+        ("conversations", args.conversations),
+        ("time_scale", args.time_scale),
+        ("model", args.model),
+        ("device", args.device),
+        ("gpu_cache_chunks", args.gpu_chunks),
+        ("cpu_cache_chunks", args.cpu_chunks),
+        ("threads", args.threads),
+        ("latency_bound", args.bound),
+    ):
+        if val is not None:
+            changes[key] = val
+    if args.gpu_chunks is not None:
+        changes["gpu_cache_gb"] = None
+    if args.cpu_chunks is not None:
+        changes["cpu_cache_gb"] = None
+    preset = replace(preset, **changes)
+    modes = args.modes.split(",") if args.modes else preset.modes
+    unknown = [m for m in modes if m not in MODES]
+    if unknown and not args.url:
+        ap.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
+
+    if args.save_sample:
+        preset = size_pools(preset)
+        convs, workload = load_workload(
+            preset, load_tokenizer(preset.model), model_args(preset.model).max_position
+        )
+        save_sample(args.save_sample, convs, workload)
+        print(wl.format_summary(workload["summary"]))
+        print(f"wrote {args.save_sample}")
+        return 0
+
+    out = args.out or RESULTS / f"serve_{preset.name}{'_url' if args.url else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def report(result: dict[str, Any]) -> dict[str, Any]:
+        result = {
+            "benchmark": "serve",
+            "preset": asdict(preset),
+            "modes": modes,
+            "environment": environment(),
+            "elapsed_s": time.monotonic() - t0,
+            **result,
+            "claims": claims(result["runs"], preset.latency_bound),
+        }
+        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        return result
+
+    if args.url:
+        if not args.token:
+            ap.error("--url needs --token (or PENSIEVE_TOKEN)")
+        result = asyncio.run(bench_url(preset, args.url, args.token))
+    else:
+        result = asyncio.run(
+            bench_engine(preset, modes, sample_file=args.sample_file, on_run=report)
+        )
+    result = report(result)
+    print(f"wrote {out} in {result['elapsed_s']:.0f}s")
+    print(json.dumps(result["claims"], indent=1))
+    if not args.no_plot:
+        from bench.plots import plot_serve
+
+        print(f"wrote {plot_serve(result, out.with_suffix('.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

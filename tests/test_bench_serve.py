@@ -1,0 +1,137 @@
+"""The serving benchmark's reporting: metrics, capacity at a latency bound, plots, and a smoke run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bench import serve
+from bench import workload as wl
+
+
+def _rec(conv: str, sent: float, first: float, done: float, out: int, **stats) -> wl.TurnRecord:
+    return wl.TurnRecord(conv, 0, sent, first, done, out, 10, 0, stats)
+
+
+def test_metrics_of_a_run() -> None:
+    recs = [
+        _rec("a", 0.0, 0.5, 2.0, 10, cached_tokens=5, recomputed_tokens=3),
+        _rec("b", 1.0, 1.2, 5.0, 20, swapped_in_tokens=7, suspensions=1),
+        wl.TurnRecord("c", 0, 1.0, 1.0, 1.0, 0, 10, 0, error="ValueError: too long"),
+    ]
+    m = serve.metrics(recs, wall_s=6.0)
+    assert m["turns"] == 2 and m["errors"] == 1 and m["error_samples"] == ["ValueError: too long"]
+    assert m["duration_s"] == pytest.approx(5.0)
+    assert m["throughput_rps"] == pytest.approx(0.4)
+    assert m["throughput_tps"] == pytest.approx(6.0)
+    assert m["norm_latency_mean"] == pytest.approx((0.2 + 0.2) / 2)
+    assert m["ttft_p50_s"] == pytest.approx(0.35)
+    assert (m["cached_tokens"], m["swapped_in_tokens"], m["recomputed_tokens"]) == (5, 7, 3)
+    assert m["suspensions"] == 1
+
+
+def _run(mode: str, rate: float, rps: float, p90: float, think: float = 60.0) -> dict:
+    m = {"turns": 10, "errors": 0, "throughput_rps": rps, "norm_latency_p90": p90}
+    return {"mode": mode, "rate": rate, "think_s": think, "metrics": m}
+
+
+def test_capacity_and_claims_at_the_bound() -> None:
+    runs = [
+        _run("stateless", 1, 0.9, 0.1),
+        _run("stateless", 2, 1.0, 0.9),  # past the bound: does not count
+        _run("gpu", 1, 0.9, 0.1),
+        _run("gpu", 2, 1.5, 0.3),
+        _run("pensieve", 1, 0.9, 0.1),
+        _run("pensieve", 2, 1.8, 0.2),
+        _run("pensieve", 4, 2.5, 0.5),
+    ]
+    cap = serve.capacity(runs, bound=0.5)
+    assert cap == {"stateless": 0.9, "gpu": 1.5, "pensieve": 2.5}
+    c = serve.claims(runs, bound=0.5)["think_60s"]
+    assert c["pensieve_over_stateless"] == pytest.approx(2.5 / 0.9)
+    assert c["pensieve_2x_stateless"] and c["pensieve_beats_gpu"]
+    c = serve.claims(runs, bound=0.15)["think_60s"]
+    assert c["pensieve_over_stateless"] == pytest.approx(1.0) and not c["pensieve_2x_stateless"]
+
+
+def test_plot_serve_writes_a_png(tmp_path) -> None:
+    from bench.plots import plot_serve
+
+    runs = [{**_run(m, r, r, 0.05 * r, t), "metrics": {
+        "turns": 1, "errors": 0, "throughput_rps": r, "norm_latency_p90": 0.05 * r,
+        "norm_latency_mean": 0.03 * r}} for m in ("pensieve", "stateless") for r in (1, 2)
+        for t in (60.0, 600.0)]  # fmt: skip
+    path = plot_serve({"runs": runs, "preset": {"latency_bound": 0.1}}, tmp_path / "f.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def _sample_file(path, n: int = 3, seed: int = 0):
+    """A small tokenized sample in the format of --save-sample, without the dataset."""
+    rng = random.Random(seed)
+    convs = [
+        wl.Conversation(
+            f"c{i}",
+            [
+                wl.TurnSpec([rng.randrange(100, 20000) for _ in range(rng.randint(20, 90))], 6)
+                for _ in range(2 + i % 2)
+            ],
+        )
+        for i in range(n)
+    ]
+    serve.save_sample(path, convs, {"summary": wl.summarize(convs), "source": "synthetic"})
+    return convs
+
+
+def test_sample_file_round_trip(tmp_path) -> None:
+    convs = _sample_file(tmp_path / "s.json")
+    back, info = serve.read_sample(tmp_path / "s.json")
+    assert back == convs and info["source"] == "synthetic" and info["sample_file"] == "s.json"
+
+
+@pytest.mark.timeout(300)
+def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
+    """The tiny preset end to end on the real engine (dummy:tiny), a few seconds."""
+    sample = tmp_path / "sample.json"
+    convs = _sample_file(sample)
+    out = tmp_path / "serve.json"
+    argv = ["--preset", "tiny", "--sample-file", str(sample), "--out", str(out), "--no-plot"]
+    assert serve.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert {r["mode"] for r in result["runs"]} == {"pensieve", "stateless"}
+    turns = sum(len(c.turns) for c in convs)
+    for r in result["runs"]:
+        m = r["metrics"]
+        assert m["errors"] == 0 and m["turns"] == turns
+        assert m["output_tokens"] == 6 * turns  # ignore_eos: every reply has its planned length
+        assert m["norm_latency_p90"] >= m["norm_latency_p50"] > 0
+    by_mode = {r["mode"]: r["metrics"] for r in result["runs"]}
+    # Later turns reuse the kept context in pensieve mode; stateless recomputes all of it.
+    later = sum(len(t.prompt) + 6 for c in convs for t in c.turns[:-1])
+    assert by_mode["pensieve"]["cached_tokens"] + by_mode["pensieve"]["swapped_in_tokens"] == later
+    assert by_mode["pensieve"]["recomputed_tokens"] == 0
+    assert by_mode["stateless"]["recomputed_tokens"] == later
+    assert by_mode["stateless"]["cached_tokens"] == 0
+    assert result["environment"]["git_commit"] and "claims" in result
+
+
+@pytest.mark.timeout(300)
+def test_engine_cpu_smoke(tmp_path) -> None:
+    from bench import engine_cpu
+
+    sample = tmp_path / "sample.json"
+    _sample_file(sample, n=4)
+    out = tmp_path / "engine_cpu.json"
+    argv = ["--model", "dummy:tiny", "--sample-file", str(sample), "--conversations", "3"]
+    argv += ["--turns", "2", "--output", "3", "--min-context", "0", "--no-hf", "--out", str(out)]
+    assert engine_cpu.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["results"]}
+    assert set(rows) == {"stateless", "pensieve (roomy)", "pensieve", "gpu", "pensieve-lru"}
+    assert all(r["generated"] == 3 * 2 * 3 for r in rows.values())
+    assert rows["stateless"]["recomputed_tokens"] > 0 and rows["stateless"]["cached_tokens"] == 0
+    assert rows["pensieve (roomy)"]["recomputed_tokens"] == 0
+    assert rows["pensieve (roomy)"]["cached_tokens"] == rows["stateless"]["recomputed_tokens"]
+    assert "pensieve_recomputes_less_than_lru" in result["goals"]
+    assert out.with_suffix(".png").stat().st_size > 5_000
