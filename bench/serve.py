@@ -638,13 +638,14 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / f"serve_{preset.name}{'_url' if args.url else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    env = environment()  # the commit and machine the run started on
 
     def report(result: dict[str, Any]) -> dict[str, Any]:
         result = {
             "benchmark": "serve",
             "preset": asdict(preset),
             "modes": modes,
-            "environment": environment(),
+            "environment": env,
             "elapsed_s": time.monotonic() - t0,
             **result,
             "claims": claims(result["runs"], preset.latency_bound),
