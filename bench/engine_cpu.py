@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(json.dumps(result["goals"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     from bench.plots import plot_bars
 
     png = plot_bars(
