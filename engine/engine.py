@@ -91,6 +91,7 @@ class Engine:
             config, KVPool.bytes_per_block(self.args, cs, self.dtype), self.device
         )
         self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype)
+        cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock() if clock is None else clock

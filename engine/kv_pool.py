@@ -10,10 +10,14 @@ layer i waits for layer i's event only. On the CPU the same calls copy synchrono
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.cache import CopyPlan
 from engine.shapes import ModelArgs
+
+log = logging.getLogger(__name__)
 
 
 class KVPool:
@@ -26,14 +30,25 @@ class KVPool:
         self.gpu = torch.zeros(
             (args.n_layers, 2, gpu_blocks, *shape), device=self.device, dtype=dtype
         )
-        self.cpu = torch.zeros(
-            (args.n_layers, 2, max(cpu_blocks, 0), *shape), dtype=dtype, pin_memory=self.cuda
-        )
+        self.cpu = self._host_pool(args.n_layers, max(cpu_blocks, 0), shape, dtype)
+        self.cpu_blocks = self.cpu.shape[2]
         self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(args.n_layers)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._layer_events: list | None = None
         self._pending_swap_in: list[tuple[int, int]] = []
         self._background_done = None
+
+    def _host_pool(self, layers: int, blocks: int, shape: tuple, dtype) -> torch.Tensor:
+        """The CPU tier; pinned memory can be refused well below the host's free memory, so
+        a pool that cannot be pinned is halved until it can (and the engine is told)."""
+        while True:
+            try:
+                return torch.zeros((layers, 2, blocks, *shape), dtype=dtype, pin_memory=self.cuda)
+            except RuntimeError:  # torch.AcceleratorError is one too
+                if blocks <= 1:
+                    raise
+                log.warning("could not pin %d CPU blocks; trying %d", blocks, blocks // 2)
+                blocks //= 2
 
     @staticmethod
     def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
