@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -97,6 +98,7 @@ class Hub:
 
     def __init__(self) -> None:
         self.live: dict[str, ChatSocket] = {}
+        self.arrivals = itertools.count()  # connection order, taken before any await
         # One turn at a time per chat, across sockets; a lock lives while a turn holds or
         # awaits it.
         self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -108,11 +110,17 @@ class Hub:
             lock = self.locks[conversation_id] = asyncio.Lock()
         return lock
 
-    async def claim(self, chat: ChatSocket) -> None:
+    async def claim(self, chat: ChatSocket) -> bool:
+        """Make `chat` the live socket of its conversation, unless a connection that arrived
+        later already is (their auth lookups may finish in either order)."""
         old = self.live.get(chat.conversation_id)
+        if old is not None and old.arrival > chat.arrival:
+            await chat.close(REPLACED, "replaced by a newer connection")
+            return False
         self.live[chat.conversation_id] = chat
         if old is not None:
             await old.close(REPLACED, "replaced by a newer connection")
+        return True
 
     def release(self, chat: ChatSocket) -> None:
         if self.live.get(chat.conversation_id) is chat:
@@ -131,8 +139,9 @@ class Hub:
 
 
 class ChatSocket:
-    def __init__(self, ws: WebSocket, services, conversation_id: str) -> None:
+    def __init__(self, ws: WebSocket, services, conversation_id: str, arrival: int = 0) -> None:
         self.ws = ws
+        self.arrival = arrival
         self.sv = services
         self.conversation_id = conversation_id
         self.turn: asyncio.Task | None = None
@@ -173,7 +182,8 @@ class ChatSocket:
     # --- the connection --------------------------------------------------------------
     async def serve(self) -> None:
         hub = self.sv.hub
-        await hub.claim(self)
+        if not await hub.claim(self):
+            return
         try:
             while self.open:
                 msg = await self.ws.receive()
@@ -355,6 +365,7 @@ async def chat_endpoint(ws: WebSocket) -> None:
     close before accept reaches the client as HTTP 403, so the socket is accepted first."""
     sv = ws.app.state.services
     cid = ws.path_params["conversation_id"]
+    arrival = next(sv.hub.arrivals)
     await ws.accept()
     if not origin_allowed(ws, sv.settings.allowed_origins):
         return await ws.close(BAD_ORIGIN, "origin not allowed")
@@ -367,4 +378,4 @@ async def chat_endpoint(ws: WebSocket) -> None:
         return await ws.close(UNKNOWN_CHAT, "unknown chat")
     if conv.owner_id != owner.id:
         return await ws.close(NOT_OWNER, "not your chat")
-    await ChatSocket(ws, sv, cid).serve()
+    await ChatSocket(ws, sv, cid, arrival).serve()
