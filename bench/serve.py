@@ -583,19 +583,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {plot_serve(result, args.from_json.with_suffix('.png'))}")
         return 0
 
-    if args.from_json:
-        result = json.loads(args.from_json.read_text())
-        if args.bound is not None:
-            result["preset"]["latency_bound"] = args.bound
-        result["claims"] = claims(result["runs"], result["preset"]["latency_bound"])
-        args.from_json.write_text(json.dumps(result, indent=1, default=float) + "\n")
-        print(json.dumps(result["claims"], indent=1))
-        if not args.no_plot:
-            from bench.plots import plot_serve
-
-            print(f"wrote {plot_serve(result, args.from_json.with_suffix('.png'))}")
-        return 0
-
     preset = PRESETS[args.preset]
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     changes: dict[str, Any] = {}
