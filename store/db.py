@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,26 @@ def prepare_url(url: str | URL) -> URL:
     return parsed
 
 
+def _enter_wal(cur: Any) -> None:
+    # WAL lets readers run while one writer commits. Switching a fresh database into WAL
+    # answers "database is locked" at once, without the busy handler, while another
+    # process holds it (servers starting together): wait and retry as the handler would.
+    deadline = time.monotonic() + SQLITE_BUSY_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except Exception as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
-    # WAL lets readers run while one writer commits; the busy timeout makes writers queue.
-    cur.execute("PRAGMA journal_mode=WAL")
+    # The busy timeout makes writers queue.
     cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
+    _enter_wal(cur)
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -14,7 +15,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event, func, inspect, select, text
 
-from store import HistoryConflict, HistoryError, HistoryStore, hash_token, migrate
+from store import HistoryConflict, HistoryError, HistoryStore, db, hash_token, migrate
 from store.models import Base, Conversation, Message
 from tests.services import free_port
 
@@ -276,6 +277,27 @@ def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
     migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
     assert migrate.current() == "0001"
+
+
+class _BusyCursor:
+    """Answers "database is locked" a few times, as SQLite does while another process
+    switches a fresh database into WAL, then succeeds."""
+
+    def __init__(self, busy: int, error: str = "database is locked") -> None:
+        self.busy, self.error, self.calls = busy, error, 0
+
+    def execute(self, sql: str) -> None:
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise sqlite3.OperationalError(self.error)
+
+
+def test_wal_switch_waits_for_a_busy_database_and_raises_other_errors() -> None:
+    cur = _BusyCursor(busy=3)
+    db._enter_wal(cur)
+    assert cur.calls == 4
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        db._enter_wal(_BusyCursor(busy=1, error="disk I/O error"))
 
 
 async def test_unreachable_database_is_a_clear_error() -> None:
