@@ -16,6 +16,7 @@ from engine.conversation import Conversation
 from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.kv_pool import KVPool
 from engine.loader import cache_root, load
+from engine.packed import pack_linears
 from engine.policy import CostModel, Policy
 from engine.profile import load_or_profile
 from engine.request import FINISHED, RUNNING, Request
@@ -84,6 +85,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
         self.max_context = loaded.args.max_position
+        if config.pack_cpu_weights:
+            pack_linears(self.model)  # float32 CPU layers only; a no-op elsewhere
         self.backend = pick_backend(self.device, config.attention_backend)
 
         cs = config.chunk_size

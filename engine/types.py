@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights
     cache_dir: str | None = None  # converted models and cost profiles; None: ~/.cache/pensieve
     attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
+    pack_cpu_weights: bool = True  # float32 on the CPU: oneDNN-packed linears (faster decode)
 
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
