@@ -90,8 +90,9 @@ def paged_attention_torch(
     for p in plan.prompts:
         q_len = p.end - p.start
         kv_len = p.pos + q_len
-        k = k_cache[p.blocks].view(-1, num_kv_heads, head_dim)[:kv_len]
-        v = v_cache[p.blocks].view(-1, num_kv_heads, head_dim)[:kv_len]
+        # index_select: 2-3x faster than advanced indexing for a gather of whole blocks.
+        k = k_cache.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
+        v = v_cache.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
         k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         v = v.transpose(0, 1).unsqueeze(0)
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
@@ -108,10 +109,9 @@ def paged_attention_torch(
     d = plan.decodes
     if d is not None:
         n = d.blocks.shape[0]
-        k = (
-            k_cache[d.blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        )  # [D, kvh, L, dim]
-        v = v_cache[d.blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        flat = d.blocks.view(-1)
+        k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         qs = q.index_select(0, d.rows).unsqueeze(2)  # [D, h, 1, dim]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, d.rows, o.squeeze(2))
