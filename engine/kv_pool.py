@@ -1,7 +1,7 @@
 """The KV tensors of both tiers and the copies between them.
 
 Both tiers are laid out [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; the
-CPU tier is pinned. A copy plan is coalesced into runs of consecutive blocks on both sides,
+CPU tier is page-locked. A copy plan is coalesced into runs of consecutive blocks on both sides,
 so a run moves as one contiguous transfer per layer and K/V (the pools hand out low block
 ids first, so a conversation's chunks tend to form long runs). On CUDA the copies run on a
 side stream: swap-in is enqueued layer by layer with one event per layer, and attention of
@@ -11,6 +11,7 @@ layer i waits for layer i's event only. On the CPU the same calls copy synchrono
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -39,12 +40,17 @@ class KVPool:
         self._background_done = None
 
     def _host_pool(self, layers: int, blocks: int, shape: tuple, dtype) -> torch.Tensor:
-        """The CPU tier; pinned memory can be refused well below the host's free memory, so
-        a pool that cannot be pinned is halved until it can (and the engine is told)."""
+        """The CPU tier, page-locked on CUDA so copies run at full speed and asynchronously.
+        The host can refuse to pin far less than it has free, so a pool that cannot be pinned
+        is halved until it can (the engine reads back how many blocks it got)."""
         while True:
             try:
-                return torch.zeros((layers, 2, blocks, *shape), dtype=dtype, pin_memory=self.cuda)
-            except RuntimeError:  # torch.AcceleratorError is one too
+                pool = torch.zeros((layers, 2, blocks, *shape), dtype=dtype)
+                if self.cuda and pool.nbytes:
+                    _pin(pool)
+                    weakref.finalize(self, _unpin, pool)
+                return pool
+            except (RuntimeError, MemoryError):  # torch.AcceleratorError is a RuntimeError
                 if blocks <= 1:
                     raise
                 log.warning("could not pin %d CPU blocks; trying %d", blocks, blocks // 2)
@@ -129,6 +135,24 @@ class KVPool:
                 self.gpu[layer, kv, gpu : gpu + n].copy_(
                     self.cpu[layer, kv, cpu : cpu + n], non_blocking=self.cuda
                 )
+
+
+def _pin(tensor: torch.Tensor) -> None:
+    """Page-lock a host tensor in place. `pin_memory=True` would go through torch's caching
+    host allocator, which rounds every request up to a power of two: a 77 GB pool would ask
+    for 128 GB."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()  # a later kernel launch must not report this error as its own
+        raise RuntimeError(f"cudaHostRegister refused {tensor.nbytes} bytes ({err})")
+
+
+def _unpin(tensor: torch.Tensor) -> None:
+    """Unregister before the memory goes back to the host allocator (holds it until then)."""
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
 def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -40,3 +40,25 @@ def test_background_copy_after_forward():
     pool.gpu.normal_()
     pool.end_step(CopyPlan(background=[(2, 3)]))
     assert torch.equal(pool.cpu[:, :, 3], pool.gpu[:, :, 2])
+
+
+def test_a_host_pool_that_cannot_be_pinned_is_halved(monkeypatch) -> None:
+    """The CPU tier asks to page-lock its memory; the host may refuse far below its free RAM."""
+    from engine import kv_pool
+
+    pinned: list[int] = []
+
+    def pin(t: torch.Tensor) -> None:
+        if t.nbytes > 10_000:
+            raise RuntimeError("cudaHostRegister refused")
+        pinned.append(t.nbytes)
+
+    monkeypatch.setattr(kv_pool, "_pin", pin)
+    monkeypatch.setattr(kv_pool, "_unpin", lambda t: None)
+    pool = kv_pool.KVPool.__new__(kv_pool.KVPool)  # the host side only: no GPU here
+    pool.cuda = True
+    host = pool._host_pool(2, 40, (4, 1, 8), torch.float32)  # 256 bytes a block and layer
+    assert host.shape == (2, 2, 10, 4, 1, 8)  # 40 -> 20 -> 10 blocks
+    assert pinned == [host.nbytes] and host.abs().sum() == 0
+    pool.cuda = False
+    assert pool._host_pool(2, 40, (4, 1, 8), torch.float32).shape[2] == 40  # CPU: never pinned
