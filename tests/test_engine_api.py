@@ -209,3 +209,21 @@ def test_turn_that_fills_the_whole_cache_ends_with_length():
     assert r.finish_reason == "length"
     assert 60 + len(r.token_ids) == 3 * 32 + 1  # the last sampled token needs no KV slot
     engine.cache.check()
+
+
+def test_large_dummy_shapes_are_built_in_their_dtype():
+    """The on-device dummy builder (used for the GPU presets) never holds a float32 copy."""
+    import torch
+
+    from engine.loader import _dummy_on_device
+    from engine.shapes import DUMMY_SHAPES
+
+    model = _dummy_on_device(DUMMY_SHAPES["tiny"], 0, torch.device("cpu"), torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert all(torch.isfinite(p.float()).all() for p in params.values())
+    assert torch.equal(params["norm.weight"], torch.ones_like(params["norm.weight"]))
+    std = params["layers.0.w13.weight"].float().std().item()  # N(0, 1 / fan_in)
+    assert abs(std - DUMMY_SHAPES["tiny"].dim ** -0.5) < 0.1 * std
+    again = _dummy_on_device(DUMMY_SHAPES["tiny"], 0, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(again.embed.weight, model.embed.weight)  # seeded
