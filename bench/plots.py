@@ -68,14 +68,16 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def plot_bars(rows: list[dict[str, Any]], key: str, ylabel: str, title: str, path: Path) -> Path:
+def plot_bars(
+    rows: list[dict[str, Any]], key: str, ylabel: str, title: str, path: Path, fmt: str = "%.1f"
+) -> Path:
     """One bar per row (row["name"], row[key]), labelled with its value."""
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
     names = [r["name"] for r in rows]
     vals = [r[key] for r in rows]
     colors = [STYLE.get(n.split(" ")[0], ("tab:green", ""))[0] for n in names]
     bars = ax.bar(names, vals, color=colors)
-    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.bar_label(bars, fmt=fmt, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)

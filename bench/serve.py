@@ -231,6 +231,13 @@ def claims(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
     return out
 
 
+def merge_runs(earlier: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier runs, less those that a new run of the same mode, think time and rate replaces."""
+    key = lambda r: (r["mode"], r["think_s"], r["rate"])  # noqa: E731
+    replaced = {key(r) for r in new}
+    return [r for r in earlier if key(r) not in replaced] + new
+
+
 # ---------------------------------------------------------------- running
 
 
@@ -270,7 +277,18 @@ def _git_commit() -> str:
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
         )
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            # Results written by an earlier benchmark do not change what runs.
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!bench/results",
+            ],
             capture_output=True,
             text=True,
             timeout=5,
@@ -422,14 +440,8 @@ async def bench_engine(
 ) -> dict[str, Any]:
     from engine import AsyncEngine
 
-    if preset.threads:
-        import torch
-
-        torch.set_num_threads(preset.threads)
     preset = size_pools(preset)
-    convs, workload = load_workload(
-        preset, load_tokenizer(preset.model), model_args(preset.model).max_position, sample_file
-    )
+    convs, workload = load_workload(preset, model_args(preset.model).max_position, sample_file)
     log(wl.format_summary(workload["summary"]))
     if preset.gpu_fraction is not None:
         preset = fit_pools(preset, convs)
@@ -471,9 +483,10 @@ async def bench_engine(
     return {"workload": workload, "runs": runs}
 
 
-async def bench_url(preset: Preset, url: str, token: str, log=_log) -> dict[str, Any]:
-    tokenizer = load_tokenizer(preset.model)
-    convs, workload = load_workload(preset, tokenizer, preset.context_cap)
+async def bench_url(
+    preset: Preset, url: str, token: str, log=_log, sample_file=None
+) -> dict[str, Any]:
+    convs, workload = load_workload(preset, preset.context_cap, sample_file)
     log(wl.format_summary(workload["summary"]))
     runs = []
     for think in preset.think_s:
@@ -517,9 +530,16 @@ def read_sample(path: Path) -> tuple[list[wl.Conversation], dict[str, Any]]:
     return convs, {**data["workload"], "sample_file": path.name}
 
 
-def load_workload(preset: Preset, tokenizer, max_context: int | None, sample_file=None):
+def load_workload(preset: Preset, max_context: int | None, sample_file=None):
+    """The preset's sample: replayed from `sample_file` when it exists (no tokenizer or
+    dataset needed, as on a bare GPU machine), else drawn from ShareGPT and tokenized."""
     if sample_file is not None and Path(sample_file).exists():
-        return read_sample(Path(sample_file))
+        convs, info = read_sample(Path(sample_file))
+        if preset.conversations < len(convs):  # a quick check on the first few
+            convs = convs[: preset.conversations]
+            info = {**info, "summary": wl.summarize(convs)}
+        return convs, info
+    tokenizer = load_tokenizer(preset.model)
     data = wl.load_sharegpt(tokenizer)
     cap = min(preset.context_cap, max_context or preset.context_cap)
     convs = wl.sample(
@@ -565,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--save-sample", type=Path, help="write the tokenized sample as JSON and exit")
     ap.add_argument("--bound", type=float, help="p90 normalized latency bound (s/token)")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the runs already in --out (a sweep split over several invocations); "
+        "a run of the same mode, think time and rate replaces the earlier one",
+    )
     ap.add_argument(
         "--from-json", type=Path, help="recompute claims and the plot of an earlier result"
     )
@@ -614,9 +640,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.save_sample:
         preset = size_pools(preset)
-        convs, workload = load_workload(
-            preset, load_tokenizer(preset.model), model_args(preset.model).max_position
-        )
+        convs, workload = load_workload(preset, model_args(preset.model).max_position)
         save_sample(args.save_sample, convs, workload)
         print(wl.format_summary(workload["summary"]))
         print(f"wrote {args.save_sample}")
@@ -625,17 +649,32 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / f"serve_{preset.name}{'_url' if args.url else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    if preset.threads and not args.url:
+        import torch
+
+        torch.set_num_threads(preset.threads)  # before `environment` records the count
     env = environment()  # the commit and machine the run started on
 
+    previous: list[dict[str, Any]] = []
+    if args.append and out.exists():
+        earlier = json.loads(out.read_text())
+        if earlier.get("preset", {}).get("model") != preset.model:
+            ap.error(f"--append: {out} holds runs of another model")
+        previous = earlier["runs"]
+
     def report(result: dict[str, Any]) -> dict[str, Any]:
+        for r in result["runs"]:
+            r.setdefault("git_commit", env["git_commit"])
+        runs = merge_runs(previous, result["runs"])
         result = {
             "benchmark": "serve",
             "preset": asdict(preset),
-            "modes": modes,
+            "modes": list(dict.fromkeys(r["mode"] for r in runs)),
             "environment": env,
             "elapsed_s": time.monotonic() - t0,
             **result,
-            "claims": claims(result["runs"], preset.latency_bound),
+            "runs": runs,
+            "claims": claims(runs, preset.latency_bound),
         }
         out.write_text(json.dumps(result, indent=1, default=float) + "\n")
         return result
@@ -643,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         if not args.token:
             ap.error("--url needs --token (or PENSIEVE_TOKEN)")
-        result = asyncio.run(bench_url(preset, args.url, args.token))
+        result = asyncio.run(bench_url(preset, args.url, args.token, sample_file=args.sample_file))
     else:
         result = asyncio.run(
             bench_engine(preset, modes, sample_file=args.sample_file, on_run=report)
@@ -652,8 +691,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out} in {result['elapsed_s']:.0f}s")
     print(json.dumps(result["claims"], indent=1))
     if not args.no_plot:
-        from bench.plots import plot_serve
-
+        try:
+            from bench.plots import plot_serve
+        except ImportError as e:  # a bare GPU machine: plot later where matplotlib is
+            print(f"no plot ({e}); draw it with --from-json {out}")
+            return 0
         print(f"wrote {plot_serve(result, out.with_suffix('.png'))}")
     return 0
 

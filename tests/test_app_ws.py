@@ -273,3 +273,27 @@ async def test_concurrent_chats_share_the_engine(server, token):
 
     replies = await asyncio.gather(*(one(i) for i in range(3)))
     assert all(r.errors == [] and r.done["usage"]["completion_tokens"] >= 1 for r in replies)
+
+
+def test_serving_benchmark_against_the_server(server, token, tmp_path):
+    """`bench.serve --url`: the replay over REST and the chat WebSocket of a real server."""
+    from bench import serve
+    from bench import workload as wl
+
+    words = ["Tell me about tea.", "And coffee?", "Which is stronger?", "Thanks!"]
+    convs = [
+        wl.Conversation(f"c{i}", [wl.TurnSpec([1, 2, 3], 5, w) for w in words[i : i + 2 + i]])
+        for i in range(2)
+    ]
+    sample = tmp_path / "sample.json"
+    serve.save_sample(sample, convs, {"summary": wl.summarize(convs), "source": "test"})
+    out = tmp_path / "url.json"
+    argv = ["--url", server.url, "--token", token, "--preset", "tiny"]
+    assert serve.main([*argv, "--sample-file", str(sample), "--out", str(out), "--no-plot"]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    m = run["metrics"]
+    assert run["mode"] == "server" and m["errors"] == 0, m["error_samples"]
+    assert m["turns"] == 5 and 0 < m["output_tokens"] <= 5 * 5
+    assert m["norm_latency_p90"] > 0 and m["ttft_p90_s"] > 0
+    # Later turns find their context kept, swapped or recomputed: never a fresh start.
+    assert m["cached_tokens"] + m["swapped_in_tokens"] + m["recomputed_tokens"] > 0

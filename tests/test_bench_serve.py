@@ -137,3 +137,36 @@ def test_engine_cpu_smoke(tmp_path) -> None:
     assert rows["pensieve (roomy)"]["cached_tokens"] == rows["stateless"]["recomputed_tokens"]
     assert "pensieve_recomputes_less_than_lru" in result["goals"]
     assert out.with_suffix(".png").stat().st_size > 5_000
+
+
+def test_merge_runs_replaces_the_same_point() -> None:
+    earlier = [_run("pensieve", 1, 0.9, 0.1), _run("stateless", 1, 0.5, 0.3)]
+    new = [_run("stateless", 1, 0.6, 0.2), _run("stateless", 2, 0.7, 0.4)]
+    merged = serve.merge_runs(earlier, new)
+    assert [(r["mode"], r["rate"]) for r in merged] == [
+        ("pensieve", 1),
+        ("stateless", 1),
+        ("stateless", 2),
+    ]
+    assert merged[1]["metrics"]["throughput_rps"] == 0.6  # the new run of the same point wins
+
+
+@pytest.mark.timeout(300)
+def test_append_builds_one_sweep_from_several_invocations(tmp_path) -> None:
+    """A sweep split across commands (as under a per-command time limit) ends up in one file."""
+    sample = tmp_path / "sample.json"
+    _sample_file(sample, n=2)
+    out = tmp_path / "serve.json"
+    base = ["--preset", "tiny", "--sample-file", str(sample), "--out", str(out), "--no-plot"]
+    assert serve.main([*base, "--modes", "pensieve"]) == 0
+    assert serve.main([*base, "--modes", "stateless", "--append"]) == 0
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["runs"]] == ["pensieve", "stateless"]
+    assert result["modes"] == ["pensieve", "stateless"]
+    assert set(result["claims"]["think_0.5s"]["peak_rps"]) == {"pensieve", "stateless"}
+    assert all(r["git_commit"] for r in result["runs"])
+    assert serve.main([*base, "--modes", "stateless", "--conversations", "1"]) == 0
+    result = json.loads(out.read_text())  # without --append: a new file
+    assert [r["mode"] for r in result["runs"]] == ["stateless"]
+    assert result["workload"]["summary"]["conversations"] == 1  # the first of the sample
+    assert result["runs"][0]["metrics"]["turns"] == 2
