@@ -2,7 +2,7 @@
 
     python -m bench.serve --preset cpu                 # the engine in process, every mode
     python -m bench.serve --preset gpu --think 600     # one of the paper's settings
-    python -m bench.serve --url http://127.0.0.1:8000 --token T --preset cpu --modes server
+    python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --modes server
 
 In process, each mode (pensieve / gpu / stateless, lru, separate prefill and decode) gets
 its own AsyncEngine; every conversation is an asyncio task that arrives, sends a turn,
@@ -575,7 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-chunks", type=int)
     ap.add_argument("--threads", type=int, help="torch intra-op threads")
     ap.add_argument("--url", help="benchmark a running server instead of the engine in process")
-    ap.add_argument("--token", default=os.environ.get("PENSIEVE_TOKEN"), help="bearer token")
+    ap.add_argument(
+        "--token",
+        default=os.environ.get("PENSIEVE_TOKEN"),
+        help="bearer token (write --token=T: a token may start with -)",
+    )
     ap.add_argument(
         "--out", type=Path, help="JSON path (default bench/results/serve_<preset>.json)"
     )

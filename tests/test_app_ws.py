@@ -288,7 +288,8 @@ def test_serving_benchmark_against_the_server(server, token, tmp_path):
     sample = tmp_path / "sample.json"
     serve.save_sample(sample, convs, {"summary": wl.summarize(convs), "source": "test"})
     out = tmp_path / "url.json"
-    argv = ["--url", server.url, "--token", token, "--preset", "tiny"]
+    # --token=: a token may start with "-", which argparse would read as an option.
+    argv = ["--url", server.url, f"--token={token}", "--preset", "tiny"]
     assert serve.main([*argv, "--sample-file", str(sample), "--out", str(out), "--no-plot"]) == 0
     run = json.loads(out.read_text())["runs"][0]
     m = run["metrics"]
