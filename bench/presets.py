@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,31 @@ class Preset:
     note: str = ""
 
 
+# The paper's setting: Llama 2-13B shape with GQA (random weights), 40 GB GPU KV pool,
+# the paper's 200 GB CPU pool (or 60% of the host's RAM), ShareGPT contexts up to 16384
+# tokens, replies up to 1024. Think times are compressed 10x (60 s replayed as 6 s) so a
+# mode's sweep fits in one command of under 10 minutes; 200 conversations hold ~1.5x the
+# GPU pool's tokens once they have all arrived. `--think 600` and `--time-scale 1` give the
+# paper's other settings (much longer runs).
+GPU = Preset(
+    name="gpu",
+    model="dummy:llama-2-13b-gqa10",
+    device="cuda",
+    dtype="bfloat16",
+    conversations=200,
+    rates=[2.0, 4.0, 8.0],
+    think_s=[60.0],
+    time_scale=0.1,
+    context_cap=16384,
+    max_output=1024,
+    modes=["pensieve", "stateless", "gpu"],
+    gpu_cache_gb=40.0,
+    cpu_cache_gb=200.0,
+    latency_bound=0.18,
+    note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
+)
+
+
 PRESETS: dict[str, Preset] = {
     # SmolLM2-135M in float32 on a 2-core CPU, one torch thread (two spin against any other
     # load). To fit every mode's sweep in under 15 minutes: 12 ShareGPT conversations with at
@@ -86,46 +111,10 @@ PRESETS: dict[str, Preset] = {
         threads=1,
         note="think time 60 s replayed as 3 s (x0.05); context cap 1024, reply cap 16 tokens",
     ),
-    # The paper's setting: Llama 2-13B shape with GQA (random weights), 40 GB GPU KV pool,
-    # the paper's 200 GB CPU pool (or 60% of the host's RAM), ShareGPT contexts up to 16384
-    # tokens, replies up to 1024. Think times are compressed 10x (60 s replayed as 6 s) so a
-    # mode's sweep fits in one command of under 10 minutes; 200 conversations hold ~1.5x the
-    # GPU pool's tokens once they have all arrived. `--think 600` and `--time-scale 1` give the
-    # paper's other settings (much longer runs).
-    "gpu": Preset(
-        name="gpu",
-        model="dummy:llama-2-13b-gqa10",
-        device="cuda",
-        dtype="bfloat16",
-        conversations=200,
-        rates=[2.0, 4.0, 8.0],
-        think_s=[60.0],
-        time_scale=0.1,
-        context_cap=16384,
-        max_output=1024,
-        modes=["pensieve", "stateless", "gpu"],
-        gpu_cache_gb=40.0,
-        cpu_cache_gb=200.0,
-        latency_bound=0.18,
-        note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
-    ),
+    "gpu": GPU,
     # Llama 3 8B's KV is smaller (128 KiB a token against 200 KiB): the same 200
     # conversations fit its 40 GB pool, so it shows the stateless comparison, not tier 2.
-    "gpu-llama3": Preset(
-        name="gpu-llama3",
-        model="dummy:llama-3-8b",
-        device="cuda",
-        dtype="bfloat16",
-        conversations=200,
-        rates=[2.0, 4.0, 8.0],
-        think_s=[60.0],
-        time_scale=0.1,
-        modes=["pensieve", "stateless", "gpu"],
-        gpu_cache_gb=40.0,
-        cpu_cache_gb=200.0,
-        latency_bound=0.18,
-        note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
-    ),
+    "gpu-llama3": replace(GPU, name="gpu-llama3", model="dummy:llama-3-8b"),
     # A few seconds: the smoke test and a quick check of a checkout.
     "tiny": Preset(
         name="tiny",
