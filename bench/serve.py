@@ -29,6 +29,8 @@ from bench import workload as wl
 from bench.presets import MODES, PRESETS, Mode, Preset
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Per-turn token counts a reply reports, in process and over the WebSocket alike.
+_USAGE = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
 
 
 # ---------------------------------------------------------------- drivers
@@ -74,8 +76,7 @@ class EngineDriver:
 
 
 def _stats(stats) -> dict[str, Any]:
-    keep = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
-    out = {k: getattr(stats, k, 0) for k in keep}
+    out = {k: getattr(stats, k, 0) for k in _USAGE}
     out["suspensions"] = getattr(stats, "suspensions", 0)
     return out
 
@@ -145,9 +146,6 @@ class UrlDriver:
         for ws in self.sockets.values():
             await ws.close()
         self.sockets.clear()
-
-
-_USAGE = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
 
 
 # ---------------------------------------------------------------- metrics
@@ -260,12 +258,17 @@ def environment() -> dict[str, Any]:
         )
     except ImportError:  # pragma: no cover - torch is a dependency
         env["device"] = "unknown"
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        env["memory_gb"] = round(pages / 2**30, 1)
-    except (ValueError, OSError):
-        pass
+    host = _host_memory_gb()
+    if host is not None:
+        env["memory_gb"] = round(host, 1)
     return env
+
+
+def _host_memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError):
+        return None
 
 
 def _git_commit() -> str:
@@ -349,27 +352,29 @@ def kv_bytes_per_chunk(model: str, dtype: str, chunk_size: int = 32) -> int:
     return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype))
 
 
+def _chunks(conv: wl.Conversation, chunk: int) -> int:
+    """Chunks that the conversation's full context takes."""
+    return -(-conv.context_lens()[-1] // chunk)
+
+
 def history_chunks(convs: list[wl.Conversation], chunk: int = 32) -> int:
     """Chunks that every conversation's full context takes: the idle history at its largest."""
-    return sum(-(-c.context_lens()[-1] // chunk) for c in convs)
+    return sum(_chunks(c, chunk) for c in convs)
 
 
 def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> Preset:
     """First tier = gpu_fraction of the sample's history (at least room for the longest
     conversation twice over); the second tier holds all of it."""
     total = history_chunks(convs, chunk)
-    longest = max(-(-c.context_lens()[-1] // chunk) for c in convs)
+    longest = max(_chunks(c, chunk) for c in convs)
     gpu = max(int(total * preset.gpu_fraction), 2 * longest + 2)
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=max(total, gpu))
 
 
 def _cpu_pool_gb(wanted: float) -> float:
     """The paper's CPU pool when the host has the memory, else 60% of the host's RAM."""
-    try:
-        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError):
-        return wanted
-    return min(wanted, 0.6 * host)
+    host = _host_memory_gb()
+    return wanted if host is None else min(wanted, 0.6 * host)
 
 
 async def run_once(
@@ -643,7 +648,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
 
     if args.save_sample:
-        preset = size_pools(preset)
         convs, workload = load_workload(preset, model_args(preset.model).max_position)
         save_sample(args.save_sample, convs, workload)
         print(wl.format_summary(workload["summary"]))

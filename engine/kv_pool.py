@@ -32,7 +32,6 @@ class KVPool:
             (args.n_layers, 2, gpu_blocks, *shape), device=self.device, dtype=dtype
         )
         self.cpu = self._host_pool(args.n_layers, max(cpu_blocks, 0), shape, dtype)
-        self.cpu_blocks = self.cpu.shape[2]
         self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(args.n_layers)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._layer_events: list | None = None
@@ -55,6 +54,11 @@ class KVPool:
                     raise
                 log.warning("could not pin %d CPU blocks; trying %d", blocks, blocks // 2)
                 blocks //= 2
+
+    @property
+    def cpu_blocks(self) -> int:
+        """Blocks of the CPU tier: fewer than asked when the host would not pin them all."""
+        return self.cpu.shape[2]
 
     @staticmethod
     def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
