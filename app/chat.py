@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
-import math
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.auth import origin_allowed, owner_token
 from app.detok import Detokenizer
-from app.prompt import chat_messages, render_delta
-from engine.types import SamplingParams, Turn
+from app.frames import BadFrame, Request, parse_json, parse_message
+from app.window import NoRoom, Plan, plan_turn
+from engine.types import Turn
 from store import HistoryConflict
 
 log = logging.getLogger("pensieve.chat")
@@ -24,73 +28,42 @@ log = logging.getLogger("pensieve.chat")
 # Close codes of the chat socket.
 NO_CREDENTIALS, NOT_OWNER, UNKNOWN_CHAT, REPLACED = 4401, 4403, 4404, 4409
 BAD_ORIGIN = 4403
+TRY_AGAIN_LATER = 1013
+
+# A database that is down, blackholed or timing out (as opposed to a bug or bad input).
+DB_ERRORS = (DBAPIError, PoolTimeout, TimeoutError, OSError)
+# The socket went away under a send or a close.
+GONE = (WebSocketDisconnect, RuntimeError, OSError)
+
+__all__ = ["BadFrame", "Hub", "ChatSocket", "chat_endpoint", "parse_message", "ws_max_size"]
 
 
-class BadFrame(ValueError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Request:
-    content: str
-    sampling: SamplingParams
-    max_tokens_given: bool
-
-
-def _number(frame: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
-    if key not in frame or frame[key] is None:
-        return None
-    value = frame[key]
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > hi or value < lo or (lo_open and value == lo):
-        left = "(" if lo_open else "["
-        raise BadFrame(
-            "bad_sampling", f"{key} must be a number in {left}{lo}, {hi}], got {value!r}"
-        )
-    return float(value)
-
-
-def _integer(frame: dict, key: str, lo: int, hi: int) -> int | None:
-    if key not in frame or frame[key] is None:
-        return None
-    value = frame[key]
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise BadFrame("bad_sampling", f"{key} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def parse_message(frame: dict, max_chars: int, default_tokens: int, limit_tokens: int) -> Request:
-    """Validate a `message` frame; every refusal names the field."""
-    content = frame.get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise BadFrame("bad_content", "content must be a non-empty string")
-    if len(content) > max_chars:
-        raise BadFrame(
-            "too_long", f"content has {len(content)} characters, the limit is {max_chars}"
-        )
-    max_tokens = _integer(frame, "max_tokens", 1, limit_tokens)
-    temperature = _number(frame, "temperature", 0.0, 2.0)
-    top_p = _number(frame, "top_p", 0.0, 1.0, lo_open=True)
-    seed = _integer(frame, "seed", 0, 2**63 - 1)
-    sampling = SamplingParams(
-        max_tokens=max_tokens or default_tokens,
-        temperature=0.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        seed=seed,
-    )
-    return Request(content, sampling, max_tokens is not None)
+def ws_max_size(max_message_chars: int) -> int:
+    """Largest frame to accept: every character of the content may be an astral one that
+    JSON escapes as a surrogate pair (`\\ud83d\\ude00`, 12 bytes), plus the other fields."""
+    return 12 * max_message_chars + 4096
 
 
 def context_limit(engine) -> int:
     """Most tokens one chat can hold: the model's positions, and the whole GPU tier (a turn's
     context must fit there while it runs)."""
+    limit = getattr(engine, "context_limit", None)
+    if isinstance(limit, int):
+        return limit
     snap = engine.snapshot()
+    snap = snap.to_dict() if hasattr(snap, "to_dict") else snap
     gpu = snap.get("pools", {}).get("gpu", {}).get("total")
     if not gpu:
         return engine.max_context
     return min(engine.max_context, gpu * snap.get("chunk_size", 32) - 1)
+
+
+async def safe_close(ws: WebSocket, code: int, reason: str) -> None:
+    """Close the socket; a client that already left is no error."""
+    if ws.application_state == WebSocketState.DISCONNECTED:
+        return
+    with contextlib.suppress(*GONE):
+        await ws.close(code=code, reason=reason)
 
 
 class Hub:
@@ -103,12 +76,24 @@ class Hub:
         # awaits it.
         self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.turns: set[asyncio.Task] = set()  # turns still committing after their socket went
+        self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
 
     def lock(self, conversation_id: str) -> asyncio.Lock:
         lock = self.locks.get(conversation_id)
         if lock is None:
             lock = self.locks[conversation_id] = asyncio.Lock()
         return lock
+
+    def take_turn(self, owner_id: str, per_minute: int) -> float | None:
+        """Count a turn against its owner's quota; seconds to wait when it is spent."""
+        now = time.monotonic()
+        times = self._started.setdefault(owner_id, deque())
+        while times and now - times[0] >= 60.0:
+            times.popleft()
+        if len(times) >= per_minute:
+            return round(60.0 - (now - times[0]), 1)
+        times.append(now)
+        return None
 
     async def claim(self, chat: ChatSocket) -> bool:
         """Make `chat` the live socket of its conversation, unless a connection that arrived
@@ -138,12 +123,26 @@ class Hub:
             await asyncio.gather(*self.turns, return_exceptions=True)
 
 
+@dataclass
+class Streamed:
+    """What the engine produced for a turn."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: object  # engine TurnStats
+    first_token_at: float | None
+
+
 class ChatSocket:
-    def __init__(self, ws: WebSocket, services, conversation_id: str, arrival: int = 0) -> None:
+    def __init__(
+        self, ws: WebSocket, services, conversation_id: str, arrival: int = 0, owner_id: str = ""
+    ) -> None:
         self.ws = ws
         self.arrival = arrival
         self.sv = services
         self.conversation_id = conversation_id
+        self.owner_id = owner_id
         self.turn: asyncio.Task | None = None
         self.stream = None  # the engine stream of the running turn
         self.cancelled = False  # a cancel came for the current turn (maybe before its stream)
@@ -157,11 +156,11 @@ class ChatSocket:
         try:
             async with self._send_lock:
                 await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
-        except (WebSocketDisconnect, RuntimeError, OSError):
+        except GONE:
             self._gone()
 
-    async def error(self, code: str, message: str) -> None:
-        await self.send({"type": "error", "code": code, "message": message})
+    async def error(self, code: str, message: str, **extra) -> None:
+        await self.send({"type": "error", "code": code, "message": message, **extra})
 
     def _gone(self) -> None:
         """The client went away: its running turn stops within a step."""
@@ -170,21 +169,19 @@ class ChatSocket:
             self.stream.cancel()
 
     async def close(self, code: int, reason: str) -> None:
+        """Close the connection; never raises (the client may be leaving at the same time)."""
         was_open = self.open
         self._gone()
-        if was_open and self.ws.application_state == WebSocketState.CONNECTED:
-            try:
-                async with self._send_lock:
-                    await self.ws.close(code=code, reason=reason)
-            except (RuntimeError, OSError):
-                pass
+        if was_open:
+            async with self._send_lock:
+                await safe_close(self.ws, code, reason)
 
     # --- the connection --------------------------------------------------------------
     async def serve(self) -> None:
         hub = self.sv.hub
-        if not await hub.claim(self):
-            return
         try:
+            if not await hub.claim(self):
+                return
             while self.open:
                 msg = await self.ws.receive()
                 if msg["type"] == "websocket.disconnect":
@@ -193,7 +190,7 @@ class ChatSocket:
                     await self.error("binary", "binary frames are not accepted; send JSON text")
                     continue
                 await self.handle(msg["text"])
-        except (WebSocketDisconnect, RuntimeError, OSError):
+        except GONE:
             pass
         finally:
             self._gone()
@@ -201,11 +198,9 @@ class ChatSocket:
 
     async def handle(self, text: str) -> None:
         try:
-            frame = json.loads(text)
-        except ValueError:
-            return await self.error("bad_json", "frames must be JSON objects")
-        if not isinstance(frame, dict):
-            return await self.error("bad_json", "frames must be JSON objects")
+            frame = parse_json(text)
+        except BadFrame as e:
+            return await self.error(e.code, str(e))
         kind = frame.get("type")
         if kind == "typing":
             self.sv.clock.touch(self.conversation_id)
@@ -214,89 +209,142 @@ class ChatSocket:
             if self.stream is not None:
                 self.stream.cancel()
         elif kind == "message":
-            st = self.sv.settings
-            try:
-                req = parse_message(
-                    frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
-                )
-            except BadFrame as e:
-                return await self.error(e.code, str(e))
-            if self.turn is not None and not self.turn.done():
-                return await self.error("busy", "a reply is still being generated; cancel it first")
-            self.cancelled = False
-            self.turn = asyncio.create_task(self.run_turn(req, time.perf_counter()))
-            self.sv.hub.turns.add(self.turn)
-            self.turn.add_done_callback(self.sv.hub.turns.discard)
+            await self._start_turn(frame)
         else:
-            await self.error("unknown_type", f"unknown frame type {kind!r}")
+            await self.error("unknown_type", f"unknown frame type {kind!r:.40}")
 
-    # --- one turn --------------------------------------------------------------------
+    async def _start_turn(self, frame: dict) -> None:
+        st = self.sv.settings
+        try:
+            req = parse_message(
+                frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
+            )
+        except BadFrame as e:
+            return await self.error(e.code, str(e))
+        if self.turn is not None and not self.turn.done():
+            return await self.error("busy", "a reply is still being generated; cancel it first")
+        wait = self.sv.hub.take_turn(self.owner_id, st.turns_per_minute)
+        if wait is not None:
+            return await self.error(
+                "rate_limited",
+                f"at most {st.turns_per_minute} messages a minute; try again in {wait:.0f} s",
+                retry_after_s=wait,
+            )
+        self.cancelled = False
+        self.turn = asyncio.create_task(self.run_turn(req, time.perf_counter()))
+        self.sv.hub.turns.add(self.turn)
+        self.turn.add_done_callback(self.sv.hub.turns.discard)
+
+    # --- one turn: prepare, stream, commit --------------------------------------------
     async def run_turn(self, req: Request, t0: float) -> None:
         try:
             async with self.sv.hub.lock(self.conversation_id):
                 await self._turn(req, t0)
+        except DB_ERRORS as e:
+            log.warning("database unavailable during a turn of %s: %r", self.conversation_id, e)
+            await self.error(
+                "unavailable",
+                "the database is unavailable right now; the message was not sent, "
+                "try again shortly",
+            )
         except Exception:
             log.exception("turn of %s failed", self.conversation_id)
             await self.error("internal", "the turn failed")
 
-    async def _fail(self) -> None:
-        """The turn produced no reply: close it in SQL with an empty `error` reply, and make
-        the engine forget its copy so the next turn rebuilds the context from SQL."""
-        try:
-            await self.sv.engine.free(self.conversation_id)
-        except Exception:  # the engine recomputes on the next turn's context_len anyway
-            log.exception("could not free %s", self.conversation_id)
-        await self.sv.store.append_message(
-            self.conversation_id, "assistant", "", [], finish_reason="error"
-        )
-
     async def _turn(self, req: Request, t0: float) -> None:
+        prepared = await self._prepare(req)
+        if prepared is None:
+            return
+        plan, message_id = prepared
+        stream = await self._submit(req, plan, message_id)
+        if stream is None:
+            return
+        out = await self._stream(stream)
+        if out is not None:
+            await self._commit(plan, out, t0)
+
+    async def _prepare(self, req: Request) -> tuple[Plan, int] | None:
+        """Plan the prompt from SQL and store the user's message: its tokens are durable
+        before the engine sees them, so after a crash the engine recomputes this context
+        from SQL, byte for byte."""
         sv, cid = self.sv, self.conversation_id
-        engine, store = sv.engine, sv.store
+        store = sv.store
         conv = await store.get_conversation(cid)
         if conv is None:
-            return await self.error("not_found", "this chat no longer exists")
+            await self.error("not_found", "this chat no longer exists")
+            return None
         history = await store.messages(cid)
-        stored = await store.stream(cid)
-        messages = chat_messages(
-            conv.system_prompt, [(m.role, m.content) for m in history], req.content
-        )
-        delta = await asyncio.to_thread(render_delta, engine.tokenizer, messages, stored)
-        limit = context_limit(engine)
-        room = limit - delta.context_len - len(delta.token_ids)
-        sampling = req.sampling
-        if room < 1 or (req.max_tokens_given and sampling.max_tokens > room):
-            return await self.error(
-                "context_full",
-                f"the chat holds {delta.context_len} tokens and the message {len(delta.token_ids)}; "
-                f"a chat can hold {limit} tokens here ({max(room, 0)} left for a reply)",
-            )
-        sampling.max_tokens = min(sampling.max_tokens, room)
-
-        # The user's tokens are durable before the engine sees them: after a crash the
-        # engine recomputes this context from SQL, byte for byte.
-        if delta.context_len < len(stored):
-            await store.truncate(cid, delta.context_len)
         try:
-            await store.append_message(
-                cid, "user", req.content, delta.token_ids, expected_start=delta.context_len
+            plan = await asyncio.to_thread(
+                plan_turn,
+                sv.engine.tokenizer,
+                conv.system_prompt,
+                history,
+                req.content,
+                context_limit(sv.engine),
+                req.sampling.max_tokens,
+                req.max_tokens_given,
+            )
+        except NoRoom as e:
+            await self.error("too_long", str(e))
+            return None
+        req.sampling.max_tokens = plan.max_tokens
+        if not plan.fresh and plan.context_len < plan.stored_len:
+            await store.truncate(cid, plan.context_len)
+        try:
+            msg = await store.append_message(
+                cid,
+                "user",
+                req.content,
+                plan.prompt,
+                expected_start=plan.stored_len if plan.fresh else plan.context_len,
+                starts_context=plan.fresh,
             )
         except HistoryConflict:  # the chat moved on under us (another server): nothing written
-            return await self.error(
-                "conflict", "the chat changed meanwhile; send the message again"
-            )
+            await self.error("conflict", "the chat changed meanwhile; send the message again")
+            return None
         sv.clock.touch(cid)
-        turn = Turn(cid, delta.token_ids, sampling, context_len=delta.context_len)
+        return plan, msg.id
+
+    async def _submit(self, req: Request, plan: Plan, message_id: int):
+        """Hand the turn to the engine; a refusal takes the user's message back."""
+        engine, cid = self.sv.engine, self.conversation_id
+        if plan.fresh:  # a new window: the engine's copy of the old one is of no use
+            try:
+                await engine.free(cid)
+            except Exception:  # context_len=0 makes the engine start over anyway
+                log.exception("could not free %s", cid)
+        turn = Turn(cid, plan.prompt, req.sampling, context_len=plan.context_len)
         try:
             stream = engine.submit(turn)
-        except Exception as e:  # refused: ValueError, ConversationBusy
-            await self._fail()
-            busy = type(e).__name__ == "ConversationBusy"
-            return await self.error("busy" if busy else "bad_request", str(e))
+        except Exception as e:  # refused: ValueError, ConversationBusy, EngineOverloaded
+            await self._take_back(message_id)
+            kind = type(e).__name__
+            if kind == "EngineOverloaded":
+                wait = float(getattr(e, "retry_after_s", 1.0))
+                await self.error(
+                    "busy", f"the server is busy; try again in {wait:.0f} s", retry_after_s=wait
+                )
+            elif kind == "ConversationBusy":
+                await self.error("busy", str(e))
+            else:
+                await self.error("bad_request", str(e))
+            return None
         self.stream = stream
         if self.cancelled or not self.open:
             stream.cancel()
+        return stream
 
+    async def _take_back(self, message_id: int) -> None:
+        """The engine never saw the message: remove it, so history stays as before."""
+        try:
+            await self.sv.store.delete_last_message(self.conversation_id, message_id)
+        except DB_ERRORS:  # left as a question without a reply, which the next turn renders
+            log.exception("could not take back a refused message of %s", self.conversation_id)
+
+    async def _stream(self, stream) -> Streamed | None:
+        """Send the reply's text as it comes; None when the turn failed (already answered)."""
+        engine = self.sv.engine
         detok = Detokenizer(engine.tokenizer, set(engine.stop_token_ids))
         first: float | None = None
         try:
@@ -307,45 +355,77 @@ class ChatSocket:
                 if piece:
                     await self.send({"type": "token", "text": piece})
         except Exception as e:
-            # ValueError: refused once the engine saw its state (e.g. the chat outgrew the
-            # cache); anything else is a failure of the step.
-            refused = isinstance(e, ValueError)
-            if not refused:
-                log.exception("engine failed on %s", cid)
             await self._fail()
-            return await self.error("rejected" if refused else "engine_error", str(e))
+            if isinstance(e, DB_ERRORS):  # the engine could not read the history back
+                log.warning("history read for %s failed: %r", self.conversation_id, e)
+                await self.error(
+                    "unavailable", "the database is unavailable right now; try again shortly"
+                )
+            elif isinstance(e, ValueError):  # refused once the engine saw its state
+                await self.error("rejected", str(e))
+            else:
+                log.error("engine failed on %s", self.conversation_id, exc_info=e)
+                await self.error("engine_error", str(e))
+            return None
         finally:
             self.stream = None
         tail = detok.flush()
         if tail:
             await self.send({"type": "token", "text": tail})
-
         result = stream.result
-        end = time.perf_counter()
+        return Streamed(
+            detok.text(), list(result.token_ids), result.finish_reason, result.stats, first
+        )
+
+    async def _fail(self) -> None:
+        """The turn produced no reply: close it in SQL with an empty `error` reply, and make
+        the engine forget its copy so the next turn rebuilds the context from SQL."""
+        cid = self.conversation_id
         try:
-            reply = await store.append_message(
+            await self.sv.engine.free(cid)
+        except Exception:  # the engine recomputes on the next turn's context_len anyway
+            log.exception("could not free %s", cid)
+        try:
+            await self.sv.store.append_message(cid, "assistant", "", [], finish_reason="error")
+        except DB_ERRORS:  # a question without a reply: the next turn renders it all the same
+            log.warning("could not record the failed turn of %s", cid)
+
+    async def _commit(self, plan: Plan, out: Streamed, t0: float) -> None:
+        """Store the reply, then tell the client it is done."""
+        sv, cid = self.sv, self.conversation_id
+        try:
+            reply = await sv.store.append_message(
                 cid,
                 "assistant",
-                detok.text(),
-                list(result.token_ids),
-                finish_reason=result.finish_reason,
-                expected_start=delta.context_len + len(delta.token_ids),
+                out.text,
+                out.token_ids,
+                finish_reason=out.finish_reason,
+                expected_start=plan.context_len + len(plan.prompt),
             )
-        except Exception:
-            await engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
-            raise
+        except Exception as e:
+            await sv.engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
+            if not isinstance(e, DB_ERRORS):
+                raise
+            log.warning("could not store the reply of %s: %r", cid, e)
+            return await self.error(
+                "unavailable",
+                "the database is unavailable right now; this reply was not saved, "
+                "try again shortly",
+            )
         sv.clock.touch(cid)
-        s = result.stats
-        ttft = (first or end) - t0
-        sv.metrics.observe_turn(ttft, end - t0, result.finish_reason)
+        end = time.perf_counter()
+        ttft = (out.first_token_at or end) - t0
+        sv.metrics.observe_turn(ttft, end - t0, out.finish_reason)
+        s = out.stats
         await self.send(
             {
                 "type": "done",
                 "message_id": reply.id,
-                "finish_reason": result.finish_reason,
+                "finish_reason": out.finish_reason,
+                "turns_left_out": plan.turns_left_out,
                 "usage": {
-                    "prompt_tokens": len(delta.token_ids),
-                    "completion_tokens": len(result.token_ids),
+                    "prompt_tokens": len(plan.prompt),
+                    "completion_tokens": len(out.token_ids),
                     "cached_tokens": s.cached_tokens,
                     "swapped_in_tokens": s.swapped_in_tokens,
                     "recomputed_tokens": s.recomputed_tokens,
@@ -362,20 +442,30 @@ async def chat_endpoint(ws: WebSocket) -> None:
     """Authenticate, authorize, then hand the socket to a ChatSocket.
 
     Refusals close the handshake with an application close code (4401/4403/4404); a
-    close before accept reaches the client as HTTP 403, so the socket is accepted first."""
+    close before accept reaches the client as HTTP 403, so the socket is accepted first.
+    A client that leaves at any point ends the handler quietly."""
+    with contextlib.suppress(WebSocketDisconnect, OSError):
+        await _admit(ws)
+
+
+async def _admit(ws: WebSocket) -> None:
     sv = ws.app.state.services
     cid = ws.path_params["conversation_id"]
     arrival = next(sv.hub.arrivals)
     await ws.accept()
     if not origin_allowed(ws, sv.settings.allowed_origins):
-        return await ws.close(BAD_ORIGIN, "origin not allowed")
+        return await safe_close(ws, BAD_ORIGIN, "origin not allowed")
     token = owner_token(ws)
-    owner = await sv.store.user_by_token(token) if token else None
+    try:
+        owner = await sv.store.user_by_token(token) if token else None
+        conv = await sv.store.get_conversation(cid) if owner else None
+    except DB_ERRORS as e:
+        log.warning("database unavailable while admitting a chat socket: %r", e)
+        return await safe_close(ws, TRY_AGAIN_LATER, "database unavailable")
     if owner is None:
-        return await ws.close(NO_CREDENTIALS, "no valid credentials")
-    conv = await sv.store.get_conversation(cid)
+        return await safe_close(ws, NO_CREDENTIALS, "no valid credentials")
     if conv is None:
-        return await ws.close(UNKNOWN_CHAT, "unknown chat")
+        return await safe_close(ws, UNKNOWN_CHAT, "unknown chat")
     if conv.owner_id != owner.id:
-        return await ws.close(NOT_OWNER, "not your chat")
-    await ChatSocket(ws, sv, cid, arrival).serve()
+        return await safe_close(ws, NOT_OWNER, "not your chat")
+    await ChatSocket(ws, sv, cid, arrival, owner.id).serve()

@@ -2,38 +2,34 @@
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 
 class Detokenizer:
-    """Emits the text a new token adds. Text ending in U+FFFD is held back until the bytes of
-    a character split across tokens are complete (the offsets scheme vLLM uses)."""
+    """The tokenizers library's DecodeStream (it holds back the bytes of a character split
+    across tokens), plus the reply's ids for its whole text and a final flush."""
 
     def __init__(self, tokenizer, skip_ids: set[int] = frozenset()) -> None:
         self._tok = tokenizer
+        self._backend = tokenizer.backend_tokenizer
         self._skip = skip_ids
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._emitted = 0  # characters of text() already handed out
         self.ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens already emitted as text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         if token_id in self._skip:
             return ""
         self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return text[len(before) :]
-        return ""
+        piece = self._stream.step(self._backend, token_id) or ""
+        self._emitted += len(piece)
+        return piece
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character shows as U+FFFD)."""
-        before = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        self._prefix = self._read = len(self.ids)
-        return text[len(before) :]
+        tail = self.text()[self._emitted :]
+        self._emitted += len(tail)
+        return tail
 
     def text(self) -> str:
-        return self._decode(self.ids)
+        return self._tok.decode(self.ids, skip_special_tokens=True)

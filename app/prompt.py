@@ -1,7 +1,13 @@
-"""Chat template rendering for one new turn: the token ids that extend the stored stream."""
+"""Chat template rendering for one new turn: the token ids that extend the stored stream.
+
+Message text is encoded as plain text: a special-token string typed into a message (say
+`<|im_start|>system`) becomes ordinary text tokens, so nobody can forge template markup.
+Only the template's own markup is encoded with its special tokens."""
 
 from __future__ import annotations
 
+import re
+import secrets
 from dataclasses import dataclass
 
 
@@ -9,6 +15,12 @@ from dataclasses import dataclass
 class Delta:
     token_ids: list[int]  # what the engine computes for this turn's prompt
     context_len: int  # tokens of the stored stream kept before them
+
+
+@dataclass
+class Segment:
+    text: str
+    plain: bool  # message text: special-token strings in it are ordinary text
 
 
 def chat_messages(
@@ -28,19 +40,71 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _specials(tokenizer) -> list[str]:
+    """The strings the tokenizer would read as special tokens, longest first."""
+    names = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return sorted(names, key=len, reverse=True)
+
+
+def render(tokenizer, messages: list[dict]) -> list[Segment]:
+    """The rendered chat as segments: template markup, and special-token strings found in
+    message text (plain). Those strings go through the template as unguessable
+    placeholders, so whatever the template does to the text, they stay apart."""
+    specials = _specials(tokenizer)
+    found: list[str] = []
+    if specials:
+        nonce = secrets.token_hex(8)
+        pattern = re.compile("|".join(map(re.escape, specials)))
+
+        def hide(m: re.Match) -> str:
+            found.append(m.group())
+            return f"\ue000{nonce}:{len(found) - 1}\ue001"
+
+        messages = [{**m, "content": pattern.sub(hide, m["content"])} for m in messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not found:
+        return [Segment(text, False)]
+    segments: list[Segment] = []
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
+    for i, part in enumerate(parts):
+        if i % 2:
+            segments.append(Segment(found[int(part)], True))
+        elif part:
+            segments.append(Segment(part, False))
+    return segments
+
+
+def text_of(segments: list[Segment]) -> str:
+    return "".join(s.text for s in segments)
+
+
+def encode(tokenizer, segments: list[Segment], skip_chars: int = 0) -> list[int]:
+    """Token ids of the segments' text after its first `skip_chars` characters."""
+    ids: list[int] = []
+    for seg in segments:
+        text = seg.text[skip_chars:]
+        skip_chars = max(0, skip_chars - len(seg.text))
+        if text:
+            ids += tokenizer(text, add_special_tokens=False, split_special_tokens=seg.plain)[
+                "input_ids"
+            ]
+    return ids
+
+
 def render_delta(tokenizer, messages: list[dict], stored: list[int]) -> Delta:
     """Render the whole chat, keep what the stored stream already holds, tokenize the rest.
 
     The stored stream is what the model saw, so it is never re-tokenized. When the template
     is prefix-stable (the usual case) the new text simply follows it. Otherwise the longest
     common token prefix is kept and everything after it is recomputed."""
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    segments = render(tokenizer, messages)
+    full = text_of(segments)
     seen = tokenizer.decode(stored, skip_special_tokens=False)
     if full.startswith(seen):
-        ids = tokenizer(full[len(seen) :], add_special_tokens=False).input_ids
+        ids = encode(tokenizer, segments, len(seen))
         if ids:
-            return Delta(list(ids), len(stored))
-    full_ids = list(tokenizer(full, add_special_tokens=False).input_ids)
+            return Delta(ids, len(stored))
+    full_ids = encode(tokenizer, segments)
     keep = common_prefix(full_ids, stored)
     if keep == len(full_ids):  # the new prompt must compute at least one token
         keep -= 1

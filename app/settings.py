@@ -65,3 +65,6 @@ class Settings(BaseSettings):
         )
         config.validate()
         return config
+
+    # chat socket limits
+    turns_per_minute: int = Field(30, ge=1)  # messages one owner may send a minute, all chats

@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import ScalarSelect, delete, func, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
@@ -38,6 +38,21 @@ def hash_token(token: str) -> str:
 
 def new_id() -> str:
     return uuid.uuid4().hex
+
+
+def _window_seq(conversation_id: str) -> ScalarSelect[int]:
+    """seq of the message that opens the conversation's context window (0: the first)."""
+    return (
+        select(func.coalesce(func.max(Message.seq), 0))
+        .where(Message.conversation_id == conversation_id, Message.starts_context.is_(True))
+        .scalar_subquery()
+    )
+
+
+def _in_window(conversation_id: str):
+    return (Message.conversation_id == conversation_id) & (
+        Message.seq >= _window_seq(conversation_id)
+    )
 
 
 def _check_tokens(token_ids: Sequence[int]) -> list[int]:
@@ -176,13 +191,16 @@ class HistoryStore:
         token_ids: Sequence[int],
         finish_reason: str | None = None,
         expected_start: int | None = None,
+        starts_context: bool = False,
     ) -> Message:
         """Append a message at the end of the conversation, in one transaction.
 
         seq and token_start follow the last stored message; concurrent appends to one
         conversation are serialised by the row lock the first UPDATE takes. With
         `expected_start`, the append is refused (HistoryConflict, nothing written) unless
-        the stream is exactly that long, i.e. the tokens land where the caller computed."""
+        the stream is exactly that long, i.e. the tokens land where the caller computed.
+        With `starts_context` the message opens a new context window at position 0 (its
+        tokens hold the whole new prompt); `expected_start` still guards the old stream."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if finish_reason is not None and finish_reason not in FINISH_REASONS:
@@ -212,6 +230,8 @@ class HistoryStore:
                     f"conversation {conversation_id!r} has {start} tokens, "
                     f"the new message expected {expected_start}"
                 )
+            if starts_context:
+                start = 0
             msg = Message(
                 conversation_id=conversation_id,
                 seq=seq,
@@ -222,12 +242,34 @@ class HistoryStore:
                 token_count=len(ids),
                 created=now,
                 finish_reason=finish_reason,
+                starts_context=starts_context,
             )
             s.add(msg)
         return msg
 
+    async def delete_last_message(self, conversation_id: str, message_id: int) -> bool:
+        """Take back a message the engine refused, if it is still the last one."""
+        async with self.sessions.begin() as s:
+            await s.execute(  # the append lock: nothing lands behind it meanwhile
+                update(Conversation)
+                .where(Conversation.id == conversation_id)
+                .values(updated=utcnow())
+            )
+            last = await s.scalar(
+                select(func.max(Message.seq)).where(Message.conversation_id == conversation_id)
+            )
+            res = await s.execute(
+                delete(Message).where(
+                    Message.id == message_id,
+                    Message.conversation_id == conversation_id,
+                    Message.seq == last,
+                )
+            )
+            return res.rowcount > 0
+
     async def truncate(self, conversation_id: str, length: int) -> None:
-        """Cut the stored token stream to its first `length` tokens, in one transaction.
+        """Cut the context window's token stream to its first `length` tokens, in one
+        transaction.
 
         For chat templates that are not prefix-stable: messages keep their text, the
         tokens past the cut are dropped, so the stream stays what the engine holds."""
@@ -246,7 +288,7 @@ class HistoryStore:
                 await s.scalars(
                     select(Message)
                     .where(
-                        Message.conversation_id == conversation_id,
+                        _in_window(conversation_id),
                         Message.token_start + Message.token_count > length,
                     )
                     .order_by(Message.seq)
@@ -257,7 +299,7 @@ class HistoryStore:
             if not rows:
                 total = await s.scalar(
                     select(func.coalesce(func.sum(Message.token_count), 0)).where(
-                        Message.conversation_id == conversation_id
+                        _in_window(conversation_id)
                     )
                 )
                 if (total or 0) < length:
@@ -271,7 +313,7 @@ class HistoryStore:
                 m.token_count = keep
 
     async def messages(self, conversation_id: str) -> list[Message]:
-        """All messages in seq order."""
+        """All messages in seq order, those before the context window too."""
         async with self.sessions() as s:
             return list(
                 await s.scalars(
@@ -282,27 +324,26 @@ class HistoryStore:
             )
 
     async def token_count(self, conversation_id: str) -> int:
-        """Length of the conversation's stored token stream."""
+        """Length of the context window's token stream."""
         async with self.sessions() as s:
             n = await s.scalar(
                 select(func.coalesce(func.sum(Message.token_count), 0)).where(
-                    Message.conversation_id == conversation_id
+                    _in_window(conversation_id)
                 )
             )
             return int(n or 0)
 
     async def stream(self, conversation_id: str) -> list[int]:
-        """The whole token stream: every message's token ids, in seq order."""
+        """The model's token stream: the token ids of the context window's messages."""
         async with self.sessions() as s:
             rows = await s.scalars(
-                select(Message.token_ids)
-                .where(Message.conversation_id == conversation_id)
-                .order_by(Message.seq)
+                select(Message.token_ids).where(_in_window(conversation_id)).order_by(Message.seq)
             )
             return [t for ids in rows for t in ids]
 
     async def read(self, conversation_id: str, start: int, end: int) -> list[int]:
-        """Exactly positions [start, end) of the stream; only overlapping rows are fetched."""
+        """Exactly positions [start, end) of the window's stream; only overlapping rows are
+        fetched."""
         if not 0 <= start <= end:
             raise ValueError(f"bad token range [{start}, {end})")
         if start == end:
@@ -312,7 +353,7 @@ class HistoryStore:
                 await s.execute(
                     select(Message.token_start, Message.token_ids)
                     .where(
-                        Message.conversation_id == conversation_id,
+                        _in_window(conversation_id),
                         Message.token_start < end,
                         Message.token_start + Message.token_count > start,
                     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -17,6 +18,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -96,12 +98,16 @@ class Message(Base):
     content: Mapped[str] = mapped_column(Text)
     # The exact token ids the model saw for this message (JSON list of ints).
     token_ids: Mapped[list[int]] = mapped_column(JSON)
-    # Position of this message's first token in the conversation's token stream.
+    # Position of this message's first token in its context window's token stream.
     token_start: Mapped[int] = mapped_column(Integer)
     # len(token_ids), kept as a column so range reads can select overlapping rows in SQL.
     token_count: Mapped[int] = mapped_column(Integer)
     created: Mapped[datetime] = mapped_column(default=utcnow)
     finish_reason: Mapped[str | None] = mapped_column(String(16))
+    # This message opens a new context window: its token ids render the system prompt, the
+    # latest earlier turns that fit and itself, and start at position 0. The model's stream
+    # is the messages from the last such one on (or from the first message).
+    starts_context: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     @property
     def token_end(self) -> int:

@@ -33,7 +33,7 @@ def server(request, tmp_path_factory):
         services.ensure_postgres()
         db = services.create_database()
         url = services.pg_async_url(db)
-    srv = Server(url, tmp / "server.log", env=TINY).start()
+    srv = Server(url, tmp / "server.log", env={**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000"}).start()
     yield srv
     srv.stop()
     if db:
@@ -189,17 +189,26 @@ async def test_bad_frames_get_one_error_each(server, token):
         (json.dumps({"type": "message", "content": "hi", "max_tokens": True}), "bad_sampling"),
         (json.dumps({"type": "message", "content": "hi", "seed": 1.5}), "bad_sampling"),
         (b"\x00\x01binary", "binary"),
+        ("[" * 50_000 + "]" * 50_000, "bad_json"),  # RecursionError in the JSON parser
+        (json.dumps({"type": "message", "content": "a\x00b"}), "bad_content"),  # NUL
+        ('{"type": "message", "content": "a\\ud800b"}', "bad_content"),  # lone surrogate
+        (json.dumps({"type": "message", "content": "hi", "top_p": "x"}), "bad_sampling"),
     ]
     async with connect(server, cid, token) as ws:
         for frame, code in bad:
             await ws.send(frame)
             got = await recv(ws, timeout=10)
-            assert got["type"] == "error" and got["code"] == code, (frame, got)
+            assert got["type"] == "error" and got["code"] == code, (frame[:80], got)
             assert got["message"]
         # Fits a frame, not the chat: refused before anything is stored.
         await ws.send(json.dumps({"type": "message", "content": "lorem ipsum " * 1300}))
         got = await recv(ws, timeout=30)
-        assert got["code"] == "context_full", got
+        assert got["code"] == "too_long", got
+        # The longest message of astral characters, each escaped as a surrogate pair
+        # (12 bytes): a clear error frame, not a 1009 close.
+        await ws.send(json.dumps({"type": "message", "content": "🙂" * 16_000}))
+        got = await recv(ws, timeout=120)
+        assert got["code"] == "too_long", got
         # Typing hints answer nothing; the connection still chats.
         await ws.send(json.dumps({"type": "typing"}))
         r = await say(ws, "Hello", max_tokens=4)

@@ -49,7 +49,7 @@ def _schema(conn) -> tuple[set[str], list]:
 async def test_migrations_up_and_down(db_url: str) -> None:
     # Called on the running loop on purpose: the server does the same at start.
     migrate.upgrade(db_url)
-    assert migrate.current(db_url) == "0001"
+    assert migrate.current(db_url) == "0002"
     s = HistoryStore(db_url)
     try:
         async with s.engine.connect() as conn:
@@ -64,7 +64,7 @@ async def test_migrations_up_and_down(db_url: str) -> None:
         assert not TABLES & tables
 
         migrate.upgrade(db_url)  # and back up, on the same database
-        assert migrate.current(db_url) == "0001"
+        assert migrate.current(db_url) == "0002"
     finally:
         await s.close()
 
@@ -265,8 +265,8 @@ def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_pat
     procs = [_alembic_start("upgrade", "head", cwd=tmp_path, url=db_url) for _ in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert sum("-> 0001" in out for out in outs) == 1  # one migrated, the other saw head
-    assert migrate.current(db_url) == "0001"
+    assert sum("-> 0002" in out for out in outs) == 1  # one migrated, the other saw head
+    assert migrate.current(db_url) == "0002"
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
 
@@ -276,7 +276,7 @@ def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
     migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
-    assert migrate.current() == "0001"
+    assert migrate.current() == "0002"
 
 
 class _BusyCursor:
@@ -327,3 +327,79 @@ async def test_truncate_cuts_the_stream_and_keeps_the_text(store: HistoryStore) 
     assert await asyncio.to_thread(store.token_history().read, cid, 2, 5) == [3, 4, 9]
     with pytest.raises(HistoryError):
         await store.truncate("nope", 0)
+
+
+async def test_context_window_starts_at_the_last_marked_message(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    for role, ids in [("user", [1, 2, 3]), ("assistant", [4, 5]), ("user", [6])]:
+        await store.append_message(cid, role, role, ids)
+    await store.append_message(cid, "assistant", "r", [7], expected_start=6)
+    # A new window: its first message holds the whole new prompt, from position 0.
+    with pytest.raises(HistoryConflict):
+        await store.append_message(
+            cid, "user", "w", [1, 9, 9], starts_context=True, expected_start=5
+        )
+    m = await store.append_message(
+        cid, "user", "w", [1, 9, 9], starts_context=True, expected_start=7
+    )
+    assert (m.seq, m.token_start, m.starts_context) == (4, 0, True)
+    r = await store.append_message(cid, "assistant", "x", [8, 8], expected_start=3)
+    assert (r.seq, r.token_start, r.starts_context) == (5, 3, False)
+    assert await store.stream(cid) == [1, 9, 9, 8, 8]
+    assert await store.token_count(cid) == 5
+    assert len(await store.messages(cid)) == 6  # the earlier turns stay in the history
+    reader = store.token_history(timeout=10)
+    assert await asyncio.to_thread(reader.read, cid, 0, 5) == [1, 9, 9, 8, 8]
+    assert await asyncio.to_thread(reader.read, cid, 2, 4) == [9, 8]
+    with pytest.raises(HistoryError):
+        await asyncio.to_thread(reader.read, cid, 0, 6)
+    await store.truncate(cid, 4)  # cuts inside the window only
+    assert await store.stream(cid) == [1, 9, 9, 8]
+    assert [m.token_ids for m in await store.messages(cid)][:4] == [[1, 2, 3], [4, 5], [6], [7]]
+    # A second window replaces the first.
+    await store.append_message(cid, "user", "v", [2, 2], starts_context=True, expected_start=4)
+    assert await store.stream(cid) == [2, 2]
+
+
+async def test_delete_last_message_takes_back_only_the_last(store: HistoryStore) -> None:
+    cid = await _chat(store)
+    a = await store.append_message(cid, "user", "a", [1])
+    b = await store.append_message(cid, "user", "b", [2, 3], starts_context=True)
+    assert not await store.delete_last_message(cid, a.id)
+    assert await store.delete_last_message(cid, b.id)
+    assert [m.content for m in await store.messages(cid)] == ["a"]
+    assert await store.stream(cid) == [1]  # the window it opened is gone with it
+
+
+async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
+    await asyncio.to_thread(migrate.upgrade, db_url, "0001")
+    s = HistoryStore(db_url)
+    await s.start()
+    try:
+        async with s.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO users (id, name, token_hash, created) "
+                    "VALUES ('u', 'ada', 'h', CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO conversations (id, owner_id, title, created, updated) "
+                    "VALUES ('c', 'u', '', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO messages (conversation_id, seq, role, content, token_ids, "
+                    "token_start, token_count, created) "
+                    "VALUES ('c', 0, 'user', 'hi', '[1, 2]', 0, 2, CURRENT_TIMESTAMP)"
+                )
+            )
+        await asyncio.to_thread(migrate.upgrade, db_url)
+        assert migrate.current(db_url) == "0002"
+        [m] = await s.messages("c")
+        assert (m.content, m.token_ids, m.starts_context) == ("hi", [1, 2], False)
+        assert await s.stream("c") == [1, 2]
+    finally:
+        await s.close()

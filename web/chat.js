@@ -134,6 +134,10 @@ function describe(done) {
   if (reused.length) parts.push("context: " + reused.join(", "));
   parts.push(`first token ${Math.round(done.timing.ttft_ms)} ms`);
   parts.push(`total ${(done.timing.total_ms / 1000).toFixed(1)} s`);
+  if (done.turns_left_out) {
+    const n = done.turns_left_out;
+    parts.push(`${n} earliest turn${n === 1 ? "" : "s"} beyond the model's memory`);
+  }
   if (done.finish_reason === "cancelled") parts.unshift("stopped");
   if (done.finish_reason === "length") parts.unshift("cut at the token limit");
   return parts.join(" · ");

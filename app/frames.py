@@ -1,0 +1,114 @@
+"""Validation of the chat socket's client frames; every refusal names the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from engine.types import SamplingParams
+
+
+class BadFrame(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Request:
+    content: str
+    sampling: SamplingParams
+    max_tokens_given: bool
+
+
+def parse_json(text: str) -> dict:
+    """A frame's JSON object; deep nesting is bad JSON too, not a crash."""
+    try:
+        frame = json.loads(text)
+    except (ValueError, RecursionError):
+        raise BadFrame("bad_json", "frames must be JSON objects") from None
+    if not isinstance(frame, dict):
+        raise BadFrame("bad_json", "frames must be JSON objects")
+    return frame
+
+
+def check_text(text: str) -> str | None:
+    """Why SQL and the tokenizer cannot take this text, or None."""
+    if "\x00" in text:
+        return "must not contain NUL characters"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must not contain unpaired UTF-16 surrogates"
+    return None
+
+
+class MessageFrame(BaseModel):
+    """`{"type": "message", "content": ..., "max_tokens"?, "temperature"?, "top_p"?, "seed"?}`;
+    limits from the settings come in the validation context."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["message"] = "message"
+    content: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise PydanticCustomError("bad_content", "must not be blank")
+        problem = check_text(value)
+        if problem:
+            raise PydanticCustomError("bad_content", problem)
+        limit = info.context["max_chars"]
+        if len(value) > limit:
+            raise PydanticCustomError(
+                "too_long",
+                "has {n} characters, the limit is {limit}",
+                {"n": len(value), "limit": limit},
+            )
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        limit = info.context["max_tokens"]
+        if value is not None and value > limit:
+            raise PydanticCustomError("bad_sampling", "must be at most {limit}", {"limit": limit})
+        return value
+
+
+def _refusal(e: ValidationError) -> BadFrame:
+    err = e.errors(include_url=False)[0]
+    field = ".".join(map(str, err["loc"])) or "frame"
+    if field == "content":
+        code = "too_long" if err["type"] == "too_long" else "bad_content"
+    else:
+        code = "bad_sampling"
+    shown = "" if field == "content" or err["type"] == "missing" else f", got {err['input']!r:.40}"
+    return BadFrame(code, f"{field}: {err['msg']}{shown}")
+
+
+def parse_message(frame: dict, max_chars: int, default_tokens: int, limit_tokens: int) -> Request:
+    """Validate a `message` frame into the turn's request."""
+    try:
+        m = MessageFrame.model_validate(
+            frame, context={"max_chars": max_chars, "max_tokens": limit_tokens}
+        )
+    except ValidationError as e:
+        raise _refusal(e) from None
+    sampling = SamplingParams(
+        max_tokens=m.max_tokens or default_tokens,
+        temperature=0.0 if m.temperature is None else m.temperature,
+        top_p=1.0 if m.top_p is None else m.top_p,
+        seed=m.seed,
+    )
+    return Request(m.content, sampling, m.max_tokens is not None)
