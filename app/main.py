@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
 
 from app import admin, api, pages
+from app.auth import admin_token_from_file
 from app.chat import Hub, chat_endpoint
+from app.limits import RateLimit
+from app.logs import redact_access_logs
 from app.metrics import Metrics
+from app.middleware import SameOriginWrites, SecurityHeaders
 from app.settings import Settings
 
 log = logging.getLogger("pensieve")
@@ -29,10 +33,12 @@ class Services:
     admin_token: str
     metrics: Metrics = field(default_factory=Metrics)
     hub: Hub = field(default_factory=Hub)
+    new_users: RateLimit = field(default_factory=lambda: RateLimit(10))
     running: bool = True
 
     def engine_running(self) -> bool:
-        return self.running
+        """Serving, and the engine's loop thread alive (not crashed)."""
+        return self.running and getattr(self.engine, "alive", True)
 
 
 @contextlib.asynccontextmanager
@@ -44,8 +50,9 @@ async def lifespan(app: Starlette):
 
     settings: Settings = app.state.settings
     config = settings.engine_config()
+    redact_access_logs()
     await upgrade_async(settings.database_url)
-    store = HistoryStore(settings.database_url)
+    store = HistoryStore(settings.database_url, timeout_s=settings.database_timeout_s)
     await store.start()
     clock = RedisClock(settings.redis_url) if settings.redis_url else LocalClock()
     async with contextlib.AsyncExitStack() as stack:
@@ -62,14 +69,19 @@ async def lifespan(app: Starlette):
         stack.push_async_callback(engine.stop)
         admin_token = settings.admin_token
         if not admin_token:
-            admin_token = secrets.token_urlsafe(24)
+            # Never logged: the operator reads it from a file only its user can read.
+            admin_token = admin_token_from_file(settings.admin_token_file)
             log.warning(
-                "no PENSIEVE_ADMIN_TOKEN set; this run's admin page: http://%s:%s/admin?token=%s",
-                settings.host,
-                settings.port,
-                admin_token,
+                "no PENSIEVE_ADMIN_TOKEN set; the admin token is in %s", settings.admin_token_file
             )
-        sv = Services(settings, store, clock, engine, admin_token)
+        sv = Services(
+            settings,
+            store,
+            clock,
+            engine,
+            admin_token,
+            new_users=RateLimit(settings.new_users_per_minute),
+        )
         sv.metrics.watch(engine.snapshot)
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().get("device"))
@@ -81,6 +93,7 @@ async def lifespan(app: Starlette):
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
+    settings = settings or Settings()
     app = Starlette(
         routes=[
             *api.routes,
@@ -89,6 +102,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
             *pages.routes,
         ],
         lifespan=lifespan,
+        middleware=[
+            Middleware(SecurityHeaders),
+            Middleware(SameOriginWrites, allowed=settings.allowed_origins),
+        ],
     )
-    app.state.settings = settings or Settings()
+    app.state.settings = settings
     return app
