@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -40,7 +40,9 @@ def _storable(text: str) -> str:
     return text
 
 
-Text = Annotated[str, AfterValidator(_storable)]
+def Text(max_length: int):  # noqa: N802 - reads as a type
+    """A string PostgreSQL can store, of at most `max_length` characters."""
+    return Annotated[str, StringConstraints(max_length=max_length), AfterValidator(_storable)]
 
 
 class NewConversation(BaseModel):
@@ -48,8 +50,8 @@ class NewConversation(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    title: Annotated[Text, Field(max_length=MAX_TITLE)] | None = None
-    system_prompt: Annotated[Text, Field(max_length=MAX_SYSTEM_PROMPT)] | None = None
+    title: Text(MAX_TITLE) | None = None
+    system_prompt: Text(MAX_SYSTEM_PROMPT) | None = None
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
 from app import admin, api, pages
@@ -34,6 +38,7 @@ class Services:
     metrics: Metrics = field(default_factory=Metrics)
     hub: Hub = field(default_factory=Hub)
     new_users: RateLimit = field(default_factory=lambda: RateLimit(10))
+    db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
     running: bool = True
 
     def engine_running(self) -> bool:
@@ -92,6 +97,17 @@ async def lifespan(app: Starlette):
             await sv.hub.drain()
 
 
+async def database_unavailable(request: Request, exc: Exception) -> Response:
+    """A database that fails or does not answer in time: a clear 503 instead of a 500."""
+    log.warning("%s %s: database unavailable: %s", request.method, request.url.path, exc)
+    return api.problem(
+        503,
+        "database_unavailable",
+        "the database is not answering; try again shortly",
+        headers={"Retry-After": "5"},
+    )
+
+
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     app = Starlette(
@@ -102,6 +118,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
             *pages.routes,
         ],
         lifespan=lifespan,
+        exception_handlers={
+            SQLAlchemyError: database_unavailable,
+            TimeoutError: database_unavailable,
+            ConnectionError: database_unavailable,
+        },
         middleware=[
             Middleware(SecurityHeaders),
             Middleware(SameOriginWrites, allowed=settings.allowed_origins),

@@ -30,7 +30,7 @@ ENGINE_HELP: dict[str, str] = {
     "max_batch_tokens": "token budget of one step",
     "max_running": "most turns decoding at once",
     "max_waiting": "most turns queued for the engine; more are refused as busy",
-    "swap_out_threshold": "swap chunks out ahead of time when this share of GPU blocks is free",
+    "swap_out_threshold": "swap chunks out ahead of time once free GPU blocks fall under this share",
     "admit_reserve": "admit new turns only while this share of GPU blocks stays free",
     "unified": "prompt and decode steps share a batch",
     "seed": "seed of dummy weights",
