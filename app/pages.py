@@ -25,7 +25,7 @@ def web_dir() -> Path:
     `pensieve_web` package (see pyproject.toml)."""
     if (SOURCE_ROOT / "pyproject.toml").is_file():
         return SOURCE_ROOT / "web"
-    return Path(str(files("pensieve_web")))
+    return Path(str(files("pensieve_web") / "index.html")).parent  # a namespace package
 
 
 WEB = web_dir()

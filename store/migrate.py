@@ -26,7 +26,7 @@ def scripts_dir() -> Path:
     `pensieve_migrations` package (see pyproject.toml)."""
     if (SOURCE_ROOT / "pyproject.toml").is_file():
         return SOURCE_ROOT / "alembic"
-    return Path(str(files("pensieve_migrations")))
+    return Path(str(files("pensieve_migrations") / "env.py")).parent  # a namespace package
 
 
 def config(url: str | None = None) -> Config:

@@ -47,7 +47,7 @@ def test_installed_package_serves_pages_and_migrates(tmp_path):
         return out.stdout
 
     where = python("import app, store.migrate as m; print(app.__file__); print(m.scripts_dir())")
-    assert all(line.startswith(str(target)) for line in where.split())
+    assert all(line.startswith(str(target)) for line in where.split()), where
     python("from store.migrate import upgrade, current; upgrade(); assert current() is not None")
 
     port = free_port()
