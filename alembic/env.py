@@ -67,7 +67,8 @@ def do_run_migrations(connection: Connection) -> None:
 
 
 async def run_async_migrations() -> None:
-    engine = make_engine(url(), poolclass=pool.NullPool)
+    # Migrations may wait for another server's lock or run long: no statement bound.
+    engine = make_engine(url(), timeout_s=None, poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(do_run_migrations)

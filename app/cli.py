@@ -6,21 +6,34 @@ import argparse
 import asyncio
 import logging
 import sys
+import types
+import typing
 
-from app.settings import Settings
+from pydantic import ValidationError
 
-ENGINE_FLAGS = (
-    ("model", str, "model name, Hugging Face model dir, or dummy:<shape>"),
-    ("device", str, "cpu or cuda (default: cuda when present)"),
-    ("dtype", str, "float32, bfloat16, float16 (default: per device)"),
-    ("gpu_cache_chunks", int, "GPU KV cache size in chunks (default: from free memory)"),
-    ("cpu_cache_chunks", int, "CPU KV cache size in chunks (default: from host memory)"),
-    ("cache_mode", str, "pensieve | gpu | stateless"),
-    ("eviction", str, "pensieve | lru"),
-    ("max_batch_tokens", int, "token budget of one step"),
+from app.settings import ENGINE_HELP, Settings, engine_fields
+
+SERVER_FLAGS = (
     ("database_url", str, "SQLAlchemy async URL (default: SQLite under ./data)"),
+    ("database_timeout_s", float, "bound of each database connect, statement and checkout"),
     ("redis_url", str, "Redis URL for activity times (default: none, in-process)"),
 )
+
+
+def _flag_type(kind: object) -> object:
+    """The argparse type of a field type: `int | None` -> int; bool -> a --x/--no-x switch."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+def _add_flag(p: argparse.ArgumentParser, name: str, kind: object, text: str | None) -> None:
+    flag = "--" + name.replace("_", "-")
+    kind = _flag_type(kind)
+    if kind is bool:
+        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=text)
+    else:
+        p.add_argument(flag, dest=name, type=kind, help=text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,8 +42,10 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the chat, REST API and admin pages")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    for name, kind, text in ENGINE_FLAGS:
-        serve.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text)
+    for name, kind, _ in engine_fields():
+        _add_flag(serve, name, kind, ENGINE_HELP.get(name))
+    for name, kind, text in SERVER_FLAGS:
+        _add_flag(serve, name, kind, text)
     serve.add_argument("--log-level", default="info")
     users = sub.add_parser("users", help="manage owners")
     users_sub = users.add_subparsers(dest="users_command", required=True)
@@ -48,28 +63,37 @@ def _settings(args: argparse.Namespace) -> Settings:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from app.chat import ws_max_size
+    from app.logs import redact_access_logs
     from app.main import create_app
+    from store.db import check_database
 
     settings = _settings(args)
+    # Fail in one line, before the model loads, when the database cannot be reached.
+    asyncio.run(check_database(settings.database_url, settings.database_timeout_s))
     logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
-        ws_max_size=6 * settings.max_message_chars + 4096,  # \uXXXX-escaped content + JSON
+        ws_max_size=ws_max_size(settings.max_message_chars),
     )
+    redact_access_logs()  # after uvicorn.Config set up its loggers
+    uvicorn.Server(config).run()
 
 
-async def _create_user(url: str, name: str) -> str:
+async def _create_user(settings: Settings, name: str) -> str:
     from store import HistoryStore
+    from store.db import check_database
     from store.migrate import upgrade_async
 
-    await upgrade_async(url)
-    store = HistoryStore(url)
+    await check_database(settings.database_url, settings.database_timeout_s)
+    await upgrade_async(settings.database_url)
+    store = HistoryStore(settings.database_url, timeout_s=settings.database_timeout_s)
     await store.start()
     try:
         user, token = await store.create_user(name)
@@ -79,16 +103,23 @@ async def _create_user(url: str, name: str) -> str:
     return token
 
 
+def _one_line(e: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         if args.command == "serve":
             serve(args)
         elif args.command == "users":
-            settings = _settings(args)
-            token = asyncio.run(_create_user(settings.database_url, args.name))
+            token = asyncio.run(_create_user(_settings(args), args.name))
             print(token)
-    except ValueError as e:
+    except ValidationError as e:
+        sys.exit(f"pensieve: {_one_line(e)}")
+    except (ValueError, ConnectionError) as e:
         sys.exit(f"pensieve: {e}")
 
 

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import secrets
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
 from app import admin, api, pages
+from app.auth import admin_token_from_file
 from app.chat import Hub, chat_endpoint
+from app.limits import RateLimit
+from app.logs import redact_access_logs
 from app.metrics import Metrics
+from app.middleware import SameOriginWrites, SecurityHeaders
 from app.settings import Settings
 
 log = logging.getLogger("pensieve")
@@ -29,10 +37,13 @@ class Services:
     admin_token: str
     metrics: Metrics = field(default_factory=Metrics)
     hub: Hub = field(default_factory=Hub)
+    new_users: RateLimit = field(default_factory=lambda: RateLimit(10))
+    db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
     running: bool = True
 
     def engine_running(self) -> bool:
-        return self.running
+        """Serving, and the engine's loop thread alive (not crashed)."""
+        return self.running and getattr(self.engine, "alive", True)
 
 
 @contextlib.asynccontextmanager
@@ -44,8 +55,9 @@ async def lifespan(app: Starlette):
 
     settings: Settings = app.state.settings
     config = settings.engine_config()
+    redact_access_logs()
     await upgrade_async(settings.database_url)
-    store = HistoryStore(settings.database_url)
+    store = HistoryStore(settings.database_url, timeout_s=settings.database_timeout_s)
     await store.start()
     clock = RedisClock(settings.redis_url) if settings.redis_url else LocalClock()
     async with contextlib.AsyncExitStack() as stack:
@@ -62,14 +74,19 @@ async def lifespan(app: Starlette):
         stack.push_async_callback(engine.stop)
         admin_token = settings.admin_token
         if not admin_token:
-            admin_token = secrets.token_urlsafe(24)
+            # Never logged: the operator reads it from a file only its user can read.
+            admin_token = admin_token_from_file(settings.admin_token_file)
             log.warning(
-                "no PENSIEVE_ADMIN_TOKEN set; this run's admin page: http://%s:%s/admin?token=%s",
-                settings.host,
-                settings.port,
-                admin_token,
+                "no PENSIEVE_ADMIN_TOKEN set; the admin token is in %s", settings.admin_token_file
             )
-        sv = Services(settings, store, clock, engine, admin_token)
+        sv = Services(
+            settings,
+            store,
+            clock,
+            engine,
+            admin_token,
+            new_users=RateLimit(settings.new_users_per_minute),
+        )
         sv.metrics.watch(engine.snapshot)
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().get("device"))
@@ -80,7 +97,19 @@ async def lifespan(app: Starlette):
             await sv.hub.drain()
 
 
+async def database_unavailable(request: Request, exc: Exception) -> Response:
+    """A database that fails or does not answer in time: a clear 503 instead of a 500."""
+    log.warning("%s %s: database unavailable: %s", request.method, request.url.path, exc)
+    return api.problem(
+        503,
+        "database_unavailable",
+        "the database is not answering; try again shortly",
+        headers={"Retry-After": "5"},
+    )
+
+
 def create_app(settings: Settings | None = None) -> Starlette:
+    settings = settings or Settings()
     app = Starlette(
         routes=[
             *api.routes,
@@ -89,6 +118,15 @@ def create_app(settings: Settings | None = None) -> Starlette:
             *pages.routes,
         ],
         lifespan=lifespan,
+        exception_handlers={
+            SQLAlchemyError: database_unavailable,
+            TimeoutError: database_unavailable,
+            ConnectionError: database_unavailable,
+        },
+        middleware=[
+            Middleware(SecurityHeaders),
+            Middleware(SameOriginWrites, allowed=settings.allowed_origins),
+        ],
     )
-    app.state.settings = settings or Settings()
+    app.state.settings = settings
     return app

@@ -1,42 +1,82 @@
-"""Server settings: `pensieve serve` flags over PENSIEVE_* environment variables over defaults."""
+"""Server settings: `pensieve serve` flags over PENSIEVE_* environment variables over defaults.
+
+The engine's settings are `EngineConfig`'s fields, taken from the dataclass itself: a field
+added there is a setting (PENSIEVE_<NAME>) and a `pensieve serve --<name>` flag at once, with
+the help text below.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated
+import typing
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.types import EngineConfig
 
-class Settings(BaseSettings):
+# One line of help per EngineConfig field (tests check that none is missing).
+ENGINE_HELP: dict[str, str] = {
+    "model": "model name, Hugging Face model dir, or dummy:<shape>",
+    "device": "cpu or cuda (default: cuda when present)",
+    "dtype": "float32, bfloat16, float16 (default: per device)",
+    "chunk_size": "tokens per KV chunk (a power of two)",
+    "gpu_cache_chunks": "GPU KV cache size in chunks (default: from free memory)",
+    "cpu_cache_chunks": "CPU KV cache size in chunks (default: from host memory)",
+    "cache_mode": "pensieve | gpu | stateless",
+    "eviction": "pensieve | lru",
+    "max_batch_tokens": "token budget of one step",
+    "max_running": "most turns decoding at once",
+    "max_waiting": "most turns queued for the engine; more are refused as busy",
+    "swap_out_threshold": "swap chunks out ahead of time once free GPU blocks fall under this share",
+    "admit_reserve": "admit new turns only while this share of GPU blocks stays free",
+    "unified": "prompt and decode steps share a batch",
+    "seed": "seed of dummy weights",
+    "cache_dir": "converted models and cost profiles (default: ~/.cache/pensieve)",
+    "attention_backend": "attention implementation (default: Triton on CUDA, torch elsewhere)",
+    "pack_cpu_weights": "float32 on the CPU: oneDNN-packed linears",
+}
+
+
+def engine_fields() -> list[tuple[str, Any, Any]]:
+    """(name, type, default) of each EngineConfig field."""
+    hints = typing.get_type_hints(EngineConfig)
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append((f.name, hints[f.name], default))
+    return out
+
+
+class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PENSIEVE_", extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     database_url: str = "sqlite+aiosqlite:///./data/pensieve.db"
+    # Connect, statement and pool-checkout bound of each database operation.
+    database_timeout_s: float = Field(5.0, gt=0)
     redis_url: str | None = None
-    admin_token: str | None = None  # None: a random one is made at start and logged
+    # None: the token in admin_token_file is used, made there (mode 0600) on first start.
+    admin_token: str | None = None
+    admin_token_file: str = "./data/admin-token"
     allowed_origins: Annotated[
         list[str], NoDecode
-    ] = []  # WebSocket origins accepted beside the server's own
-
-    model: str = "smollm2-135m-instruct"
-    device: str | None = None
-    dtype: str | None = None
-    chunk_size: int = 32
-    gpu_cache_chunks: int | None = None
-    cpu_cache_chunks: int | None = None
-    cache_mode: str = "pensieve"
-    eviction: str = "pensieve"
-    max_batch_tokens: int = 2048
-    cache_dir: str | None = None
+    ] = []  # browser origins accepted beside the server's own (WebSocket and REST)
 
     max_message_chars: int = Field(16_000, ge=1)
     max_tokens_default: int = Field(512, ge=1)
     max_tokens_limit: int = Field(2048, ge=1)
     system_prompt: str | None = None  # default for new chats; None: the model template's own
-    cookie_secure: bool = False  # mark the owner cookie Secure (set behind HTTPS)
+    cookie_secure: bool = False  # mark cookies Secure (set behind HTTPS)
+
+    max_body_bytes: int = Field(64 * 1024, ge=1)  # largest REST request body
+    max_chats_per_owner: int = Field(1000, ge=1)
+    # Browser owners made per client address and minute (each cookieless page visit makes one).
+    new_users_per_minute: int = Field(10, ge=1)
+    turns_per_minute: int = Field(30, ge=1)  # messages one owner may send a minute, all chats
 
     @field_validator("allowed_origins", mode="before")
     @classmethod
@@ -48,23 +88,24 @@ class Settings(BaseSettings):
             return [str(v).strip().rstrip("/") for v in value if str(v).strip()]
         return value
 
-    def engine_config(self):
-        from engine.types import EngineConfig  # imports torch: not for `pensieve users`
+    @model_validator(mode="after")
+    def _engine_valid(self):
+        self.engine_config()  # a bad engine setting fails here, before anything starts
+        return self
 
-        config = EngineConfig(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            chunk_size=self.chunk_size,
-            gpu_cache_chunks=self.gpu_cache_chunks,
-            cpu_cache_chunks=self.cpu_cache_chunks,
-            cache_mode=self.cache_mode,
-            eviction=self.eviction,
-            max_batch_tokens=self.max_batch_tokens,
-            cache_dir=self.cache_dir,
-        )
+    def engine_config(self) -> EngineConfig:
+        names = [f.name for f in dataclasses.fields(EngineConfig)]
+        config = EngineConfig(**{name: getattr(self, name) for name in names})
         config.validate()
         return config
 
-    # chat socket limits
-    turns_per_minute: int = Field(30, ge=1)  # messages one owner may send a minute, all chats
+
+Settings = create_model(
+    "Settings",
+    __base__=ServerSettings,
+    __doc__="ServerSettings plus one field per EngineConfig field.",
+    **{
+        name: (kind, Field(default, description=ENGINE_HELP.get(name)))
+        for name, kind, default in engine_fields()
+    },
+)

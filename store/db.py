@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 DEFAULT_URL = "sqlite+aiosqlite:///./data/pensieve.db"
 ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
 SQLITE_BUSY_MS = 10_000
+DEFAULT_TIMEOUT_S = 5.0
 
 
 def database_url() -> str:
@@ -85,8 +87,15 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def make_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
-    """An async engine with the per-backend settings the store relies on."""
+def make_engine(
+    url: str | URL, timeout_s: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> AsyncEngine:
+    """An async engine with the per-backend settings the store relies on.
+
+    On PostgreSQL, `timeout_s` bounds connecting, each statement and waiting for a pooled
+    connection, so an unreachable server fails operations instead of hanging them (None:
+    statements unbounded, for migrations). SQLite keeps its busy timeout.
+    """
     parsed = prepare_url(url)
     if parsed.get_backend_name() == "sqlite":
         kwargs.setdefault("connect_args", {"timeout": SQLITE_BUSY_MS / 1000})
@@ -94,4 +103,32 @@ def make_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    connect_timeout = timeout_s or DEFAULT_TIMEOUT_S
+    kwargs.setdefault("connect_args", {"timeout": connect_timeout, "command_timeout": timeout_s})
+    if "poolclass" not in kwargs:
+        kwargs.setdefault("pool_timeout", connect_timeout)
     return create_async_engine(parsed, **kwargs)
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "no answer (timed out)"
+    text = str(getattr(e, "orig", None) or e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+async def check_database(url: str | URL, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Raise ConnectionError (one line, no password) unless the database answers in time."""
+    from sqlalchemy import text
+    from sqlalchemy.pool import NullPool
+
+    engine = make_engine(url, timeout_s=timeout_s, poolclass=NullPool)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+    except Exception as e:
+        where = engine.url.render_as_string(hide_password=True)
+        raise ConnectionError(f"cannot reach the database at {where}: {_reason(e)}") from None
+    finally:
+        await engine.dispose()

@@ -376,6 +376,12 @@ class HistoryStore:
             raise RuntimeError("HistoryStore.start() must run before token_history()")
         return TokenHistory(self, timeout)
 
+    async def count_conversations(self, owner_id: str) -> int:
+        """How many conversations the owner has (for the per-owner quota)."""
+        q = select(func.count()).select_from(Conversation).where(Conversation.owner_id == owner_id)
+        async with self.sessions() as s:
+            return int(await s.scalar(q) or 0)
+
 
 class TokenHistory:
     """The engine's TokenHistory over a HistoryStore: blocking reads from worker threads."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,16 +18,25 @@ from store.db import database_url, make_engine, prepare_url
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def scripts_dir() -> Path:
+    """The migration scripts: alembic/ of a source checkout, else the copy installed as the
+    `pensieve_migrations` package (see pyproject.toml)."""
+    if (SOURCE_ROOT / "pyproject.toml").is_file():
+        return SOURCE_ROOT / "alembic"
+    return Path(str(files("pensieve_migrations") / "env.py")).parent  # a namespace package
 
 
 def config(url: str | None = None) -> Config:
     """Alembic config for `url` (default: PENSIEVE_DATABASE_URL), without touching logging."""
-    ini = ROOT / "alembic.ini"
-    if not (ROOT / "alembic" / "env.py").is_file():
-        raise RuntimeError(f"migration scripts not found under {ROOT / 'alembic'}")
-    cfg = Config(str(ini)) if ini.exists() else Config()
-    cfg.set_main_option("script_location", str(ROOT / "alembic"))
+    scripts = scripts_dir()
+    if not (scripts / "env.py").is_file():
+        raise RuntimeError(f"migration scripts not found under {scripts}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(scripts))
+    cfg.set_main_option("path_separator", "os")
     url = url or database_url()
     prepare_url(url)  # clear error for a bad URL, and the SQLite directory
     cfg.attributes["url"] = url

@@ -31,6 +31,7 @@ class Server:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
+    log_level: str = "warning"  # "info" writes the access log
     proc: subprocess.Popen | None = None
 
     @property
@@ -62,7 +63,7 @@ class Server:
             "--port",
             str(self.port),
             "--log-level",
-            "warning",
+            self.log_level,
         ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self._env(), stdout=log, stderr=log)
         log.close()

@@ -235,7 +235,9 @@ async def test_flood_while_generating(server, token):
 async def test_rest_refusals_and_delete(server, token):
     url = server.url + "/api/conversations"
     assert httpx.get(url).status_code == 401
-    assert httpx.post(url, content=b"{", headers=auth(token)).status_code == 400
+    as_json = {**auth(token), "Content-Type": "application/json"}
+    assert httpx.post(url, content=b"{", headers=as_json).status_code == 400
+    assert httpx.post(url, content=b"{}", headers=auth(token)).status_code == 415
     assert httpx.post(url, json={"title": 5}, headers=auth(token)).status_code == 400
     assert httpx.post(url, json={"nope": 1}, headers=auth(token)).status_code == 400
     cid = server.new_chat(token, title="doomed", system_prompt="You are terse.")

@@ -1,8 +1,9 @@
 // Admin page: pool gauges per tier and each conversation's chunks by tier, polled live.
 "use strict";
 
+// The token is exchanged once (POST /admin/session) for an HttpOnly cookie; it is never put
+// in a URL the server sees: a link may carry it as #token=..., which browsers do not send.
 const $ = (id) => document.getElementById(id);
-const KEY = "pensieve-admin-token";
 const POLL_MS = 1000;
 let timer = null;
 
@@ -13,10 +14,18 @@ function el(tag, cls, text) {
   return node;
 }
 
+async function login(token) {
+  const res = await fetch("/admin/session", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ token }),
+    credentials: "same-origin",
+  });
+  return res.ok;
+}
+
 async function fetchCache() {
-  const token = sessionStorage.getItem(KEY);
-  const headers = token ? { Authorization: `Bearer ${token}` } : {};
-  const res = await fetch("/api/admin/cache", { headers, credentials: "same-origin", cache: "no-store" });
+  const res = await fetch("/api/admin/cache", { credentials: "same-origin", cache: "no-store" });
   if (res.status === 401) return null;
   if (!res.ok) throw new Error(`HTTP ${res.status}`);
   return res.json();
@@ -111,13 +120,20 @@ function showLogin(message) {
 
 $("login").addEventListener("submit", async (e) => {
   e.preventDefault();
-  sessionStorage.setItem(KEY, $("token").value.trim());
-  const snap = await fetchCache().catch(() => null);
-  if (snap === null) {
-    sessionStorage.removeItem(KEY);
-    return showLogin("That token was not accepted.");
-  }
+  const ok = await login($("token").value.trim()).catch(() => false);
+  $("token").value = "";
+  if (!ok) return showLogin("That token was not accepted.");
   tick();
 });
 
-tick();
+async function start() {
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  const token = fragment.get("token");
+  if (token) {
+    history.replaceState(null, "", location.pathname); // out of the address bar and history
+    if (!(await login(token).catch(() => false))) return showLogin("That token was not accepted.");
+  }
+  tick();
+}
+
+start();

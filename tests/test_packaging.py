@@ -1,0 +1,77 @@
+"""A non-editable install (as a deployment makes) finds its pages and migrations."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.app_fixtures import ROOT
+from tests.services import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_installed_package_serves_pages_and_migrates(tmp_path):
+    # Build from a copy, so the checkout gets no build/ folder.
+    src = tmp_path / "src"
+    junk = (".venv", ".git", "data", "build", "*.egg-info", "__pycache__", ".*cache", "docs")
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*junk, "results", "samples"))
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        + ["--target", str(target), str(src)],
+        check=True,
+        timeout=300,
+    )
+    shutil.rmtree(src)  # nothing may be found beside a source tree
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
+    env.update(
+        PYTHONPATH=str(target),
+        PENSIEVE_DATABASE_URL=f"sqlite+aiosqlite:///{run_dir}/pensieve.db",
+        PENSIEVE_ADMIN_TOKEN="t",
+    )
+
+    def python(code: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=run_dir, env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    where = python("import app, store.migrate as m; print(app.__file__); print(m.scripts_dir())")
+    assert all(line.startswith(str(target)) for line in where.split()), where
+    python("from store.migrate import upgrade, current; upgrade(); assert current() is not None")
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)]
+    cmd += ["--model", "dummy:tiny", "--device", "cpu", "--log-level", "warning"]
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the installed server did not come up"
+            time.sleep(0.2)
+        page = httpx.get(f"http://127.0.0.1:{port}/")
+        assert page.status_code == 200 and "/static/chat.js" in page.text
+        script = httpx.get(f"http://127.0.0.1:{port}/static/chat.js")
+        assert script.status_code == 200
+        assert script.text == (ROOT / "web" / "chat.js").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
