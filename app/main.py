@@ -32,7 +32,8 @@ class Services:
     running: bool = True
 
     def engine_running(self) -> bool:
-        return self.running
+        """Serving, and the engine's step loop is alive (not crashed)."""
+        return self.running and bool(getattr(self.engine, "alive", False))
 
 
 @contextlib.asynccontextmanager
@@ -72,7 +73,7 @@ async def lifespan(app: Starlette):
         sv = Services(settings, store, clock, engine, admin_token)
         sv.metrics.watch(engine.snapshot)
         app.state.services = sv
-        log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().get("device"))
+        log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:
             yield
         finally:

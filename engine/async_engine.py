@@ -193,7 +193,7 @@ class AsyncEngine:
         except BaseException as e:  # the loop is dead: say so, and end what was in flight
             self._crashed = e
             log.critical("the engine loop stopped: %r", e, exc_info=True)
-            self._fail_everything(e)
+            self._fail_everything(RuntimeError(f"the engine loop stopped: {e!r}"))
 
     def _loop_steps(self) -> None:
         engine = self.engine
@@ -216,7 +216,7 @@ class AsyncEngine:
                 self._wake.clear()
             self._refresh_snapshot()
 
-    def _fail_everything(self, error: BaseException) -> None:
+    def _fail_everything(self, error: Exception) -> None:
         """After the loop died: fail the engine's turns and those still in the inbox."""
         try:
             for req in self.engine.fail_all(error):
