@@ -213,6 +213,12 @@ def test_healthz_reports_a_dead_engine_loop(tmp_path):
     with TestClient(create_app(settings)) as client:
         ok = client.get("/healthz")
         assert ok.status_code == 200 and ok.json()["checks"]["engine"]["status"] == "ok"
+        # the admin page and the metrics read the typed snapshot
+        cache = client.get("/api/admin/cache", headers={"Authorization": "Bearer t"}).json()
+        assert cache["pools"]["gpu"]["total"] == 16 and cache["conversations"] == []
+        assert (
+            'pensieve:kv_cache_blocks{state="total",tier="gpu"} 16.0' in client.get("/metrics").text
+        )
         engine = client.app.state.services.engine
         kill_loop(engine)
         assert wait_until(lambda: not engine.alive)
