@@ -21,8 +21,8 @@ async def cache(request: Request) -> Response:
     sv = request.app.state.services
     if not is_admin(request, sv.admin_token):
         return problem(401, "unauthorized", "the admin token is required (Authorization: Bearer)")
-    snap = dict(sv.engine.snapshot())
-    convs = [dict(c) for c in snap.get("conversations", [])]
+    snap = sv.engine.snapshot().to_dict()
+    convs = snap["conversations"]
     titles = await _titles(sv.store, [c["id"] for c in convs])
     for c in convs:
         c["title"] = titles.get(c["id"])

@@ -20,6 +20,7 @@ from app.auth import origin_allowed, owner_token
 from app.detok import Detokenizer
 from app.frames import BadFrame, Request, parse_json, parse_message
 from app.window import NoRoom, Plan, plan_turn
+from engine.errors import ConversationBusy, EngineOverloaded
 from engine.types import Turn
 from store import HistoryConflict
 
@@ -47,15 +48,7 @@ def ws_max_size(max_message_chars: int) -> int:
 def context_limit(engine) -> int:
     """Most tokens one chat can hold: the model's positions, and the whole GPU tier (a turn's
     context must fit there while it runs)."""
-    limit = getattr(engine, "context_limit", None)
-    if isinstance(limit, int):
-        return limit
-    snap = engine.snapshot()
-    snap = snap.to_dict() if hasattr(snap, "to_dict") else snap
-    gpu = snap.get("pools", {}).get("gpu", {}).get("total")
-    if not gpu:
-        return engine.max_context
-    return min(engine.max_context, gpu * snap.get("chunk_size", 32) - 1)
+    return engine.context_limit
 
 
 async def safe_close(ws: WebSocket, code: int, reason: str) -> None:
@@ -317,18 +310,20 @@ class ChatSocket:
         turn = Turn(cid, plan.prompt, req.sampling, context_len=plan.context_len)
         try:
             stream = engine.submit(turn)
-        except Exception as e:  # refused: ValueError, ConversationBusy, EngineOverloaded
+        except EngineOverloaded as e:
             await self._take_back(message_id)
-            kind = type(e).__name__
-            if kind == "EngineOverloaded":
-                wait = float(getattr(e, "retry_after_s", 1.0))
-                await self.error(
-                    "busy", f"the server is busy; try again in {wait:.0f} s", retry_after_s=wait
-                )
-            elif kind == "ConversationBusy":
-                await self.error("busy", str(e))
-            else:
-                await self.error("bad_request", str(e))
+            wait = e.retry_after_s
+            await self.error(
+                "busy", f"the server is busy; try again in {wait:.0f} s", retry_after_s=wait
+            )
+            return None
+        except ConversationBusy as e:
+            await self._take_back(message_id)
+            await self.error("busy", str(e))
+            return None
+        except (ValueError, RuntimeError) as e:  # bad input, or the engine loop is down
+            await self._take_back(message_id)
+            await self.error("bad_request", str(e))
             return None
         self.stream = stream
         if self.cancelled or not self.open:

@@ -42,8 +42,8 @@ class Services:
     running: bool = True
 
     def engine_running(self) -> bool:
-        """Serving, and the engine's loop thread alive (not crashed)."""
-        return self.running and getattr(self.engine, "alive", True)
+        """Serving, and the engine's step loop is alive (not crashed)."""
+        return self.running and bool(getattr(self.engine, "alive", False))
 
 
 @contextlib.asynccontextmanager
@@ -89,7 +89,7 @@ async def lifespan(app: Starlette):
         )
         sv.metrics.watch(engine.snapshot)
         app.state.services = sv
-        log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().get("device"))
+        log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:
             yield
         finally:

@@ -4,6 +4,7 @@ engine at scrape time, latency histograms observed per turn."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -14,13 +15,16 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+if TYPE_CHECKING:
+    from engine.snapshot import EngineSnapshot
+
 disable_created_metrics()  # no *_created series: scrapers do not need them
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class EngineCollector:
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self._snapshot = snapshot
 
     def collect(self):
@@ -33,28 +37,23 @@ class EngineCollector:
             "KV cache blocks per tier and state.",
             labels=["tier", "state"],
         )
-        for tier, pool in snap.get("pools", {}).items():
-            total = pool.get("total") or 0
-            usage.add_metric([tier], pool.get("used", 0) / total if total else 0.0)
+        for tier, pool in (("gpu", snap.gpu), ("cpu", snap.cpu)):
+            usage.add_metric([tier], pool.used / pool.total if pool.total else 0.0)
             for state in ("total", "used", "free"):
-                blocks.add_metric([tier, state], pool.get(state, 0))
+                blocks.add_metric([tier, state], getattr(pool, state))
         yield usage
         yield blocks
-        c = snap.get("counters", {})
+        c = snap.counters
         yield GaugeMetricFamily(
-            "pensieve:num_requests_running",
-            "Turns in the running batch.",
-            value=c.get("running", 0),
+            "pensieve:num_requests_running", "Turns in the running batch.", value=c.running
         )
         yield GaugeMetricFamily(
-            "pensieve:num_requests_waiting",
-            "Turns waiting to be admitted.",
-            value=c.get("waiting", 0),
+            "pensieve:num_requests_waiting", "Turns waiting to be admitted.", value=c.waiting
         )
         yield GaugeMetricFamily(
             "pensieve:num_conversations",
             "Conversations with KV state in the engine.",
-            value=len(snap.get("conversations", [])),
+            value=len(snap.conversations),
         )
         simple = {
             "prompt_tokens": ("pensieve:prompt_tokens", "New prompt tokens computed."),
@@ -70,20 +69,20 @@ class EngineCollector:
             "suspensions": ("pensieve:num_preemptions", "Running turns suspended to CPU."),
         }
         for key, (name, doc) in simple.items():
-            yield CounterMetricFamily(name, doc, value=c.get(key, 0))
+            yield CounterMetricFamily(name, doc, value=getattr(c, key))
         reused = CounterMetricFamily(
             "pensieve:context_tokens_reused",
             "Context tokens served from a cache tier.",
             labels=["tier"],
         )
-        reused.add_metric(["gpu"], c.get("cached_tokens", 0))
-        reused.add_metric(["cpu"], c.get("swapped_in_tokens", 0))
+        reused.add_metric(["gpu"], c.cached_tokens)
+        reused.add_metric(["cpu"], c.swapped_in_tokens)
         yield reused
         swaps = CounterMetricFamily(
             "pensieve:swapped_tokens", "Tokens copied between tiers.", labels=["direction"]
         )
-        swaps.add_metric(["in"], c.get("swapped_in_tokens", 0))
-        swaps.add_metric(["out"], c.get("swapped_out_tokens", 0))
+        swaps.add_metric(["in"], c.swapped_in_tokens)
+        swaps.add_metric(["out"], c.swapped_out_tokens)
         yield swaps
 
 
@@ -111,7 +110,7 @@ class Metrics:
             registry=self.registry,
         )
 
-    def watch(self, snapshot: Callable[[], dict]) -> None:
+    def watch(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry.register(EngineCollector(snapshot))
 
     def observe_turn(self, ttft_s: float, total_s: float, finish_reason: str) -> None:

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload as wl
+from bench.common import RESULTS, environment
 from bench.serve import (
-    RESULTS,
-    environment,
     history_chunks,
     load_tokenizer,
     model_args,
@@ -111,7 +110,7 @@ def run_engine(setup: Setup, convs, args, pools: dict[str, tuple[int, int]]) -> 
                 for key in ("cached_tokens", "swapped_in_tokens", "recomputed_tokens"):
                     totals[key] += getattr(r.stats, key)
         wall = time.perf_counter() - t0
-        counters = engine.snapshot()["counters"]
+        counters = engine.snapshot().counters
     finally:
         engine.close()
     return {
@@ -123,8 +122,8 @@ def run_engine(setup: Setup, convs, args, pools: dict[str, tuple[int, int]]) -> 
         "round_s": round_s,
         "tokens_per_s": totals["generated"] / wall,
         **totals,
-        "suspensions": counters.get("suspensions", 0),
-        "swapped_out_tokens": counters.get("swapped_out_tokens", 0),
+        "suspensions": counters.suspensions,
+        "swapped_out_tokens": counters.swapped_out_tokens,
     }
 
 

@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.common import environment, git_commit
 from kernels import AttentionMetadata, paged_attention
 
 RESULTS = Path(__file__).parent / "results"
@@ -339,20 +338,6 @@ def attention_flops(q_lens: list[int], positions: list[int], heads: int, head_di
     return 4 * visible * heads * head_dim
 
 
-def git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            text=True,
-            stderr=subprocess.DEVNULL,
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -440,6 +425,7 @@ def save(bench: Bench, name: str, out_dir: Path) -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": git_commit(),
+        "environment": environment(bench.device),
         "dtype": str(bench.dtype).removeprefix("torch."),
         "block_size": bench.block_size,
         "iters": bench.iters,

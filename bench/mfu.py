@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve import RESULTS, environment, model_args
+from bench.common import RESULTS, environment
+from bench.serve import model_args
 
 
 def linear_flops_per_token(a) -> int:

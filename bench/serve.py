@@ -16,9 +16,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -26,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload as wl
+from bench.common import RESULTS, environment, host_memory_gb
 from bench.presets import MODES, PRESETS, Mode, Preset
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # Per-turn token counts a reply reports, in process and over the WebSocket alike.
 _USAGE = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
 
@@ -186,9 +184,10 @@ def metrics(records: list[wl.TurnRecord], wall_s: float) -> dict[str, Any]:
     }
 
 
-def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    a, b = after.get("counters", {}), before.get("counters", {})
-    return {k: int(a[k]) - int(b.get(k, 0)) for k in a if k not in ("running", "waiting")}
+def counters_delta(before, after) -> dict[str, int]:
+    """What the engine's counters (`EngineCounters`) grew by between two snapshots."""
+    a, b = asdict(after), asdict(before)
+    return {k: a[k] - b[k] for k in a if k not in ("running", "waiting")}
 
 
 def capacity(runs: list[dict[str, Any]], bound: float) -> dict[str, float | None]:
@@ -237,68 +236,6 @@ def merge_runs(earlier: list[dict[str, Any]], new: list[dict[str, Any]]) -> list
 
 
 # ---------------------------------------------------------------- running
-
-
-def environment() -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "git_commit": _git_commit(),
-    }
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-        env["device"] = (
-            torch.cuda.get_device_name(0)
-            if torch.cuda.is_available()
-            else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-        )
-    except ImportError:  # pragma: no cover - torch is a dependency
-        env["device"] = "unknown"
-    host = _host_memory_gb()
-    if host is not None:
-        env["memory_gb"] = round(host, 1)
-    return env
-
-
-def _host_memory_gb() -> float | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError):
-        return None
-
-
-def _git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        dirty = subprocess.run(
-            # Results written by an earlier benchmark do not change what runs.
-            [
-                "git",
-                "-C",
-                str(root),
-                "status",
-                "--porcelain",
-                "--untracked-files=no",
-                "--",
-                ".",
-                ":!bench/results",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def engine_config(preset: Preset, mode: Mode):
@@ -373,7 +310,7 @@ def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> 
 
 def _cpu_pool_gb(wanted: float) -> float:
     """The paper's CPU pool when the host has the memory, else 60% of the host's RAM."""
-    host = _host_memory_gb()
+    host = host_memory_gb()
     return wanted if host is None else min(wanted, 0.6 * host)
 
 
@@ -465,12 +402,12 @@ async def bench_engine(
             for think in preset.think_s:
                 for rate in preset.rates:
                     driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
-                    before = engine.snapshot()
+                    before = engine.snapshot().counters
                     records, wall = await run_once(
                         driver.send, convs, rate, think, preset, f"{mode_name} rate {rate:g}"
                     )
                     await asyncio.sleep(0.6)  # the loop refreshes its snapshot once idle
-                    counters = counters_delta(before, engine.snapshot())
+                    counters = counters_delta(before, engine.snapshot().counters)
                     await driver.free()
                     run = _record(mode_name, think, rate, records, wall, {"counters": counters})
                     runs.append(run)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS, device_name, environment, git_commit
 from engine.cache import CopyPlan
 from engine.kv_pool import KVPool
 from engine.loader import load
@@ -24,19 +23,10 @@ from engine.profile import timed
 from engine.shapes import DUMMY_SHAPES
 from kernels import AttentionMetadata
 
-RESULTS = Path(__file__).parent / "results"
-
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -111,10 +101,9 @@ def main() -> None:
     t_both = timed(lambda: forward(CopyPlan(swap_in=in_pairs)), device, args.repeats)
     exposed = max(0.0, t_both - t_fwd)
     result = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "commit": commit(),
+        "device": device_name(device),
+        "commit": git_commit(),
+        "environment": environment(device),
         "torch": torch.__version__,
         "model": args.model,
         "dtype": str(dtype).removeprefix("torch."),

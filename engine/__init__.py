@@ -1,17 +1,23 @@
 """Pensieve's serving engine: paged KV across turns, unified batching, GPU + CPU tiers."""
 
-from engine.engine import ConversationBusy, Engine
+from engine.errors import ConversationBusy, EngineOverloaded
 from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
+from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
 from engine.types import EngineConfig, SamplingParams, Turn, TurnResult, TurnStats
 
 __all__ = [
     "ActivityClock",
     "AsyncEngine",
     "ConversationBusy",
+    "ConversationInfo",
     "Engine",
     "EngineConfig",
+    "EngineCounters",
+    "EngineOverloaded",
+    "EngineSnapshot",
     "LocalClock",
     "MemoryHistory",
+    "PoolUsage",
     "SamplingParams",
     "TokenHistory",
     "Turn",
@@ -21,7 +27,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "AsyncEngine":  # imports asyncio machinery only when used
+    # Engine and AsyncEngine import torch: only when used, so that the value types, errors
+    # and protocols stay cheap to import (the CLI's `users` command needs no model).
+    if name == "Engine":
+        from engine.engine import Engine
+
+        return Engine
+    if name == "AsyncEngine":
         from engine.async_engine import AsyncEngine
 
         return AsyncEngine

@@ -7,16 +7,20 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import asdict
 
-from engine.engine import ConversationBusy, Engine
+from engine.engine import Engine
+from engine.errors import ConversationBusy, EngineOverloaded
 from engine.history import ActivityClock, TokenHistory
 from engine.request import Request
+from engine.snapshot import EngineSnapshot
 from engine.types import EngineConfig, Turn, TurnResult
 
 log = logging.getLogger(__name__)
 
 _END = object()
 SNAPSHOT_EVERY_S = 0.2
+RETRY_AFTER_S = 1.0  # a full queue drains within about a second of steps
 
 
 class TurnStream:
@@ -68,8 +72,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy: set[str] = set()
-        self._snapshot: dict = {}
+        self._busy: set[str] = set()  # conversations with a turn in flight (event loop only)
+        self._running = 0  # turns in the running batch, as the loop thread last saw it
+        self._crashed: BaseException | None = None
+        self._snapshot: EngineSnapshot | None = None
         self._snapshot_at = 0.0
 
     # ---- life cycle ----------------------------------------------------------------------
@@ -102,16 +108,45 @@ class AsyncEngine:
     def max_context(self) -> int:
         return self.engine.max_context
 
+    @property
+    def context_limit(self) -> int:
+        """Most tokens one conversation can hold (see `Engine.context_limit`)."""
+        return self.engine.context_limit
+
+    @property
+    def alive(self) -> bool:
+        """The step loop is running and has not crashed."""
+        thread = self._thread
+        return (
+            thread is not None
+            and thread.is_alive()
+            and self._crashed is None
+            and not self._stop.is_set()
+        )
+
+    @property
+    def queued(self) -> int:
+        """Turns submitted and not yet running (as of the last step)."""
+        return max(0, len(self._busy) - self._running)
+
     # ---- requests ----------------------------------------------------------------------------
 
     def submit(self, turn: Turn) -> TurnStream:
-        """Queue a turn. Raises ValueError for bad input, ConversationBusy if one is in flight."""
+        """Queue a turn. Raises ValueError for bad input, ConversationBusy if one is in
+        flight, EngineOverloaded if `max_waiting` turns are queued already."""
         if self._thread is None:
             raise RuntimeError("the engine is not started")
+        if not self.alive:
+            raise RuntimeError("the engine loop is not running")
         self.engine.validate(turn)
         if turn.conversation_id in self._busy:
             raise ConversationBusy(
                 f"conversation {turn.conversation_id!r} already has a turn in flight"
+            )
+        limit = self.engine.config.max_waiting
+        if self.queued >= limit:
+            raise EngineOverloaded(
+                f"the engine has {limit} turns queued already", retry_after_s=RETRY_AFTER_S
             )
         self._busy.add(turn.conversation_id)
         stream = TurnStream(self, turn)
@@ -130,12 +165,14 @@ class AsyncEngine:
         self._post(("free", conversation_id, fut))
         return fut
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineSnapshot:
         """Residency as of at most a fraction of a second ago (never waits for a step)."""
+        if self._snapshot is None:
+            raise RuntimeError("the engine is not started")
         return self._snapshot
 
     def metrics(self) -> dict:
-        return dict(self._snapshot.get("counters", {}))
+        return asdict(self.snapshot().counters)
 
     def is_busy(self, conversation_id: str) -> bool:
         return conversation_id in self._busy
@@ -152,15 +189,24 @@ class AsyncEngine:
             loop.call_soon_threadsafe(fn, *args)
 
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as e:  # the loop is dead: say so, and end what was in flight
+            self._crashed = e
+            log.critical("the engine loop stopped: %r", e, exc_info=True)
+            self._fail_everything(RuntimeError(f"the engine loop stopped: {e!r}"))
+
+    def _loop_steps(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             self._drain()
             if engine.has_work():
                 try:
                     ended = engine.step()
-                except Exception as e:  # keep serving: fail what was in flight
+                except Exception as e:  # a bug, not I/O: fail what was in flight, keep serving
                     log.exception("engine step failed")
-                    ended = self._fail_all(e)
+                    ended = engine.fail_all(e)
+                self._running = len(engine.scheduler.running)
                 for req in ended:
                     self._finish(req)
                 if not ended and not engine.scheduler.running:
@@ -170,6 +216,23 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
             self._refresh_snapshot()
+
+    def _fail_everything(self, error: Exception) -> None:
+        """After the loop died: fail the engine's turns and those still in the inbox."""
+        try:
+            for req in self.engine.fail_all(error):
+                self._finish(req)
+        except BaseException:
+            log.exception("could not fail the turns in flight")
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "submit":
+                self._call(self._end, item[1], None, error)
+            elif item[0] == "free":
+                self._call(_resolve, item[2], None, error)
 
     def _drain(self) -> None:
         while True:
@@ -202,14 +265,14 @@ class AsyncEngine:
         except Exception as e:
             self._call(self._end, stream, None, e)
             return
-        req.stream = stream  # type: ignore[attr-defined]
+        req.handle = stream
         stream.request = req
 
     def _finish(self, req: Request) -> None:
-        stream: TurnStream | None = getattr(req, "stream", None)
+        stream: TurnStream | None = req.handle
         if stream is None:
             return
-        error = getattr(req, "error", None)
+        error = req.error
         self._call(self._end, stream, None if error else req.result(), error)
 
     def _end(
@@ -219,17 +282,6 @@ class AsyncEngine:
         self._busy.discard(stream.turn.conversation_id)
         stream.result, stream.error = result, error
         stream._queue.put_nowait(_END)
-
-    def _fail_all(self, error: Exception) -> list[Request]:
-        sched = self.engine.scheduler
-        failed = [*sched.running, *sched.waiting]
-        for req in failed:
-            req.error = error  # type: ignore[attr-defined]
-            try:
-                sched.finish(req, "error")
-            except Exception:  # state is already broken; the turn is failed regardless
-                log.exception("could not release %s", req.conv.id)
-        return failed
 
     def _refresh_snapshot(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -1,4 +1,6 @@
-"""A conversation's state in the engine: its token stream length and its chunk table."""
+"""A conversation's state in the engine, in two records with one writer each:
+the chunk table (where its KV lives; written by the cache only) and the stream record
+(its tokens and how many have KV; written by the engine only)."""
 
 from __future__ import annotations
 
@@ -21,27 +23,37 @@ class Chunk:
         return GPU if self.gpu is not None else CPU if self.cpu is not None else DROPPED
 
 
-@dataclass
-class Conversation:
+@dataclass(eq=False)
+class ChunkTable:
+    """Where a conversation's KV lives. Written by `KVCacheManager` only."""
+
     id: str
-    length: int = 0  # tokens in the conversation's stream (prompts and outputs so far)
-    kv_len: int = 0  # leading positions whose KV was computed (held by the chunks, or dropped)
-    tail: list[int] = field(
-        default_factory=list
-    )  # tokens [kv_len, length): known, KV not computed yet
     chunks: list[Chunk] = field(default_factory=list)
     # Layout [dropped | CPU | GPU]: chunks [0, n_dropped) hold nothing, chunks
     # [n_dropped, n_off_gpu) only a CPU copy, the rest a GPU block.
     n_dropped: int = 0
     n_off_gpu: int = 0
+    tokens: int = 0  # positions the chunks stand for (their KV is held, or was dropped)
     pinned: bool = False  # a turn of it is running: none of its chunks may be evicted
-    busy: bool = False  # a turn of it is queued or running
+    n_gpu: int = 0  # chunks with a GPU block
+    n_backed: int = 0  # chunks with a GPU block and a CPU copy (reclaimable at no cost)
 
     def tiers(self) -> list[str]:
         return [c.tier for c in self.chunks]
 
     def gpu_blocks(self, n_chunks: int) -> list[int]:
         blocks = [c.gpu for c in self.chunks[:n_chunks]]
-        if any(b is None for b in blocks):
+        if len(blocks) < n_chunks or any(b is None for b in blocks):
             raise RuntimeError(f"conversation {self.id!r} has chunks off the GPU while running")
         return blocks  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
+class StreamState:
+    """A conversation's token stream as the engine knows it. Written by `Engine` only."""
+
+    id: str
+    length: int = 0  # tokens in the stream (prompts and outputs so far)
+    kv_len: int = 0  # leading positions whose KV was computed (held by the chunks, or dropped)
+    tail: list[int] = field(default_factory=list)  # tokens [kv_len, length): KV not computed yet
+    busy: bool = False  # a turn of it is queued or running

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from engine.cache import KVCacheManager
-from engine.conversation import Conversation
+from engine.conversation import StreamState
+from engine.errors import ConversationBusy
 from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.kv_pool import KVPool
 from engine.loader import cache_root, load
@@ -22,17 +23,14 @@ from engine.profile import load_or_profile
 from engine.request import FINISHED, RUNNING, Request
 from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import FAILED, PENDING, READY, Scheduler
+from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
 from engine.types import EngineConfig, Turn, TurnResult, TurnStats
 from kernels import pick_backend
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ConversationBusy(RuntimeError):
-    """A turn of this conversation is already queued or running."""
 
 
 def _pool_sizes(
@@ -124,6 +122,7 @@ class Engine:
             self.cache, config.max_batch_tokens, config.max_running, config.unified, self._fetch
         )
         self.runner = Runner(self.model, self.pool, cs, self.backend)
+        self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
@@ -146,17 +145,23 @@ class Engine:
         ):
             raise ValueError("context_len must be a non-negative integer")
 
+    @property
+    def context_limit(self) -> int:
+        """Most tokens one conversation can hold: the model's positions, and the whole GPU
+        tier (a turn's context must fit there while it runs, with room for one more)."""
+        cache = self.cache
+        return min(self.max_context, cache.gpu.num_blocks * cache.chunk_size) - 1
+
     def submit(self, turn: Turn, on_token: Callable[[int], None] | None = None) -> Request:
         self.validate(turn)
         with self.lock:
-            conv = self.cache.get(turn.conversation_id)
-            if conv.busy:
+            state = self.streams.get(turn.conversation_id) or StreamState(turn.conversation_id)
+            if state.busy:
                 raise ConversationBusy(
                     f"conversation {turn.conversation_id!r} already has a turn in flight"
                 )
-            if turn.context_len is not None and turn.context_len != conv.length:
-                self._resync(conv, turn.context_len)
-            total = conv.length + len(turn.prompt_token_ids)
+            length = state.length if turn.context_len is None else turn.context_len
+            total = length + len(turn.prompt_token_ids)
             if total >= self.max_context:
                 raise ValueError(
                     f"context of {total} tokens reaches the model's limit of {self.max_context}"
@@ -166,53 +171,75 @@ class Engine:
                     f"context of {total} tokens does not fit the KV cache "
                     f"({self.cache.gpu.num_blocks} chunks of {self.cache.chunk_size})"
                 )
+            self.streams[state.id] = state
+            table = self.cache.table(state.id)
+            if length != state.length:
+                self._resync(state, length)
             now = time.time()
-            self.clock.touch(conv.id, now)
-            conv.busy = True
+            self.clock.touch(state.id, now)
+            state.busy = True
             req = Request(
                 turn=turn,
-                conv=conv,
+                state=state,
+                table=table,
                 seq=next(self._seq),
-                base=conv.kv_len,
-                tokens=conv.tail + list(turn.prompt_token_ids),
+                base=state.kv_len,
+                tokens=state.tail + list(turn.prompt_token_ids),
                 stats=TurnStats(prompt_tokens=len(turn.prompt_token_ids), arrival_s=now),
                 generator=make_generator(turn.sampling),
                 on_token=on_token,
             )
-            conv.tail = []
+            state.tail = []
             if self.owns_history:
-                self.history.append(conv.id, list(turn.prompt_token_ids))
+                self.history.append(state.id, list(turn.prompt_token_ids))
             self.counters["prompt_tokens"] += len(turn.prompt_token_ids)
             self.scheduler.add(req)
             return req
 
-    def _resync(self, conv: Conversation, length: int) -> None:
+    def _resync(self, state: StreamState, length: int) -> None:
         """The caller's durable history says the stream has `length` tokens before this turn."""
-        if length < conv.length and length >= conv.kv_len:
-            del conv.tail[length - conv.kv_len :]
-        elif length < conv.length:
-            self.cache.truncate(conv, length)
-            conv.tail = []
+        table = self.cache.table(state.id)
+        if length < state.length and length >= state.kv_len:
+            del state.tail[length - state.kv_len :]
+        elif length < state.length:
+            self.cache.truncate(table, length)
+            state.kv_len = min(state.kv_len, length)
+            state.tail = []
         else:  # longer than we know (e.g. a restart): all of it comes back from history
-            self.cache.reset(conv, length)
-            conv.tail = []
-        conv.length = length
+            self.cache.reset(table, length)
+            state.kv_len = length
+            state.tail = []
+        state.length = length
 
-    def _fetch(self, req: Request, n: int) -> bool:
-        """True once req.prefix holds history [0, n); else read it off the step loop."""
+    def _fetch(self, req: Request, n: int) -> str:
+        """READY once req.prefix holds history [0, n); PENDING while it is read off the step
+        loop; FAILED (with req.error) if the read failed: a status, never an exception."""
         if req.prefix is not None and len(req.prefix) >= n:
-            return True
-        if self.owns_history:  # in memory: no I/O to wait for
-            req.prefix = self.history.read(req.conv.id, 0, req.base)
-            return True
+            return READY
         if req.fetch is None:
-            req.fetch = self._reader.submit(self.history.read, req.conv.id, 0, req.base)
-            return False
-        if not req.fetch.done():
-            return False
-        fut, req.fetch = req.fetch, None
-        req.prefix = fut.result()  # a failed read raises here; the engine fails the turn
-        return len(req.prefix) >= n
+            if not self.owns_history:
+                req.fetch = self._reader.submit(self.history.read, req.state.id, 0, req.base)
+                return PENDING
+            try:  # in memory: no I/O to wait for
+                req.prefix = self.history.read(req.state.id, 0, req.base)
+            except Exception as e:
+                req.error = e
+                return FAILED
+        elif not req.fetch.done():
+            return PENDING
+        else:
+            fut, req.fetch = req.fetch, None
+            error = fut.exception()
+            if error is not None:
+                req.error = error
+                return FAILED
+            req.prefix = fut.result()
+        if len(req.prefix) < n:
+            req.error = LookupError(
+                f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
+            )
+            return FAILED
+        return READY
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -220,9 +247,10 @@ class Engine:
     def free(self, conversation_id: str) -> None:
         """Forget a conversation's cache (its turns must have ended)."""
         with self.lock:
-            conv = self.cache.convs.get(conversation_id)
-            if conv is not None and conv.busy:
+            state = self.streams.get(conversation_id)
+            if state is not None and state.busy:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
+            self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
             if self.owns_history:
                 self.history.forget(conversation_id)
@@ -236,31 +264,29 @@ class Engine:
         """Plan and run one batch; returns the turns that ended in it."""
         with self.lock:
             ended = self._drop_cancelled()
-            try:
-                pieces = self.scheduler.schedule()
-            except Exception as e:  # a failed history read: fail that turn only
-                ended += self._fail_fetches(e)
-                return ended
-            for req in self.scheduler.full:  # no room to generate more: ends as if by max_tokens
+            plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
+            now = time.time()
+            for req in plan.failed:  # its history could not be read: that turn alone fails
+                log.error("history read for %s failed: %s", req.state.id, req.error)
+                self._end(req, "error", now)
+                ended.append(req)
+            for req in plan.full:  # no room to generate more: ends as if by max_tokens
                 if req.status == RUNNING:
-                    self._end(req, "length", time.time())
+                    self._end(req, "length", now)
                     ended.append(req)
-            self.scheduler.full.clear()
-            plan = self.cache.take_plan()
-            if pieces:
-                tokens = self.runner.step(pieces, plan)
+            if plan.pieces:
+                tokens = self.runner.step(plan.pieces, plan.before)
             else:
-                self.pool.begin_step(plan)
+                self.pool.begin_step(plan.before)
                 tokens = []
             now = time.time()
             sampled = iter(tokens)
-            for p in pieces:
-                conv = p.req.conv
-                conv.kv_len = max(conv.kv_len, p.end)
+            for p in plan.pieces:
+                state = p.req.state
+                state.kv_len = max(state.kv_len, p.end)
                 if p.sample:
                     ended += self._accept(p.req, next(sampled), now)
-            self.cache.swap_out_ahead(busy=self.pool.swap_in_busy())
-            self.pool.end_step(self.cache.take_plan())
+            self.pool.end_step(plan.after)
             self.counters["steps"] += 1
             return ended
 
@@ -287,12 +313,16 @@ class Engine:
 
     def _end(self, req: Request, reason: str, now: float) -> None:
         self.scheduler.finish(req, reason)
+        state = req.state
+        state.length = req.total
+        state.tail = req.tokens[state.kv_len - req.base :]
+        state.busy = False
         req.stats.finish_s = now
         if not req.output:
             req.stats.first_token_s = now
-        self.clock.touch(req.conv.id, now)
+        self.clock.touch(state.id, now)
         if self.owns_history:
-            self.history.append(req.conv.id, req.output)
+            self.history.append(state.id, req.output)
 
     def _drop_cancelled(self) -> list[Request]:
         ended = []
@@ -303,18 +333,21 @@ class Engine:
                 ended.append(req)
         return ended
 
-    def _fail_fetches(self, error: Exception) -> list[Request]:
-        ended = []
-        for req in list(self.scheduler.waiting):
-            if req.fetch is not None and req.fetch.done() and req.fetch.exception() is not None:
-                log.error("history read for %s failed: %s", req.conv.id, req.fetch.exception())
-                req.fetch = None
-                req.error = error  # type: ignore[attr-defined]
-                self._end(req, "error", time.time())
-                ended.append(req)
-        if not ended:
-            raise error
-        return ended
+    def fail_all(self, error: BaseException) -> list[Request]:
+        """End every turn in flight with `error` (a step failed: the state may be broken)."""
+        with self.lock:
+            failed = [*self.scheduler.running, *self.scheduler.waiting]
+            now = time.time()
+            for req in failed:
+                req.error = error
+                try:
+                    self._end(req, "error", now)
+                except Exception:  # the turn is failed regardless
+                    log.exception("could not release %s", req.state.id)
+                    req.status, req.finish_reason, req.state.busy = FINISHED, "error", False
+            self.scheduler.running.clear()
+            self.scheduler.waiting.clear()
+            return failed
 
     def wait_for_io(self, timeout: float = 0.05) -> None:
         """Nothing could be scheduled: wait until a history read finishes."""
@@ -327,59 +360,48 @@ class Engine:
     def run(self, turns: list[Turn]) -> list[TurnResult]:
         reqs = [self.submit(t) for t in turns]
         while any(r.status != FINISHED for r in reqs):
-            before = self.counters["steps"]
             ended = self.step()
             if not ended and not any(r.status == RUNNING for r in reqs):
                 self.wait_for_io()
-            del before
         return [r.result() for r in reqs]
 
     # ---- inspection --------------------------------------------------------------------------
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineSnapshot:
         with self.lock:
             now = time.time()
             c = self.cache
             convs = []
-            for conv in c.convs.values():
-                last = self.clock.last_active(conv.id)
+            for table in c.tables.values():
+                last = self.clock.last_active(table.id)
+                state = self.streams.get(table.id)
                 convs.append(
-                    {
-                        "id": conv.id,
-                        "tokens": conv.length,
-                        "chunks": conv.tiers(),
-                        "running": conv.pinned,
-                        "idle_s": None if last is None else max(0.0, now - last),
-                        "retention": c.lowest_value(conv, now),
-                    }
+                    ConversationInfo(
+                        id=table.id,
+                        tokens=0 if state is None else state.length,
+                        chunks=tuple(table.tiers()),
+                        running=table.pinned,
+                        idle_s=None if last is None else max(0.0, now - last),
+                        retention=c.lowest_value(table, now),
+                    )
                 )
-            counters = {
-                **vars(c.counters),
-                **self.counters,
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-            }
-            return {
-                "device": str(self.device),
-                "model": self.config.model,
-                "chunk_size": c.chunk_size,
-                "cache_mode": self.config.cache_mode,
-                "eviction": self.config.eviction,
-                "pools": {
-                    "gpu": {
-                        "total": c.gpu.num_blocks,
-                        "used": c.gpu.num_used,
-                        "free": c.gpu.num_free,
-                    },
-                    "cpu": {
-                        "total": c.cpu.num_blocks,
-                        "used": c.cpu.num_used,
-                        "free": c.cpu.num_free,
-                    },
-                },
-                "counters": counters,
-                "conversations": convs,
-            }
+            return EngineSnapshot(
+                device=str(self.device),
+                model=self.config.model,
+                chunk_size=c.chunk_size,
+                cache_mode=self.config.cache_mode,
+                eviction=self.config.eviction,
+                gpu=PoolUsage(c.gpu.num_blocks, c.gpu.num_used, c.gpu.num_free),
+                cpu=PoolUsage(c.cpu.num_blocks, c.cpu.num_used, c.cpu.num_free),
+                counters=EngineCounters(
+                    **vars(c.counters),
+                    **self.counters,
+                    running=len(self.scheduler.running),
+                    waiting=len(self.scheduler.waiting),
+                ),
+                conversations=tuple(convs),
+                context_limit=self.context_limit,
+            )
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)

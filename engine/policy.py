@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from engine.conversation import Conversation
+from engine.conversation import ChunkTable
 
 
 @dataclass
@@ -54,16 +54,16 @@ class Policy:
         self.chunk_size = chunk_size
         self.clock = clock
 
-    def last_active(self, conv: Conversation) -> float:
+    def last_active(self, conv: ChunkTable) -> float:
         t = self.clock.last_active(conv.id)
         return 0.0 if t is None else t  # never seen active: as idle as can be
 
-    def value(self, conv: Conversation, chunk: int, now: float) -> float:
+    def value(self, conv: ChunkTable, chunk: int, now: float) -> float:
         """Retention value of a chunk: recompute cost over idle time."""
         idle = max(now - self.last_active(conv), MIN_IDLE_S)
         return self.cost(chunk * self.chunk_size) / idle
 
-    def key(self, conv: Conversation, chunk: int, now: float) -> tuple[float, int]:
+    def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[float, int]:
         if self.kind == "lru":
             return (self.last_active(conv), chunk)
         return (self.value(conv, chunk, now), chunk)

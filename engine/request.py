@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from engine.conversation import Conversation
+from engine.conversation import ChunkTable, StreamState
 from engine.types import Turn, TurnResult, TurnStats
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -17,7 +18,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)
 class Request:
     turn: Turn
-    conv: Conversation
+    state: StreamState  # the conversation's stream (the engine writes it)
+    table: ChunkTable  # where its KV lives (the cache writes it)
     seq: int  # arrival order
     base: int  # position of tokens[0] in the conversation
     tokens: list[int]  # positions [base, ...): uncomputed tail, prompt, then the outputs
@@ -32,6 +34,8 @@ class Request:
     finish_reason: str | None = None
     cancelled: bool = False
     admitted_once: bool = False
+    error: BaseException | None = None  # why it ended with finish_reason "error"
+    handle: Any = None  # the front end's object for this turn (AsyncEngine: its TurnStream)
 
     @property
     def total(self) -> int:
@@ -59,5 +63,5 @@ class Request:
 
     def result(self) -> TurnResult:
         return TurnResult(
-            self.conv.id, list(self.output), self.finish_reason or "cancelled", self.stats
+            self.state.id, list(self.output), self.finish_reason or "cancelled", self.stats
         )

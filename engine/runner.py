@@ -29,7 +29,7 @@ class Runner:
         q_lens, q_pos, tables, rows = [], [], [], []
         params, gens = [], []
         for p in pieces:
-            blocks = p.req.conv.gpu_blocks(-(-p.end // cs))
+            blocks = p.req.table.gpu_blocks(-(-p.end // cs))
             ids += p.req.token_range(p.start, p.end)
             positions += range(p.start, p.end)
             slots += [blocks[i // cs] * cs + i % cs for i in range(p.start, p.end)]

@@ -4,16 +4,23 @@ Each step takes the running turns' tokens first-come first-served up to the toke
 (a decode is one token, a long prompt may be split over steps), then admits waiting turns
 while the cache keeps room for decoding. When decoding runs out of GPU blocks, the
 latest-arrived running turns are suspended: their KV leaves the GPU and they wait again.
+
+A step is a value: `schedule` returns a `StepPlan` with everything the engine must carry
+out (the batch, the copies before and after the forward, the turns that must end).
+Reading history is I/O and may fail: that is a status of one turn, never an exception.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine.cache import KVCacheManager
+from engine.cache import CopyPlan, KVCacheManager
 from engine.request import FINISHED, RUNNING, WAITING, Request
+
+# What a history read of a waiting turn says (see `Scheduler.fetch`).
+READY, PENDING, FAILED = "ready", "pending", "failed"
 
 
 @dataclass
@@ -26,6 +33,15 @@ class Piece:
     sample: bool  # its last position is the last known token: sample the next one
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    pieces: list[Piece] = field(default_factory=list)
+    before: CopyPlan = field(default_factory=CopyPlan)  # swap-outs, swap-ins: with the forward
+    after: CopyPlan = field(default_factory=CopyPlan)  # ahead-of-time copies: after it
+    full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end "length"
+    failed: list[Request] = field(default_factory=list)  # history read failed: end "error"
+
+
 class Scheduler:
     def __init__(
         self,
@@ -33,17 +49,19 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         unified: bool = True,
-        fetch: Callable[[Request, int], bool] | None = None,
+        fetch: Callable[[Request, int], str] | None = None,
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.unified = unified
-        # fetch(req, n): True once req.prefix holds history [0, n); else starts reading it.
-        self.fetch = fetch or (lambda req, n: req.prefix is not None and len(req.prefix) >= n)
+        # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
+        # being read; FAILED if the read failed (req.error says why).
+        self.fetch = fetch or (
+            lambda req, n: READY if req.prefix is not None and len(req.prefix) >= n else PENDING
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.full: list[Request] = []  # turns that filled the whole GPU tier: the engine ends them
 
     def add(self, req: Request) -> None:
         req.status = WAITING
@@ -54,9 +72,12 @@ class Scheduler:
 
     # ---- planning a step ---------------------------------------------------------------------
 
-    def schedule(self) -> list[Piece]:
+    def schedule(self, swap_in_busy: bool = False) -> StepPlan:
+        """Plan one step. `swap_in_busy`: an earlier swap-in is still being copied, so no
+        ahead-of-time swap-out is started (swap-in has priority)."""
+        self.cache.begin_step()
+        plan = StepPlan()
         budget = self.max_batch_tokens
-        pieces: list[Piece] = []
         prefill_step = self.unified or self._wants_prefill()
         for req in sorted(self.running, key=lambda r: r.seq):
             if budget <= 0:
@@ -65,10 +86,11 @@ class Scheduler:
                 continue
             if not self.unified and req.in_prefill != prefill_step:
                 continue
-            budget -= self._take(req, budget, pieces)
+            budget -= self._take(req, budget, plan)
         if prefill_step:
-            budget = self._admit(budget, pieces)
-        return pieces
+            budget = self._admit(budget, plan)
+        plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
+        return plan
 
     def _wants_prefill(self) -> bool:
         if any(r.in_prefill for r in self.running):
@@ -79,15 +101,15 @@ class Scheduler:
             and self._can_admit(self.waiting[0])
         )
 
-    def _take(self, req: Request, budget: int, pieces: list[Piece]) -> int:
+    def _take(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Schedule up to `budget` of a running turn's pending tokens; returns how many."""
         taken = 0
         while req.pending and taken < budget:
             start, end = req.pending[0]
             stop = min(end, start + budget - taken)
-            if not self._room(req, stop):
+            if not self._room(req, stop, plan):
                 break
-            pieces.append(Piece(req, start, stop, sample=stop == req.total))
+            plan.pieces.append(Piece(req, start, stop, sample=stop == req.total))
             taken += stop - start
             if stop < end:
                 req.pending[0] = (stop, end)
@@ -95,63 +117,70 @@ class Scheduler:
             req.pending.pop(0)
         return taken
 
-    def _room(self, req: Request, upto: int) -> bool:
+    def _room(self, req: Request, upto: int, plan: StepPlan) -> bool:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
-        while not self.cache.grow(req.conv, upto):
+        while (copies := self.cache.grow(req.table, req.state.kv_len, upto)) is None:
             alive = [r for r in self.running if r.status == RUNNING]
             if alive == [req]:  # it alone fills the GPU tier: it cannot grow any further
-                self.full.append(req)
+                plan.full.append(req)
                 return False
             victim = max(alive, key=lambda r: r.seq)
-            self.suspend(victim)
+            self._suspend(victim, plan)
             if victim is req:
                 return False
+        plan.before.extend(copies)
         return True
 
     def _discard_partial_recompute(self, req: Request) -> None:
         """A recompute of dropped chunks that has not finished leaves invalid KV behind."""
-        if req.pending and req.pending[0][0] < req.conv.kv_len:
-            self.cache.drop_prefix(req.conv, req.pending[0][1])
+        if req.pending and req.pending[0][0] < req.state.kv_len:
+            self.cache.drop_prefix(req.table, req.pending[0][1])
             req.pending.pop(0)
 
-    def suspend(self, req: Request) -> None:
+    def _suspend(self, req: Request, plan: StepPlan) -> None:
         self._discard_partial_recompute(req)
-        self.cache.suspend(req.conv)
+        plan.before.extend(self.cache.suspend(req.table, req.state.kv_len))
         self.running.remove(req)
         req.status = WAITING
         req.stats.suspensions += 1
         self.waiting.appendleft(req)
 
     def _dropped_tokens(self, req: Request) -> int:
-        conv = req.conv
-        return min(conv.n_dropped * self.cache.chunk_size, conv.kv_len)
+        return min(req.table.n_dropped * self.cache.chunk_size, req.state.kv_len)
 
     def _can_admit(self, req: Request) -> bool:
-        return self.cache.can_admit(req.conv, req.total)
+        return self.cache.can_admit(req.table, req.total)
 
-    def _admit(self, budget: int, pieces: list[Piece]) -> int:
+    def _admit(self, budget: int, plan: StepPlan) -> int:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            if not self.fetch(req, req.prefix_needed(self._dropped_tokens(req))):
-                skipped.append(self.waiting.popleft())  # its history is still being read
-                continue
-            if not self._can_admit(req):
-                break
-            self.waiting.popleft()
-            adm = self.cache.admit(req.conv, req.total)
-            if not req.admitted_once:
-                req.admitted_once = True
-                req.stats.cached_tokens = adm.cached_tokens
-                req.stats.swapped_in_tokens = adm.swapped_in_tokens
-            req.stats.recomputed_tokens += adm.recompute_tokens
-            req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
-            if req.conv.kv_len < req.total:
-                req.pending.append((req.conv.kv_len, req.total))
-            req.status = RUNNING
-            self.running.append(req)
-            budget -= self._take(req, budget, pieces)
-        self.waiting.extendleft(reversed(skipped))
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.max_running:
+                req = self.waiting[0]
+                status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
+                if status == FAILED:
+                    plan.failed.append(self.waiting.popleft())
+                    continue
+                if status == PENDING:
+                    skipped.append(self.waiting.popleft())  # its history is still being read
+                    continue
+                if not self._can_admit(req):
+                    break
+                self.waiting.popleft()
+                adm = self.cache.admit(req.table, req.state.kv_len, req.total)
+                plan.before.extend(adm.copies)
+                if not req.admitted_once:
+                    req.admitted_once = True
+                    req.stats.cached_tokens = adm.cached_tokens
+                    req.stats.swapped_in_tokens = adm.swapped_in_tokens
+                req.stats.recomputed_tokens += adm.recompute_tokens
+                req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
+                if req.state.kv_len < req.total:
+                    req.pending.append((req.state.kv_len, req.total))
+                req.status = RUNNING
+                self.running.append(req)
+                budget -= self._take(req, budget, plan)
+        finally:  # whatever happens, a turn whose history is being read stays queued
+            self.waiting.extendleft(reversed(skipped))
         return budget
 
     # ---- after a step ----------------------------------------------------------------------
@@ -161,12 +190,8 @@ class Scheduler:
         if req.status == RUNNING:
             self._discard_partial_recompute(req)
             self.running.remove(req)
-            self.cache.release(req.conv)
+            self.cache.release(req.table, req.state.kv_len)
         elif req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
-        conv = req.conv
-        conv.length = req.total
-        conv.tail = req.tokens[conv.kv_len - req.base :]
-        conv.busy = False

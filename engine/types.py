@@ -20,6 +20,7 @@ class EngineConfig:
     eviction: str = "pensieve"
     max_batch_tokens: int = 2048
     max_running: int = 256  # most turns decoding at once
+    max_waiting: int = 256  # most turns queued for admission (AsyncEngine refuses more)
     swap_out_threshold: float = 0.25  # ahead-of-time swap-out when free GPU blocks fall under this
     admit_reserve: float = 0.10  # admit new turns only while this share of GPU blocks stays free
     unified: bool = True  # False: prompt steps and decode steps never share a batch
@@ -37,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be positive")
+        if self.max_running < 1 or self.max_waiting < 1:
+            raise ValueError("max_running and max_waiting must be positive")
         if self.gpu_cache_chunks is not None and self.gpu_cache_chunks < 1:
             raise ValueError("gpu_cache_chunks must be positive")
         if self.cpu_cache_chunks is not None and self.cpu_cache_chunks < 0:
@@ -109,5 +112,5 @@ class TurnStats:
 class TurnResult:
     conversation_id: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stats: TurnStats

@@ -29,13 +29,11 @@ def manager(gpu: int, cpu: int, mode="pensieve", eviction="pensieve", **kw):
 
 
 def turn(m: KVCacheManager, clock, cid: str, tokens: int, when: float) -> None:
-    """A whole turn: admit to `tokens` positions, compute them all, release."""
-    conv = m.get(cid)
-    m.admit(conv, tokens)
-    m.take_plan()
-    conv.kv_len = tokens
-    conv.length = tokens
-    m.release(conv)
+    """A whole turn in a step of its own: admit to `tokens` positions, compute them all, release."""
+    m.begin_step()
+    table = m.table(cid)
+    m.admit(table, table.tokens, tokens)
+    m.release(table, tokens)
     clock.touch(cid, when)
     m.check()
 
@@ -47,8 +45,8 @@ def test_idle_conversation_leading_chunks_go_first():
     assert m.gpu.num_free == 0
     # A third conversation needs 2 blocks: the leading chunks of "old" move to the CPU.
     turn(m, clock, "third", 8, when=1000.0)
-    assert m.get("old").tiers() == ["cpu", "cpu", "gpu"]
-    assert m.get("new").tiers() == ["gpu", "gpu", "gpu"]
+    assert m.table("old").tiers() == ["cpu", "cpu", "gpu"]
+    assert m.table("new").tiers() == ["gpu", "gpu", "gpu"]
     plan_out = m.counters.swapped_out_tokens
     assert plan_out == 8
 
@@ -57,10 +55,10 @@ def test_cpu_full_drops_leading_chunks():
     m, clock, now = manager(gpu=4, cpu=2)
     turn(m, clock, "a", 16, when=900.0)  # fills the GPU
     turn(m, clock, "b", 8, when=990.0)  # a's first two chunks -> CPU
-    assert m.get("a").tiers() == ["cpu", "cpu", "gpu", "gpu"]
+    assert m.table("a").tiers() == ["cpu", "cpu", "gpu", "gpu"]
     turn(m, clock, "c", 8, when=995.0)  # a's next two -> CPU, its first two are dropped
-    assert m.get("a").tiers() == ["dropped", "dropped", "cpu", "cpu"]
-    assert m.get("b").tiers() == ["gpu", "gpu"]
+    assert m.table("a").tiers() == ["dropped", "dropped", "cpu", "cpu"]
+    assert m.table("b").tiers() == ["gpu", "gpu"]
     assert m.counters.dropped_tokens == 8
 
 
@@ -69,16 +67,16 @@ def test_admission_swaps_in_and_recomputes():
     turn(m, clock, "a", 16, when=900.0)
     turn(m, clock, "b", 8, when=990.0)
     turn(m, clock, "c", 8, when=995.0)
-    conv = m.get("a")
+    conv = m.table("a")
     now.t = 1001.0
-    conv.kv_len = 15  # its last token's KV was never computed: 4 chunks, the last one partial
-    adm = m.admit(conv, 16)  # a returns: needs the whole GPU
+    m.begin_step()
+    # its last token's KV was never computed: 4 chunks, the last one partial
+    adm = m.admit(conv, 15, 16)  # a returns: needs the whole GPU
     assert (adm.recompute_tokens, adm.swapped_in_tokens, adm.cached_tokens) == (8, 7, 0)
     assert conv.tiers() == ["gpu"] * 4
     # The CPU held only a's chunks (pinned now), so b and c had to be dropped.
-    assert m.get("b").tiers() == ["dropped"] * 2 and m.get("c").tiers() == ["dropped"] * 2
-    plan = m.take_plan()
-    assert len(plan.swap_in) == 2
+    assert m.table("b").tiers() == ["dropped"] * 2 and m.table("c").tiers() == ["dropped"] * 2
+    assert len(adm.copies.swap_in) == 2
     m.check()
 
 
@@ -87,13 +85,13 @@ def test_gpu_mode_drops_instead_of_swapping():
     assert m.cpu.num_blocks == 0
     turn(m, clock, "a", 16, when=900.0)
     turn(m, clock, "b", 8, when=990.0)
-    assert m.get("a").tiers() == ["dropped", "dropped", "gpu", "gpu"]
+    assert m.table("a").tiers() == ["dropped", "dropped", "gpu", "gpu"]
 
 
 def test_stateless_keeps_nothing():
     m, clock, now = manager(gpu=8, cpu=8, mode="stateless")
     turn(m, clock, "a", 10, when=900.0)
-    assert m.get("a").tiers() == ["dropped"] * 3
+    assert m.table("a").tiers() == ["dropped"] * 3
     assert m.gpu.num_free == 8
 
 
@@ -102,8 +100,8 @@ def test_lru_evicts_whole_oldest_conversation_first():
     turn(m, clock, "old", 12, when=900.0)
     turn(m, clock, "new", 12, when=999.0)
     turn(m, clock, "third", 12, when=1000.0)
-    assert m.get("old").tiers() == ["dropped"] * 3
-    assert m.get("new").tiers() == ["gpu"] * 3
+    assert m.table("old").tiers() == ["dropped"] * 3
+    assert m.table("new").tiers() == ["gpu"] * 3
 
 
 def test_pensieve_prefers_cheap_leading_chunks_of_recent_conversations():
@@ -112,72 +110,72 @@ def test_pensieve_prefers_cheap_leading_chunks_of_recent_conversations():
     m, clock, now = manager(gpu=12, cpu=0, mode="gpu")
     m.policy.cost = CostModel([4, 8, 16, 32, 64], [1.0, 2.0, 4.0, 8.0, 16.0], 0.0)
     turn(m, clock, "long", 48, when=998.0)  # 12 chunks, idle 2 s
-    conv = m.get("long")
+    conv = m.table("long")
     assert conv.tiers() == ["gpu"] * 12
     turn(m, clock, "short", 4, when=999.5)  # 1 chunk: evicts "long"'s first chunk only
-    assert m.get("long").tiers()[:2] == ["dropped", "gpu"]
-    assert m.get("short").tiers() == ["gpu"]
+    assert m.table("long").tiers()[:2] == ["dropped", "gpu"]
+    assert m.table("short").tiers() == ["gpu"]
 
 
 def test_ahead_of_time_swap_out_under_threshold():
     m, clock, now = manager(gpu=8, cpu=8, swap_out_threshold=0.25)
     turn(m, clock, "a", 32, when=900.0)  # all 8 blocks used, none free
-    copied = m.swap_out_ahead()
-    assert copied == 2  # 25% of 8
-    plan = m.take_plan()
-    assert len(plan.background) == 2
+    plan = m.swap_out_ahead()
+    assert len(plan.background) == 2  # 25% of 8
+    assert not plan.swap_out and not plan.swap_in
     # The GPU blocks stay until reallocated; the chunks are still GPU-resident with a copy.
-    assert m.get("a").tiers() == ["gpu"] * 8
+    assert m.table("a").tiers() == ["gpu"] * 8
     assert m.reclaimable() == 2
-    assert m.swap_out_ahead() == 0  # already at the threshold
+    assert not m.swap_out_ahead()  # already at the threshold
     # Reallocation reclaims them at no cost: no synchronous swap-out.
     turn(m, clock, "b", 8, when=1000.0)
-    assert m.get("a").tiers()[:2] == ["cpu", "cpu"]
+    assert m.table("a").tiers()[:2] == ["cpu", "cpu"]
     m.check()
 
 
 def test_swap_out_waits_for_swap_in():
     m, clock, now = manager(gpu=8, cpu=8)
     turn(m, clock, "a", 32, when=900.0)
-    assert m.swap_out_ahead(busy=True) == 0
+    assert not m.swap_out_ahead(busy=True)
 
 
 def test_admission_keeps_ten_percent_for_decoding():
     m, clock, now = manager(gpu=20, cpu=0, admit_reserve=0.10)
-    first = m.get("a")
+    first = m.table("a")
     assert m.can_admit(first, 19 * CS)  # nothing running: a lone turn may use it all
-    m.admit(first, 10 * CS)
-    second = m.get("b")
+    m.admit(first, 0, 10 * CS)
+    second = m.table("b")
     assert m.can_admit(second, 8 * CS)  # 18 pinned of 20: 10% left
     assert not m.can_admit(second, 9 * CS)  # 19 pinned: under 10% left
 
 
 def test_suspend_moves_running_turn_off_gpu_and_back():
     m, clock, now = manager(gpu=6, cpu=6)
-    conv = m.get("a")
-    m.admit(conv, 10)
-    conv.kv_len = 10
-    m.take_plan()
-    m.suspend(conv)
+    conv = m.table("a")
+    m.admit(conv, 0, 10)
+    m.begin_step()
+    copies = m.suspend(conv, 10)
+    assert len(copies.swap_out) == 3 and not copies.swap_in
     assert conv.tiers() == ["cpu"] * 3 and not conv.pinned
     assert m.counters.suspensions == 1
     assert m.gpu.num_free == 6
-    adm = m.admit(conv, 11)
+    m.begin_step()
+    adm = m.admit(conv, 10, 11)
     assert adm.swapped_in_tokens == 10
+    assert sorted(cpu for cpu, _ in adm.copies.swap_in) == sorted(c for _, c in copies.swap_out)
     m.check()
 
 
 def test_growth_fails_only_when_everything_is_pinned():
     m, clock, now = manager(gpu=2, cpu=0, mode="gpu")
-    a = m.get("a")
-    m.admit(a, 8)
-    assert not m.grow(a, 9)  # both blocks pinned by itself
-    a.kv_len = 8
-    m.release(a)
-    b = m.get("b")
-    m.admit(b, 4)  # evicts a's leading chunk
+    a = m.table("a")
+    m.admit(a, 0, 8)
+    assert m.grow(a, 8, 9) is None  # both blocks pinned by itself
+    m.release(a, 8)
+    b = m.table("b")
+    m.admit(b, 0, 4)  # evicts a's leading chunk
     assert a.tiers() == ["dropped", "gpu"]
-    assert m.grow(b, 8)  # and then the other one
+    assert m.grow(b, 4, 8) is not None  # and then the other one
     assert a.tiers() == ["dropped", "dropped"]
 
 
@@ -185,7 +183,7 @@ def test_forget_frees_everything():
     m, clock, now = manager(gpu=4, cpu=4)
     turn(m, clock, "a", 16, when=900.0)
     m.forget("a")
-    assert m.gpu.num_free == 4 and "a" not in m.convs
+    assert m.gpu.num_free == 4 and "a" not in m.tables
     m.check()
 
 
@@ -213,29 +211,27 @@ def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, evict
     """Randomized multi-turn workload: after every step, no block is leaked or double-owned
     and every conversation is laid out [dropped | CPU | GPU]."""
     m, clock, now = manager(gpu=gpu, cpu=cpu, mode=mode, eviction=eviction)
+    kv_len: dict[str, int] = {}  # what the engine's stream records would say
     running = {}
     for cid_n, grow_by, dt in ops:
         now.t += dt
+        m.begin_step()
         cid = f"c{cid_n}"
-        conv = m.get(cid)
+        table = m.table(cid)
+        target = kv_len.get(cid, 0) + grow_by
         if cid in running:  # decode a few tokens, or end the turn
-            target = conv.kv_len + grow_by
-            if m.grow(conv, target):
-                conv.kv_len = target
+            if m.grow(table, kv_len[cid], target) is not None:
+                kv_len[cid] = target
             else:
-                m.suspend(conv)
+                m.suspend(table, kv_len[cid])
                 del running[cid]
             if grow_by > 8 and cid in running:
-                m.release(conv)
+                m.release(table, kv_len[cid])
                 clock.touch(cid)
                 del running[cid]
-        else:
-            target = conv.kv_len + grow_by
-            if m.can_admit(conv, target):
-                m.admit(conv, target)
-                conv.kv_len = target
-                running[cid] = True
-        m.take_plan()
+        elif m.can_admit(table, target):
+            m.admit(table, kv_len.get(cid, 0), target)
+            kv_len[cid] = target
+            running[cid] = True
         m.swap_out_ahead()
-        m.take_plan()
         m.check()

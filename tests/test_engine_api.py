@@ -46,7 +46,7 @@ def chat(engine: Engine, text: str) -> list[int]:
 def test_invalid_turns_raise_clear_errors(tiny, turn, message):
     with pytest.raises(ValueError, match=message):
         tiny.run([turn])
-    assert not tiny.cache.get("x").busy  # nothing was left half-submitted
+    assert "x" not in tiny.streams  # nothing was left half-submitted
 
 
 def test_prompt_longer_than_context(tiny):
@@ -176,7 +176,7 @@ def test_async_streams_and_cancels(tiny):
             r = await engine.generate(Turn("as", [6], SamplingParams(max_tokens=3)))
             assert len(r.token_ids) == 3
             await engine.free("as")
-            assert all(c["id"] != "as" for c in tiny.snapshot()["conversations"])
+            assert all(c.id != "as" for c in tiny.snapshot().conversations)
         finally:
             await engine.stop()
 

@@ -4,6 +4,7 @@ swaps, recomputes and suspensions, for the bundled model and dummy:tiny."""
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 
 import pytest
 
@@ -66,7 +67,7 @@ def check_against_hf(
             assert r.token_ids == want, f"conversation {i}, turn {t}: {r.token_ids} != {want}"
             contexts[i] += r.token_ids
         engine.cache.check()
-    return engine.snapshot()["counters"]
+    return asdict(engine.snapshot().counters)
 
 
 @pytest.fixture(scope="module", params=MODELS)

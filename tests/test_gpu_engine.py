@@ -65,8 +65,8 @@ def test_cuda_greedy_equals_transformers(model):
             want = hf_greedy(hf, contexts[i], 24, set(engine.stop_token_ids), device="cuda")
             assert r.token_ids == want
             contexts[i] += r.token_ids
-    counters = engine.snapshot()["counters"]
-    assert counters["swapped_in_tokens"] > 0 or counters["recomputed_tokens"] > 0
+    counters = engine.snapshot().counters
+    assert counters.swapped_in_tokens > 0 or counters.recomputed_tokens > 0
 
 
 @pytest.mark.parametrize("model", MODELS)

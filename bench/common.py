@@ -1,0 +1,73 @@
+"""What every benchmark records beside its figures: the machine it ran on and the commit
+it measured. Standard library and torch only (no web stack)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def git_commit() -> str:
+    """HEAD of the checkout, "-dirty" if tracked files differ (results excepted);
+    $GIT_COMMIT when set (a copy of the tree without .git)."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            # Results written by an earlier benchmark do not change what runs.
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]
+            + ["--", ".", ":!bench/results"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def host_memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError):
+        return None
+
+
+def device_name(device=None) -> str:
+    """The GPU's name, or the CPU's with the threads torch uses."""
+    import torch
+
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    return f"cpu ({cpu}, {torch.get_num_threads()} threads)"
+
+
+def environment(device=None) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": git_commit(),
+        "torch": torch.__version__,
+        "device": device_name(device),
+    }
+    host = host_memory_gb()
+    if host is not None:
+        env["memory_gb"] = round(host, 1)
+    return env

@@ -1,0 +1,67 @@
+"""What the engine shows of itself: a typed, immutable snapshot of pools, counters and
+conversations. `to_dict` gives the JSON shape the admin API serves."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    total: int
+    used: int
+    free: int
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Totals since the engine started, and the turns queued and running now."""
+
+    swapped_in_tokens: int = 0
+    swapped_out_tokens: int = 0
+    recomputed_tokens: int = 0
+    cached_tokens: int = 0
+    dropped_tokens: int = 0
+    suspensions: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class ConversationInfo:
+    id: str
+    tokens: int  # tokens in its stream
+    chunks: tuple[str, ...]  # tier of each chunk: "gpu", "cpu" or "dropped"
+    running: bool
+    idle_s: float | None  # None: never active
+    retention: float | None  # value of its first held chunk; None: it holds nothing
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    device: str
+    model: str
+    chunk_size: int
+    cache_mode: str
+    eviction: str
+    gpu: PoolUsage
+    cpu: PoolUsage
+    counters: EngineCounters
+    conversations: tuple[ConversationInfo, ...]
+    context_limit: int  # most tokens one conversation can hold
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "model": self.model,
+            "chunk_size": self.chunk_size,
+            "cache_mode": self.cache_mode,
+            "eviction": self.eviction,
+            "pools": {"gpu": asdict(self.gpu), "cpu": asdict(self.cpu)},
+            "counters": asdict(self.counters),
+            "conversations": [{**asdict(c), "chunks": list(c.chunks)} for c in self.conversations],
+        }
