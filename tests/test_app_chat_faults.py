@@ -203,3 +203,40 @@ async def test_database_outage_mid_chat_answers_unavailable_then_recovers(pg_db,
     log = server.log_path.read_text(errors="replace")
     for failure in ASGI_FAILURES:
         assert log.count(failure) == 0, log[-6000:]
+
+
+async def test_full_engine_queue_answers_busy_and_takes_the_message_back(tmp_path):
+    """With one turn running and one queued, a third is refused with `busy` and a retry hint;
+    its user message is taken back, so the chat's history stays question/answer pairs."""
+    db = f"sqlite+aiosqlite:///{tmp_path}/pensieve.db"
+    env = {**TINY, "PENSIEVE_MAX_RUNNING": "1", "PENSIEVE_MAX_WAITING": "1"}
+    server = Server(db, tmp_path / "server.log", env=env).start()
+    try:
+        token = server.user("queue")
+        cids = [server.new_chat(token) for _ in range(4)]
+        sockets = [await connect(server, cid, token).__aenter__() for cid in cids]
+        frame = {"type": "message", "content": "Count to fifty.", "max_tokens": 48}
+        await asyncio.gather(*(ws.send(json.dumps(frame)) for ws in sockets))
+        outcomes = []
+        for ws in sockets:
+            first = await recv(ws, 120)
+            if first["type"] == "error":
+                outcomes.append(first)
+            else:  # a token: the turn was taken; let it finish
+                outcomes.append((await until_done(ws)).done)
+        busy = [o for o in outcomes if o["type"] == "error"]
+        assert busy and all(o["code"] == "busy" and o["retry_after_s"] > 0 for o in busy)
+        assert any(o["type"] == "done" for o in outcomes)
+        for cid, outcome in zip(cids, outcomes, strict=True):
+            roles = [m["role"] for m in server.chat(token, cid)["messages"]]
+            assert roles == ([] if outcome["type"] == "error" else ["user", "assistant"])
+        # A refused chat works once the queue has room.
+        refused = cids[outcomes.index(busy[0])]
+        async with connect(server, refused, token) as ws:
+            reply = await say(ws, "Hello again", max_tokens=4)
+        assert reply.errors == [] and reply.done["finish_reason"] in ("stop", "length")
+        for ws in sockets:
+            await ws.close()
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log_tail(100_000)
