@@ -122,9 +122,34 @@ def _raw_post(server: Server, headers: str, body_iter) -> tuple[bytes, int]:
             sent += len(piece)
     except OSError:
         pass  # the server answered and closed while we were still sending
-    head = s.recv(65536)
+    return _read_response(s), sent
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """The whole response: its head and as much body as it declares (it may come in pieces)."""
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            if len(body) >= length:
+                break
+        try:
+            piece = s.recv(65536)
+        except OSError:
+            break
+        if not piece:
+            break
+        data += piece
     s.close()
-    return head, sent
+    return data
 
 
 def test_a_huge_body_is_refused_without_being_read(server):
