@@ -331,6 +331,8 @@ class Tally:
     fault_windows: list[dict[str, Any]] = field(default_factory=list)
     storm_windows: list[dict[str, Any]] = field(default_factory=list)
     fault_errors: list[str] = field(default_factory=list)
+    turn_seconds: list[float] = field(default_factory=list)  # every turn that got an answer
+    health: list[tuple[float, str, float]] = field(default_factory=list)  # (t, status, seconds)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -368,6 +370,8 @@ async def one_turn(ws, cid: str, n: int, tally: Tally, max_tokens: int) -> str:
             if left <= 0:
                 raise TimeoutError
             frame = json.loads(await asyncio.wait_for(ws.recv(), left))
+            if frame.get("type") in ("done", "error"):
+                tally.turn_seconds.append(TURN_S - (deadline - time.monotonic()))
             if frame.get("type") == "token":
                 pieces.append(frame["text"])
             elif frame.get("type") == "done":
@@ -539,6 +543,20 @@ async def storm(base, token, targets, tally, times, args) -> None:
         tally.storm_windows.append(window)
 
 
+async def health_probe(http: httpx.AsyncClient, tally: Tally, stop_at: float) -> None:
+    """/healthz once a second: how long it takes to answer, outage or not."""
+    while tally.now() < stop_at:
+        t = time.monotonic()
+        try:
+            status = str((await http.get("/healthz", timeout=HTTP_S)).status_code)
+        except httpx.TimeoutException:
+            status = "timeout"
+        except httpx.HTTPError as e:
+            status = type(e).__name__
+        tally.health.append((round(tally.now(), 2), status, round(time.monotonic() - t, 3)))
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
+
+
 def fault_schedule(faults: list[str], duration: float) -> list[tuple[str, float, float]]:
     """Each fault gets an equal slot of [15%, 85%] of the run and is on for 60% of it."""
     if not faults:
@@ -704,7 +722,8 @@ def scan_log(text: str) -> dict[str, Any]:
     prev = ""
     for i, line in enumerate(lines):
         if _ERROR_RECORD.search(line):
-            headlines[re.sub(r"[0-9a-f]{32}|\d+", "N", line.split(": ", 1)[-1])[:160]] += 1
+            headline = line.split(": ", 1)[-1].strip()
+            headlines[re.sub(r"[0-9a-f]{32}|\d+", "N", headline)[:160]] += 1
         if "Traceback (most recent call last)" in line:
             if not any(p in prev for p in (*PATTERNS[:4], *_CHAINED)):
                 events += 1
@@ -745,7 +764,9 @@ async def drive(args, server: Server, pg: Postgres, redis: Redis, token: str, ou
         # socket the server failed to forget shows up as a failed DELETE.
         rng = random.Random(args.seed + 2)
         shared = rng.sample(chats, min(len(chats), (args.storm_chats + 1) // 2))
-        own = [await create(f"storm {i}") for i in range(args.storm_chats // 2)]
+        own = [
+            await create(f"storm {i}") for i in range(args.storm_chats // 2 if args.storm else 0)
+        ]
         schedule = fault_schedule([] if args.no_faults else args.faults, args.duration)
         tally.t0 = time.monotonic()
         stages = [
@@ -753,6 +774,7 @@ async def drive(args, server: Server, pg: Postgres, redis: Redis, token: str, ou
             storm(base, token, shared + own, tally,
                   storm_times(schedule, args.duration, args.storm_bursts), args),
             run_faults(schedule, pg, redis, tally),
+            health_probe(http, tally, args.duration),
         ]  # fmt: skip
         try:
             await asyncio.wait_for(asyncio.gather(*stages), args.duration + TURN_S + 120)
@@ -784,7 +806,20 @@ async def drive(args, server: Server, pg: Postgres, redis: Redis, token: str, ou
 
 
 def tally_json(tally: Tally) -> dict[str, Any]:
+    answered = sorted(tally.turn_seconds)
+    health_s = [s for _, _, s in tally.health]
     return dict(
+        turn_seconds={
+            "p50": round(answered[len(answered) // 2], 2) if answered else None,
+            "max": round(answered[-1], 2) if answered else None,
+            "over_10s": sum(s > 10 for s in answered),
+        },
+        healthz={
+            "probes": len(tally.health),
+            "status": dict(Counter(status for _, status, _ in tally.health)),
+            "max_s": max(health_s, default=None),
+            "over_5s": sum(s > 5 for s in health_s),
+        },
         error_frames=dict(tally.error_frames),
         turn_failures=dict(tally.failures),
         hung_turns=tally.failures["timeout"] + tally.failures["connect_timeout"],
@@ -896,8 +931,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def summary(result: dict[str, Any]) -> str:
     keys = ("conversations", "turns_ok", "final_turns_ok", "unusable_chats", "unusable_reasons",
-            "error_frames", "turn_failures", "hung_turns", "storm_connects", "aborts",
-            "storm_connect_failures", "storm_windows", "fault_windows", "fault_errors",
+            "error_frames", "turn_failures", "hung_turns", "turn_seconds", "healthz",
+            "storm_connects", "aborts", "storm_connect_failures", "storm_windows", "fault_windows", "fault_errors",
             "recovery_s", "storm_chat_deletes", "lost_messages", "mismatched_messages",
             "inconsistent_chats", "asgi_exceptions", "patterns", "exceptions", "shutdown",
             "error", "wall_s")  # fmt: skip
