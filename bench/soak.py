@@ -727,10 +727,11 @@ def scan_log(text: str) -> dict[str, Any]:
         if "Traceback (most recent call last)" in line:
             if not any(p in prev for p in (*PATTERNS[:4], *_CHAINED)):
                 events += 1
-            for tail in lines[i + 1 :]:  # the exception line closes the traceback
-                if tail and not tail.startswith((" ", "\t")):
-                    exceptions[tail[:200]] += 1
-                    break
+            j = i + 1  # the first unindented line after the frames names the exception
+            while j < len(lines) and (not lines[j] or lines[j].startswith((" ", "\t"))):
+                j += 1
+            if j < len(lines):
+                exceptions[lines[j][:200]] += 1
         if line.strip():
             prev = line
     return {
