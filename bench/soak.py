@@ -1,0 +1,1004 @@
+"""Soak test: a real `pensieve serve` on its own PostgreSQL and Redis, driven through faults.
+
+    python -m bench.soak                          # 200 chats, storms, Redis and PostgreSQL faults
+    python -m bench.soak --conversations 20 --duration 60 --storm 200 --faults redis
+    python -m bench.soak --no-faults
+
+Everything runs on 127.0.0.1 and stops by itself. The harness starts a throwaway PostgreSQL
+cluster (initdb in a temp dir, on a free port) and a redis-server of its own, so stopping
+them disturbs nothing else, then the server as a subprocess. For `--duration` seconds chat
+workers hold short turns over the WebSocket; storms (bursts at the start and just after each
+fault) open sockets to a few chats and drop them idle, mid-turn, mid-handshake, during the
+close, by TCP reset, or reset and reconnect at once; the fault schedule stops and restarts
+Redis and PostgreSQL. Then every chat must take one more turn, every `done` the client saw
+must be stored with the streamed text, each stored history must alternate user/assistant
+with unique seqs, the storm's own chats must DELETE with 204, SIGTERM (with sockets open,
+some just reset) must shut the server down cleanly, and its log must hold no ASGI exception
+or traceback. Every await has a timeout: a hung server is reported, never waited on.
+Results: JSON and a PNG (turns over time, faults and storms shaded); exit status 1 when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import pwd
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+FAULTS = ("redis", "postgres-fast", "postgres-immediate", "postgres-freeze")
+DEFAULT_FAULTS = ("redis", "postgres-fast", "postgres-immediate")
+STORM_KINDS = ("idle", "handshake", "mid_turn", "during_close", "reset", "replace")
+
+# Client-side bounds: a server that does not answer within these is reported as hung.
+CONNECT_S = 15.0
+FRAME_S = 45.0  # the longest wait for any one frame of a turn
+TURN_S = 90.0
+HTTP_S = 15.0
+SHUTDOWN_S = 30.0
+
+
+class SoakError(RuntimeError):
+    """A service the soak needs could not be started."""
+
+
+# --- processes the soak owns ----------------------------------------------------------------
+
+_cleanups: list[Any] = []
+
+
+def _cleanup_all() -> None:
+    while _cleanups:
+        with contextlib.suppress(Exception):
+            _cleanups.pop()()
+
+
+atexit.register(_cleanup_all)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(port: int, timeout: float, up: bool = True) -> bool:
+    deadline = time.monotonic() + timeout
+    while port_open(port) != up:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _pg_bindir() -> Path:
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).resolve().parent  # beside psql and initdb of the same version
+    # Debian keeps the server binaries off PATH, one directory per major version.
+    dirs = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name))
+    if not dirs:
+        raise SoakError("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    return dirs[-1]
+
+
+@dataclass
+class Postgres:
+    """A throwaway cluster on a free port; run as the `postgres` user when we are root
+    (the server refuses to run as root)."""
+
+    port: int = field(default_factory=free_port)
+    root: Path | None = None
+    bindir: Path | None = None
+    frozen: list[int] = field(default_factory=list)
+
+    @property
+    def data(self) -> Path:
+        assert self.root is not None
+        return self.root / "data"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@{HOST}:{self.port}/pensieve"
+
+    def _cmd(self, tool: str, *args: str) -> list[str]:
+        assert self.bindir is not None
+        cmd = [str(self.bindir / tool), *args]
+        return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+
+    def _run(self, tool: str, *args: str, timeout: float = 60) -> None:
+        try:
+            res = subprocess.run(
+                self._cmd(tool, *args), capture_output=True, text=True, timeout=timeout
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SoakError(f"{tool} failed: {e}") from None
+        if res.returncode != 0:
+            raise SoakError(
+                f"{tool} {' '.join(args)} exited {res.returncode}: {res.stderr.strip()}"
+            )
+
+    def init(self) -> Postgres:
+        self.bindir = _pg_bindir()
+        self.root = Path(tempfile.mkdtemp(prefix="pensieve-soak-pg-"))
+        _cleanups.append(self.destroy)
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                  "--no-sync", "--no-instructions")  # fmt: skip
+        with open(self.data / "postgresql.conf", "a") as conf:
+            # fsync=off only risks data on an OS crash; the faults here are process stops.
+            conf.write(
+                f"\nport = {self.port}\nlisten_addresses = '{HOST}'\n"
+                f"unix_socket_directories = '{self.data}'\nfsync = off\n"
+                "max_connections = 60\nshared_buffers = 32MB\n"
+            )
+        self.start()
+        self._run("psql", "-h", HOST, "-p", str(self.port), "-U", "postgres", "-d", "postgres",
+                  "-Atqc", "CREATE DATABASE pensieve")  # fmt: skip
+        return self
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"),
+                  "-w", "-t", "60", "start")  # fmt: skip
+
+    def stop(self, mode: str) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and its backends: connections hang instead of failing."""
+        head = (self.data / "postmaster.pid").read_text().split("\n", 1)[0]
+        pids = [int(head)]
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", head], capture_output=True, text=True)
+        pids += [int(p) for p in out.stdout.split()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        self.frozen = pids
+
+    def thaw(self) -> None:
+        for pid in self.frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.frozen = []
+
+    def destroy(self) -> None:
+        self.thaw()
+        if self.root is None:
+            return
+        if (self.data / "postmaster.pid").exists():
+            with contextlib.suppress(SoakError):
+                self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root = None
+
+
+@dataclass
+class Redis:
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def start(self) -> Redis:
+        if shutil.which("redis-server") is None:
+            raise SoakError("redis-server is not installed")
+        if self.proc is None:
+            _cleanups.append(self.stop)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", HOST, "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        if not wait_port(self.port, 10):
+            raise SoakError(f"redis-server did not listen on {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        wait_port(self.port, 10, up=False)
+
+
+@dataclass
+class Server:
+    """`python -m app.cli serve` with its log in a file."""
+
+    database_url: str
+    redis_url: str
+    log_path: Path
+    args: argparse.Namespace
+    port: int = field(default_factory=free_port)
+    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
+        env["PENSIEVE_ADMIN_TOKEN"] = self.admin_token
+        return env
+
+    def create_user(self, name: str) -> str:
+        res = subprocess.run(
+            [sys.executable, "-m", "app.cli", "users", "create", name,
+             "--database-url", self.database_url],
+            cwd=ROOT, env=self.env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        if res.returncode != 0:
+            raise SoakError(f"users create exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+        return res.stdout.strip().splitlines()[-1]
+
+    def start(self, timeout: float = 300.0) -> None:
+        a = self.args
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(self.port),
+               "--database-url", self.database_url, "--redis-url", self.redis_url,
+               "--device", a.device, "--gpu-cache-chunks", str(a.gpu_chunks),
+               "--cpu-cache-chunks", str(a.cpu_chunks), "--log-level", "warning"]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            )
+        _cleanups.append(self.kill)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SoakError(f"server exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise SoakError(f"server not healthy within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def terminate(self) -> dict[str, Any]:
+        """SIGTERM; the shutdown is clean when the process exits 0 within SHUTDOWN_S."""
+        assert self.proc is not None
+        t = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(SHUTDOWN_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return {"clean": False, "exit_code": None, "seconds": SHUTDOWN_S, "hung": True}
+        # uvicorn re-raises the signal once it has shut down: -SIGTERM is a normal exit.
+        clean = code in (0, -signal.SIGTERM)
+        return {"clean": clean, "exit_code": code, "seconds": round(time.monotonic() - t, 2)}
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+# --- what the clients saw ---------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    t0: float = field(default_factory=time.monotonic)
+    turns_ok: int = 0
+    done_times: list[float] = field(default_factory=list)  # seconds after t0
+    fail_times: list[float] = field(default_factory=list)
+    error_frames: Counter = field(default_factory=Counter)  # error code -> count
+    failures: Counter = field(default_factory=Counter)  # turns without done, by reason
+    seen: dict[str, dict[int, str]] = field(default_factory=dict)  # chat -> message id -> text
+    storm_connects: int = 0
+    storm_connect_failures: Counter = field(default_factory=Counter)
+    aborts: Counter = field(default_factory=Counter)
+    fault_windows: list[dict[str, Any]] = field(default_factory=list)
+    storm_windows: list[dict[str, Any]] = field(default_factory=list)
+    fault_errors: list[str] = field(default_factory=list)
+    turn_seconds: list[float] = field(default_factory=list)  # every turn that got an answer
+    health: list[tuple[float, str, float]] = field(default_factory=list)  # (t, status, seconds)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def closed_reason(e: ConnectionClosed) -> str:
+    frame = e.rcvd or e.sent
+    return f"closed_{frame.code}" if frame is not None else "closed_1006"
+
+
+async def connect(base: str, cid: str, token: str):
+    url = base.replace("http://", "ws://") + f"/ws/chat/{cid}"
+    return await asyncio.wait_for(
+        websockets.connect(
+            url,
+            additional_headers={"Authorization": f"Bearer {token}"},
+            open_timeout=CONNECT_S,
+            close_timeout=2,
+            max_size=2**22,
+        ),
+        CONNECT_S + 1,
+    )
+
+
+async def one_turn(ws, cid: str, n: int, tally: Tally, max_tokens: int) -> str:
+    """Send one message and read frames up to `done` or an error; returns "ok" or a reason."""
+    frame_out = {"type": "message", "content": f"Name one colour, please ({n}).",
+                 "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    pieces: list[str] = []
+    deadline = time.monotonic() + TURN_S
+    try:
+        await asyncio.wait_for(ws.send(json.dumps(frame_out)), FRAME_S)
+        while True:
+            left = min(FRAME_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError
+            frame = json.loads(await asyncio.wait_for(ws.recv(), left))
+            if frame.get("type") in ("done", "error"):
+                tally.turn_seconds.append(TURN_S - (deadline - time.monotonic()))
+            if frame.get("type") == "token":
+                pieces.append(frame["text"])
+            elif frame.get("type") == "done":
+                tally.turns_ok += 1
+                tally.done_times.append(tally.now())
+                tally.seen.setdefault(cid, {})[frame["message_id"]] = "".join(pieces)
+                return "ok"
+            elif frame.get("type") == "error":
+                code = str(frame.get("code"))
+                tally.error_frames[code] += 1
+                return f"error_{code}"
+    except TimeoutError:
+        return "timeout"
+    except ConnectionClosed as e:
+        return closed_reason(e)
+    except OSError as e:
+        return f"os_{type(e).__name__}"
+
+
+async def visit(base: str, cid: str, token: str, turns: int, n: int, tally: Tally, mt: int) -> str:
+    """Connect to one chat and hold `turns` turns; returns the last outcome."""
+    try:
+        ws = await connect(base, cid, token)
+    except TimeoutError:
+        reason = "connect_timeout"
+    except InvalidStatus as e:
+        reason = f"connect_http_{e.response.status_code}"
+    except (OSError, websockets.InvalidHandshake) as e:
+        reason = f"connect_{type(e).__name__}"
+    else:
+        try:
+            reason = "ok"
+            for k in range(turns):
+                reason = await one_turn(ws, cid, n + k, tally, mt)
+                if reason != "ok":
+                    break
+        finally:
+            await close_quietly(ws)
+    if reason != "ok":
+        tally.failures[reason] += 1
+        tally.fail_times.append(tally.now())
+    return reason
+
+
+async def close_quietly(ws) -> None:
+    try:
+        await asyncio.wait_for(ws.close(), 5)
+    except (TimeoutError, ConnectionClosed, OSError):
+        pass
+    finally:
+        ws.transport.abort()
+
+
+# --- the drivers ------------------------------------------------------------------------------
+
+
+async def chat_workers(base, token, chats, tally, stop_at, args) -> None:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for cid in chats:
+        queue.put_nowait(cid)
+    counter = iter(range(10**9))
+    rng = random.Random(args.seed)
+
+    async def worker() -> None:
+        while tally.now() < stop_at and (args.turns is None or tally.turns_ok < args.turns):
+            cid = await queue.get()
+            try:
+                outcome = await visit(
+                    base, cid, token, rng.choice((1, 2)), next(counter), tally, args.max_tokens
+                )
+            finally:
+                queue.put_nowait(cid)
+            # Back off after a failure, as a client would, so an outage is not a busy loop.
+            await asyncio.sleep(0.05 if outcome == "ok" else 0.5)
+
+    await asyncio.gather(*(worker() for _ in range(args.workers)))
+
+
+async def storm_op(base: str, cid: str, token: str, kind: str, rng: random.Random, tally: Tally):
+    """One connect/abort; kinds in STORM_KINDS say when and how the line is dropped."""
+    if kind == "handshake":  # give up part-way through the opening handshake
+        tally.storm_connects += 1
+        with contextlib.suppress(TimeoutError, OSError, websockets.InvalidHandshake):
+            ws = await asyncio.wait_for(connect(base, cid, token), rng.uniform(0.001, 0.03))
+            ws.transport.abort()
+        tally.aborts[kind] += 1
+        return
+    ws = await storm_connect(base, cid, token, tally)
+    if ws is None:
+        return
+    message = json.dumps({"type": "message", "content": "Count to three.", "max_tokens": 8})
+    try:
+        if kind != "idle" and rng.random() < 0.8:
+            await asyncio.wait_for(ws.send(message), 5)
+        await asyncio.sleep(rng.uniform(0, 1.2 if kind == "mid_turn" else 0.3))
+        if kind == "during_close":  # start the close handshake, drop the line before its end
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ws.close(), rng.uniform(0.0, 0.02))
+        elif kind in ("reset", "replace"):  # SO_LINGER 0: the close sends RST instead of FIN
+            reset(ws)
+    except (ConnectionClosed, OSError):
+        pass
+    finally:
+        ws.transport.abort()
+        tally.aborts[kind] += 1
+    if kind == "replace":  # a new socket arrives while the server may not yet know of the reset
+        ws = await storm_connect(base, cid, token, tally)
+        if ws is not None:
+            with contextlib.suppress(ConnectionClosed, OSError, TimeoutError):
+                await asyncio.wait_for(ws.send(message), 5)
+                await asyncio.sleep(rng.uniform(0, 0.3))
+            ws.transport.abort()
+
+
+def reset(ws) -> None:
+    sock = ws.transport.get_extra_info("socket")
+    with contextlib.suppress(OSError):  # already closed by the server: nothing to reset
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+async def storm_connect(base: str, cid: str, token: str, tally: Tally):
+    try:
+        ws = await connect(base, cid, token)
+    except InvalidStatus as e:
+        tally.storm_connect_failures[f"http_{e.response.status_code}"] += 1
+        return None
+    except (TimeoutError, OSError, websockets.InvalidHandshake) as e:
+        tally.storm_connect_failures[type(e).__name__] += 1
+        return None
+    tally.storm_connects += 1
+    return ws
+
+
+def storm_times(schedule: list[tuple[str, float, float]], duration: float, bursts: int):
+    """Burst start times: at 5% of the run, and just after each fault (recovery is when
+    sockets of the outage are still being torn down); without faults, evenly spread."""
+    if schedule:
+        return [0.05 * duration] + [end + 0.02 * duration for _, _, end in schedule]
+    return [0.05 * duration + i * 0.85 * duration / bursts for i in range(bursts)]
+
+
+async def storm(base, token, targets, tally, times, args) -> None:
+    """`args.storm` connect/abort operations in bursts at `times`, `args.storm_concurrency` at
+    a time, on a few chats (few chats: replacements race with closes)."""
+    if args.storm <= 0 or not times:
+        return
+    rng = random.Random(args.seed + 1)
+    gate = asyncio.Semaphore(args.storm_concurrency)
+
+    async def op(kind: str, cid: str) -> None:
+        try:
+            await asyncio.wait_for(storm_op(base, cid, token, kind, rng, tally), 2 * CONNECT_S + 10)
+        except TimeoutError:
+            tally.storm_connect_failures["timeout"] += 1
+        finally:
+            gate.release()
+
+    sizes = [args.storm // len(times) + (i < args.storm % len(times)) for i in range(len(times))]
+    for at, size in zip(times, sizes, strict=True):
+        await asyncio.sleep(max(0.0, at - tally.now()))
+        window = {"start_s": round(tally.now(), 2), "ops": size}
+        tasks = []
+        for _ in range(size):
+            await gate.acquire()
+            tasks.append(asyncio.create_task(op(rng.choice(STORM_KINDS), rng.choice(targets))))
+        await asyncio.gather(*tasks)
+        window["end_s"] = round(tally.now(), 2)
+        tally.storm_windows.append(window)
+
+
+async def health_probe(http: httpx.AsyncClient, tally: Tally, stop_at: float) -> None:
+    """/healthz once a second: how long it takes to answer, outage or not."""
+    while tally.now() < stop_at:
+        t = time.monotonic()
+        try:
+            status = str((await http.get("/healthz", timeout=HTTP_S)).status_code)
+        except httpx.TimeoutException:
+            status = "timeout"
+        except httpx.HTTPError as e:
+            status = type(e).__name__
+        tally.health.append((round(tally.now(), 2), status, round(time.monotonic() - t, 3)))
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
+
+
+def fault_schedule(faults: list[str], duration: float) -> list[tuple[str, float, float]]:
+    """Each fault gets an equal slot of [15%, 85%] of the run and is on for 60% of it."""
+    if not faults:
+        return []
+    slot = 0.7 * duration / len(faults)
+    return [(f, 0.15 * duration + i * slot, 0.15 * duration + i * slot + 0.6 * slot)
+            for i, f in enumerate(faults)]  # fmt: skip
+
+
+async def run_faults(schedule, pg: Postgres, redis: Redis, tally: Tally) -> None:
+    actions = {
+        "redis": (redis.stop, redis.start),
+        "postgres-fast": (lambda: pg.stop("fast"), pg.start),
+        "postgres-immediate": (lambda: pg.stop("immediate"), pg.start),
+        "postgres-freeze": (pg.freeze, pg.thaw),
+    }
+    for kind, start, end in schedule:
+        down, up = actions[kind]
+        await asyncio.sleep(max(0.0, start - tally.now()))
+        window = {"fault": kind, "start_s": round(tally.now(), 2)}
+        tally.fault_windows.append(window)
+        try:
+            await asyncio.to_thread(down)
+        except SoakError as e:
+            tally.fault_errors.append(f"{kind} stop: {e}")
+        await asyncio.sleep(max(0.0, end - tally.now()))
+        try:
+            await asyncio.to_thread(up)
+        except SoakError as e:
+            tally.fault_errors.append(f"{kind} restart: {e}")
+        window["end_s"] = round(tally.now(), 2)
+
+
+def restore(pg: Postgres, redis: Redis) -> None:
+    """Bring both services back, should a fault window have been cut short."""
+    pg.thaw()
+    if not port_open(pg.port):
+        pg.start()
+    if redis.proc is None or redis.proc.poll() is not None:
+        redis.start()
+
+
+async def wait_healthy(http: httpx.AsyncClient, timeout: float) -> float | None:
+    """Seconds until /healthz says ok (database and Redis back), or None."""
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            r = await http.get("/healthz")
+            if r.status_code == 200 and r.json().get("status") == "ok":
+                return round(time.monotonic() - t, 2)
+        await asyncio.sleep(0.5)
+    return None
+
+
+async def final_turns(base, token, chats, tally, args) -> dict[str, str]:
+    """One turn on every chat, `args.workers` at a time; chat -> outcome. Bounded: chats not
+    reached in time count as "not_reached"."""
+    gate = asyncio.Semaphore(args.workers)
+    outcomes: dict[str, str] = {}
+
+    async def one(i: int, cid: str) -> None:
+        async with gate:
+            outcomes[cid] = await visit(base, cid, token, 1, 10**6 + i, tally, args.max_tokens)
+
+    tasks = [asyncio.create_task(one(i, c)) for i, c in enumerate(chats)]
+    _, pending = await asyncio.wait(tasks, timeout=TURN_S + 3.0 * len(chats))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return {c: outcomes.get(c, "not_reached") for c in chats}
+
+
+async def verify(http: httpx.AsyncClient, chats: list[str], tally: Tally) -> dict[str, Any]:
+    """Every done the client saw is stored with its streamed text; histories are well formed."""
+    lost, mismatched, unreadable = 0, 0, []
+    inconsistent: list[str] = []
+    stored_messages = 0
+    for cid in chats:
+        try:
+            r = await http.get(f"/api/conversations/{cid}")
+            r.raise_for_status()
+            messages = r.json()["messages"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            unreadable.append(f"{cid}: {type(e).__name__}: {e}")
+            lost += len(tally.seen.get(cid, {}))
+            continue
+        stored_messages += len(messages)
+        by_id = {m["id"]: m for m in messages}
+        for mid, text in tally.seen.get(cid, {}).items():
+            if mid not in by_id:
+                lost += 1
+            elif by_id[mid]["content"] != text:
+                mismatched += 1
+        seqs = [m["seq"] for m in messages]
+        roles = [m["role"] for m in messages]
+        if len(set(seqs)) != len(seqs) or seqs != sorted(seqs):
+            inconsistent.append(f"{cid}: seqs {seqs}")
+        expected = ["user", "assistant"] * (len(roles) // 2 + 1)
+        if roles != expected[: len(roles)] or len(roles) % 2:
+            inconsistent.append(f"{cid}: roles {''.join(r[0] for r in roles)}")
+    return {
+        "lost_messages": lost,
+        "mismatched_messages": mismatched,
+        "inconsistent_chats": len(inconsistent),
+        "inconsistent_samples": inconsistent[:10],
+        "unreadable_chats": len(unreadable),
+        "unreadable_samples": unreadable[:5],
+        "stored_messages": stored_messages,
+    }
+
+
+async def shutdown(server: Server, base: str, token: str, chats: list[str]) -> dict[str, Any]:
+    """SIGTERM while sockets are open: some mid-turn, some reset just before the signal."""
+    socks = []
+    for cid in chats[:6]:
+        with contextlib.suppress(TimeoutError, OSError, websockets.InvalidHandshake):
+            socks.append(await connect(base, cid, token))
+    for i, ws in enumerate(socks):
+        with contextlib.suppress(ConnectionClosed, OSError, TimeoutError):
+            if i % 2:
+                msg = {"type": "message", "content": "Hello.", "max_tokens": 8}
+                await asyncio.wait_for(ws.send(json.dumps(msg)), 5)
+    await asyncio.sleep(0.2)
+    for ws in socks[:2]:  # gone, and the server may only learn it while closing them
+        reset(ws)
+        ws.transport.abort()
+    result = await asyncio.to_thread(server.terminate)
+    codes: Counter = Counter()
+    for ws in socks[2:]:
+        try:
+            while True:
+                await asyncio.wait_for(ws.recv(), 5)
+        except ConnectionClosed as e:
+            codes[closed_reason(e)] += 1
+        except (TimeoutError, OSError):
+            codes["no_close"] += 1
+        ws.transport.abort()
+    result["open_sockets_saw"] = dict(codes)
+    return result
+
+
+# --- the server's log -------------------------------------------------------------------------
+
+PATTERNS = (
+    "Exception in ASGI application",
+    "Application shutdown failed",
+    "Application startup failed",
+    "Task exception was never retrieved",
+    "Traceback (most recent call last)",
+)
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+_ERROR_RECORD = re.compile(r"^(ERROR|CRITICAL):|^\S+ \S+ (ERROR|CRITICAL) ")
+
+
+def scan_log(text: str) -> dict[str, Any]:
+    """Counts of the patterns, of error records and of distinct exceptions. `asgi_exceptions`
+    counts error events: ASGI/lifespan failures plus tracebacks not already part of one."""
+    lines = text.splitlines()
+    counts = {p: sum(p in line for line in lines) for p in PATTERNS}
+    events = sum(counts[p] for p in PATTERNS[:4])
+    exceptions: Counter = Counter()
+    headlines: Counter = Counter()
+    prev = ""
+    for i, line in enumerate(lines):
+        if _ERROR_RECORD.search(line):
+            headline = line.split(": ", 1)[-1].strip()
+            headlines[re.sub(r"[0-9a-f]{32}|\d+", "N", headline)[:160]] += 1
+        if "Traceback (most recent call last)" in line:
+            if not any(p in prev for p in (*PATTERNS[:4], *_CHAINED)):
+                events += 1
+            j = i + 1  # the first unindented line after the frames names the exception
+            while j < len(lines) and (not lines[j] or lines[j].startswith((" ", "\t"))):
+                j += 1
+            if j < len(lines):
+                exceptions[lines[j][:200]] += 1
+        if line.strip():
+            prev = line
+    return {
+        "asgi_exceptions": events,
+        "patterns": counts,
+        "error_records": sum(headlines.values()),
+        "error_headlines": dict(headlines.most_common(15)),
+        "exceptions": dict(exceptions.most_common(15)),
+    }
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+async def drive(args, server: Server, pg: Postgres, redis: Redis, token: str, out: dict) -> None:
+    """Fills `out` as it goes, so what was measured survives a failure part-way."""
+    base = server.url
+    headers = {"Authorization": f"Bearer {token}"}
+    tally = Tally()
+    out["tally"] = tally
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=HTTP_S) as http:
+
+        async def create(title: str) -> str:
+            r = await http.post("/api/conversations", json={"title": title})
+            if r.status_code != 201:
+                raise SoakError(f"POST /api/conversations: {r.status_code} {r.text[:200]}")
+            return r.json()["id"]
+
+        chats = [await create(f"soak {i}") for i in range(args.conversations)]
+        # The storm hits some of those chats and as many of its own, deleted at the end: a
+        # socket the server failed to forget shows up as a failed DELETE.
+        rng = random.Random(args.seed + 2)
+        shared = rng.sample(chats, min(len(chats), (args.storm_chats + 1) // 2))
+        own = [
+            await create(f"storm {i}") for i in range(args.storm_chats // 2 if args.storm else 0)
+        ]
+        schedule = fault_schedule([] if args.no_faults else args.faults, args.duration)
+        tally.t0 = time.monotonic()
+        stages = [
+            chat_workers(base, token, chats, tally, args.duration, args),
+            storm(base, token, shared + own, tally,
+                  storm_times(schedule, args.duration, args.storm_bursts), args),
+            run_faults(schedule, pg, redis, tally),
+            health_probe(http, tally, args.duration),
+        ]  # fmt: skip
+        try:
+            await asyncio.wait_for(asyncio.gather(*stages), args.duration + TURN_S + 120)
+        except TimeoutError:
+            out["stalled"] = "the main phase did not end in time"
+        out["main_phase_s"] = round(tally.now(), 1)
+        out["turns_ok"] = tally.turns_ok
+        await asyncio.to_thread(restore, pg, redis)
+        out["recovery_s"] = await wait_healthy(http, 90)
+        out["final_phase_start_s"] = round(tally.now(), 1)
+        outcomes = await final_turns(base, token, chats, tally, args)
+        unusable = [o for o in outcomes.values() if o != "ok"]
+        out.update(await verify(http, chats, tally))
+        deletes: Counter = Counter()
+        for cid in own:
+            try:
+                deletes[str((await http.delete(f"/api/conversations/{cid}")).status_code)] += 1
+            except httpx.HTTPError as e:
+                deletes[type(e).__name__] += 1
+        out["storm_chat_deletes"] = dict(deletes)
+        out.update(
+            conversations=len(chats),
+            final_turns_ok=len(chats) - len(unusable),
+            usable_chats=len(chats) - len(unusable),
+            unusable_chats=len(unusable),
+            unusable_reasons=dict(Counter(unusable)),
+        )
+        out["shutdown"] = await shutdown(server, base, token, chats)
+
+
+def tally_json(tally: Tally) -> dict[str, Any]:
+    answered = sorted(tally.turn_seconds)
+    health_s = [s for _, _, s in tally.health]
+    return dict(
+        turn_seconds={
+            "p50": round(answered[len(answered) // 2], 2) if answered else None,
+            "max": round(answered[-1], 2) if answered else None,
+            "over_10s": sum(s > 10 for s in answered),
+        },
+        healthz={
+            "probes": len(tally.health),
+            "status": dict(Counter(status for _, status, _ in tally.health)),
+            "max_s": max(health_s, default=None),
+            "over_5s": sum(s > 5 for s in health_s),
+        },
+        error_frames=dict(tally.error_frames),
+        turn_failures=dict(tally.failures),
+        hung_turns=tally.failures["timeout"] + tally.failures["connect_timeout"],
+        storm_connects=tally.storm_connects,
+        storm_connect_failures=dict(tally.storm_connect_failures),
+        aborts=dict(tally.aborts),
+        storm_windows=tally.storm_windows,
+        fault_windows=tally.fault_windows,
+        fault_errors=tally.fault_errors,
+        timeline={
+            "done_s": [round(t, 2) for t in tally.done_times],
+            "failed_s": [round(t, 2) for t in tally.fail_times],
+        },
+    )
+
+
+def verdict(r: dict[str, Any]) -> list[str]:
+    failures = []
+    if r.get("lost_messages"):
+        failures.append(f"{r['lost_messages']} committed messages lost")
+    if r.get("mismatched_messages"):
+        failures.append(f"{r['mismatched_messages']} stored replies differ from the streamed text")
+    if r.get("unusable_chats"):
+        failures.append(f"{r['unusable_chats']} chats unusable after the faults")
+    if r.get("inconsistent_chats"):
+        failures.append(f"{r['inconsistent_chats']} chats with a malformed history")
+    if r.get("unreadable_chats"):
+        failures.append(f"{r['unreadable_chats']} chats could not be read back")
+    if r.get("asgi_exceptions"):
+        failures.append(f"{r['asgi_exceptions']} exceptions in the server log")
+    if not r.get("shutdown", {}).get("clean"):
+        failures.append(f"unclean shutdown: {r.get('shutdown')}")
+    failed_deletes = {k: n for k, n in r.get("storm_chat_deletes", {}).items() if k != "204"}
+    if failed_deletes:
+        failures.append(f"DELETE of storm chats failed: {failed_deletes}")
+    if r.get("recovery_s") is None:
+        failures.append("/healthz did not report ok after the faults")
+    for key in ("stalled", "error"):
+        if r.get(key):
+            failures.append(r[key])
+    return failures
+
+
+def soak(args) -> dict[str, Any]:
+    t = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="pensieve-soak-"))
+    _cleanups.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    log_path = Path(args.server_log) if args.server_log else tmp / "server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.unlink(missing_ok=True)
+    result: dict[str, Any] = {}
+    pg = Postgres().init()
+    redis = Redis().start()
+    server = Server(pg.url, redis.url, log_path, args)
+    token = server.create_user("soak")
+    server.start()
+    result["startup_s"] = round(time.monotonic() - t, 1)
+    try:
+        asyncio.run(drive(args, server, pg, redis, token, result))
+    except Exception as e:  # reported with what was measured up to here
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if server.proc.poll() is None:  # the run ended before its own shutdown step
+            result.setdefault("shutdown", server.terminate())
+    if "tally" in result:
+        result.update(tally_json(result.pop("tally")))
+    result.update(scan_log(log_path.read_text(errors="replace")))
+    if result["patterns"]["Application shutdown failed"]:
+        result["shutdown"]["clean"] = False
+    result["wall_s"] = round(time.monotonic() - t, 1)
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    done = result.get("timeline", {}).get("done_s", [])
+    failed = result.get("timeline", {}).get("failed_s", [])
+    ax.step(done, range(1, len(done) + 1), where="post", label="turns completed")
+    ax.step(failed, range(1, len(failed) + 1), where="post", color="tab:red",
+            label="turns without a reply")  # fmt: skip
+    colours = {"redis": "tab:orange", "postgres-fast": "tab:purple",
+               "postgres-immediate": "tab:brown", "postgres-freeze": "tab:gray"}  # fmt: skip
+    for w in result.get("fault_windows", []):
+        ax.axvspan(w["start_s"], w.get("end_s", w["start_s"]), alpha=0.25,
+                   color=colours.get(w["fault"], "gray"), label=f"{w['fault']} down")  # fmt: skip
+    for i, w in enumerate(result.get("storm_windows", [])):
+        ax.axvspan(w["start_s"], max(w["end_s"], w["start_s"] + 1), alpha=0.15, color="tab:green",
+                   label=None if i else "connect/abort storm")  # fmt: skip
+    if "final_phase_start_s" in result:
+        ax.axvline(result["final_phase_start_s"], color="k", ls="--", lw=1, label="final turns")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("turns")
+    ax.set_title(
+        f"soak: {result.get('conversations', 0)} chats, {result.get('storm_connects', 0)} storm "
+        f"connects, {result.get('asgi_exceptions', 0)} exceptions, "
+        f"{result.get('lost_messages', 0)} lost"
+    )
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(result: dict[str, Any]) -> str:
+    keys = ("conversations", "turns_ok", "final_turns_ok", "unusable_chats", "unusable_reasons",
+            "error_frames", "turn_failures", "hung_turns", "turn_seconds", "healthz",
+            "storm_connects", "aborts", "storm_connect_failures", "storm_windows", "fault_windows", "fault_errors",
+            "recovery_s", "storm_chat_deletes", "lost_messages", "mismatched_messages",
+            "inconsistent_chats", "asgi_exceptions", "patterns", "exceptions", "shutdown",
+            "error", "wall_s")  # fmt: skip
+    lines = [f"{k:>22}: {json.dumps(result[k])}" for k in keys if k in result]
+    failures = result["verdict"]["failures"]
+    lines.append("PASSED" if not failures else "FAILED: " + "; ".join(failures))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    p.add_argument("--conversations", type=int, default=200)
+    p.add_argument("--duration", type=float, default=240.0, help="main phase, seconds")
+    p.add_argument("--turns", type=int, help="stop the chat workers after this many turns")
+    p.add_argument("--workers", type=int, default=8, help="concurrent chat clients")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--storm", type=int, default=1000, help="connect/abort operations")
+    p.add_argument("--storm-chats", type=int, default=20, help="chats the storm targets")
+    p.add_argument("--storm-concurrency", type=int, default=64)
+    p.add_argument("--storm-bursts", type=int, default=4, help="bursts, without faults")
+    p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                   help=f"comma-separated, in order: {', '.join(FAULTS)}")  # fmt: skip
+    p.add_argument("--no-faults", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--gpu-chunks", type=int, default=64, help="small: chats swap and drop")
+    p.add_argument("--cpu-chunks", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-log", help="keep the server's log here")
+    p.add_argument("--out", default=str(ROOT / "bench/results/soak_cpu.json"))
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    args.faults = [f for f in args.faults.split(",") if f]
+    bad = [f for f in args.faults if f not in FAULTS]
+    if bad:
+        p.error(f"unknown faults {bad}; choose from {', '.join(FAULTS)}")
+    if args.conversations < 1 or args.workers < 1 or args.duration <= 0:
+        p.error("--conversations, --workers and --duration must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the finally blocks and atexit stop what we started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        result = soak(args)
+    except SoakError as e:
+        print(f"soak: {e}", file=sys.stderr)
+        return 2
+    finally:
+        _cleanup_all()
+    from bench.serve import environment
+
+    result["verdict"] = {"passed": not verdict(result), "failures": verdict(result)}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "server_log")}
+    report = {"benchmark": "soak", "environment": environment(), "settings": settings, **result}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    if not args.no_plot:
+        plot(report, out.with_suffix(".png"))
+    print(summary(report))
+    print(f"wrote {out}")
+    return 0 if report["verdict"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
