@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from importlib.resources import files
+import importlib.util
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,7 +25,13 @@ def web_dir() -> Path:
     `pensieve_web` package (see pyproject.toml)."""
     if (SOURCE_ROOT / "pyproject.toml").is_file():
         return SOURCE_ROOT / "web"
-    return Path(str(files("pensieve_web") / "index.html")).parent  # a namespace package
+    # A namespace package: its path may also hold an editable install's hook entry, so
+    # take the first real directory that has the files.
+    spec = importlib.util.find_spec("pensieve_web")
+    for entry in spec.submodule_search_locations if spec else []:
+        if (Path(entry) / "index.html").is_file():
+            return Path(entry)
+    raise RuntimeError("pensieve_web is not installed: reinstall pensieve")
 
 
 WEB = web_dir()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 from collections.abc import Callable
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,7 +26,13 @@ def scripts_dir() -> Path:
     `pensieve_migrations` package (see pyproject.toml)."""
     if (SOURCE_ROOT / "pyproject.toml").is_file():
         return SOURCE_ROOT / "alembic"
-    return Path(str(files("pensieve_migrations") / "env.py")).parent  # a namespace package
+    # A namespace package: its path may also hold an editable install's hook entry, so
+    # take the first real directory that has the files.
+    spec = importlib.util.find_spec("pensieve_migrations")
+    for entry in spec.submodule_search_locations if spec else []:
+        if (Path(entry) / "env.py").is_file():
+            return Path(entry)
+    raise RuntimeError("pensieve_migrations is not installed: reinstall pensieve")
 
 
 def config(url: str | None = None) -> Config:
