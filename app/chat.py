@@ -267,6 +267,12 @@ class ChatSocket:
             await self.error("not_found", "this chat no longer exists")
             return None
         history = await store.messages(cid)
+        if history and history[-1].role == "user":
+            # The reply of an earlier turn could not be stored (the database went away
+            # after its question was): close that turn with an empty `error` reply, so the
+            # history stays question/answer pairs and the question is kept.
+            await store.append_message(cid, "assistant", "", [], finish_reason="error")
+            history = await store.messages(cid)
         try:
             plan = await asyncio.to_thread(
                 plan_turn,

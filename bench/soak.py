@@ -255,6 +255,9 @@ class Server:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
         env["PENSIEVE_ADMIN_TOKEN"] = self.admin_token
+        # One owner drives all the chats here: the per-owner turn quota (tested on its own)
+        # would turn the soak into a test of the quota.
+        env["PENSIEVE_TURNS_PER_MINUTE"] = "1000000"
         return env
 
     def create_user(self, name: str) -> str:

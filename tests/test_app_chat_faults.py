@@ -205,6 +205,57 @@ async def test_database_outage_mid_chat_answers_unavailable_then_recovers(pg_db,
         assert log.count(failure) == 0, log[-6000:]
 
 
+async def test_reply_lost_to_an_outage_leaves_a_closed_turn_not_a_dangling_question(
+    pg_db, tmp_path
+):
+    """The database goes away while a reply streams: its question is stored, its reply cannot
+    be. The next turn closes that turn with an empty `error` reply before its own question,
+    so the history keeps the question and stays question/answer pairs."""
+    proxy = Proxy(services.PG_PORT)
+    url = f"postgresql+asyncpg://{services.PG_USER}@127.0.0.1:{proxy.port}/{pg_db}"
+    server = Server(url, tmp_path / "server.log", env=TINY).start()
+    try:
+        token = server.user("midstream")
+        cid = server.new_chat(token)
+        async with connect(server, cid, token) as ws:
+            frame = {"type": "message", "content": "Count to fifty.", "max_tokens": 64}
+            await ws.send(json.dumps(frame))
+            first = await recv(ws, timeout=120)
+            assert first["type"] == "token", first
+            proxy.cut()  # the question is stored; the reply will not be
+            while True:
+                frame = await recv(ws, timeout=120)
+                if frame["type"] != "token":
+                    break
+            assert frame["type"] == "error" and frame["code"] == "unavailable", frame
+            proxy.restore()
+            again = None
+            for _ in range(20):  # the pool reconnects once the database is back
+                await ws.send(json.dumps({"type": "message", "content": "Still there?"}))
+                frame = await recv(ws, timeout=60)
+                if frame["type"] == "error" and frame["code"] == "unavailable":
+                    await asyncio.sleep(0.5)
+                    continue
+                assert frame["type"] == "token", frame
+                again = await until_done(ws)
+                break
+            assert again is not None and again.errors == []
+        msgs = server.chat(token, cid)["messages"]
+        assert [(m["role"], m["finish_reason"]) for m in msgs] == [
+            ("user", None),
+            ("assistant", "error"),
+            ("user", None),
+            ("assistant", again.done["finish_reason"]),
+        ]
+        assert msgs[0]["content"] == "Count to fifty." and msgs[1]["content"] == ""
+    finally:
+        server.stop()
+        proxy.close()
+    log = server.log_path.read_text(errors="replace")
+    for failure in ASGI_FAILURES:
+        assert log.count(failure) == 0, log[-6000:]
+
+
 async def test_full_engine_queue_answers_busy_and_takes_the_message_back(tmp_path):
     """With one turn running and one queued, a third is refused with `busy` and a retry hint;
     its user message is taken back, so the chat's history stays question/answer pairs."""
