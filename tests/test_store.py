@@ -49,7 +49,7 @@ def _schema(conn) -> tuple[set[str], list]:
 async def test_migrations_up_and_down(db_url: str) -> None:
     # Called on the running loop on purpose: the server does the same at start.
     migrate.upgrade(db_url)
-    assert migrate.current(db_url) == "0002"
+    assert migrate.current(db_url) == "0003"
     s = HistoryStore(db_url)
     try:
         async with s.engine.connect() as conn:
@@ -64,7 +64,7 @@ async def test_migrations_up_and_down(db_url: str) -> None:
         assert not TABLES & tables
 
         migrate.upgrade(db_url)  # and back up, on the same database
-        assert migrate.current(db_url) == "0002"
+        assert migrate.current(db_url) == "0003"
     finally:
         await s.close()
 
@@ -266,7 +266,7 @@ def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_pat
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("-> 0002" in out for out in outs) == 1  # one migrated, the other saw head
-    assert migrate.current(db_url) == "0002"
+    assert migrate.current(db_url) == "0003"
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
 
@@ -276,7 +276,7 @@ def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
     migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
-    assert migrate.current() == "0002"
+    assert migrate.current() == "0003"
 
 
 class _BusyCursor:
@@ -397,7 +397,7 @@ async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
                 )
             )
         await asyncio.to_thread(migrate.upgrade, db_url)
-        assert migrate.current(db_url) == "0002"
+        assert migrate.current(db_url) == "0003"
         [m] = await s.messages("c")
         assert (m.content, m.token_ids, m.starts_context) == ("hi", [1, 2], False)
         assert await s.stream("c") == [1, 2]
