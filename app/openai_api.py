@@ -216,18 +216,18 @@ async def owner(request: Request):
 # --- which conversation ----------------------------------------------------------------
 
 
-async def conversation_for(sv, owner_id: str, chat: Chat, session: str | None) -> str:
-    """The conversation the request continues; a new one when none matches."""
+async def conversation_for(sv, owner_id: str, chat: Chat, session: str | None) -> tuple[str, bool]:
+    """The conversation the request continues (and False), or a new one (and True)."""
     store = sv.store
     if session:
         conv = await store.conversation_by_key(owner_id, session)
         conv = conv or await store.get_conversation(session, owner_id)
         if conv is not None:
-            return conv.id
+            return conv.id, False
     else:
         cid = await matching.find_conversation(store, owner_id, chat.system, chat.messages)
         if cid is not None:
-            return cid
+            return cid, False
     quota = sv.settings.max_chats_per_owner
     if await store.count_conversations(owner_id) >= quota:
         raise ApiError(429, f"an owner may keep at most {quota} chats; delete one first",
@@ -235,7 +235,7 @@ async def conversation_for(sv, owner_id: str, chat: Chat, session: str | None) -
     first = chat.messages[0][1] if chat.messages else ""
     title = " ".join(first.split())[:TITLE_CHARS]
     conv = await store.create_conversation(owner_id, title, chat.system, session_key=session)
-    return conv.id
+    return conv.id, True
 
 
 def aligner(sv, cid: str, chat: Chat, req: TurnRequest):
@@ -258,6 +258,12 @@ def aligner(sv, cid: str, chat: Chat, req: TurnRequest):
         return True
 
     return align
+
+
+async def discard_if_empty(sv, cid: str) -> None:
+    async with sv.hub.lock(cid):
+        if not await sv.store.messages(cid):
+            await sv.store.delete_conversation(cid)
 
 
 # --- the turn's sink ---------------------------------------------------------------------
@@ -363,7 +369,7 @@ async def chat_completions(request: Request) -> Response:
             raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
                            "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
         session = request.headers.get("x-session-id") or body.prompt_cache_key
-        cid = await conversation_for(sv, user.id, chat, session)
+        cid, created = await conversation_for(sv, user.id, chat, session)
     except ApiError as e:
         return e.response()
 
@@ -376,6 +382,9 @@ async def chat_completions(request: Request) -> Response:
 
     first = await sink.events.get()
     if isinstance(first, Failed):
+        if created:  # refused before anything was stored: leave no empty chat behind
+            await asyncio.wait([task])
+            await discard_if_empty(sv, cid)
         return pipeline_error(first.code, first.message, first.retry_after_s).response()
     if first is END:
         return ApiError(500, "the turn ended without a reply", "server_error").response()

@@ -169,6 +169,13 @@ def test_errors_in_openai_shape(server, token):
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="gpt-4o", messages=user)
     assert e.value.code == "model_not_found"
+    # A context over the model's limit (the tiny pools hold 767 tokens): refused, no chat kept.
+    before = conversations(server, token)
+    long = [{"role": "user", "content": "word " * 2000}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    assert conversations(server, token) == before
 
 
 async def test_concurrent_sessions_reuse_only_their_own_kv(server, token):
@@ -270,3 +277,23 @@ def test_stop_matcher(pieces, stops, sent, hit):
     out += "" if m.hit else m.flush()
     assert (out, m.hit) == (sent, hit)
     assert m.text == sent
+
+
+async def test_bench_driver_over_the_openai_api(server, token):
+    """bench.serve --api openai: each turn resends the chat and reuses the stored context."""
+    from bench import serve
+    from bench import workload as wl
+
+    driver = serve.OpenAIDriver(server.url, token)
+    try:
+        replies = []
+        for cid in ("a", "b"):
+            for i, text in enumerate((f"Tell me about {cid}-sharp.", "Shorter, please.")):
+                spec = wl.TurnSpec(prompt=[], output_len=5, text=text)
+                replies.append(await driver.send(cid, i, spec, 0))
+    finally:
+        await driver.close()
+    assert [r.error for r in replies] == [None] * 4
+    assert all(1 <= r.output_tokens <= 5 for r in replies)
+    first, second = replies[0], replies[1]
+    assert second.stats["cached_tokens"] >= first.stats["prompt_tokens"] - CHUNK
