@@ -10,6 +10,7 @@ back to the common prefix first. The turn itself is the chat socket's (app/turns
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -28,7 +29,7 @@ from app.auth import bearer
 from app.frames import Request as TurnRequest
 from app.frames import check_text
 from app.stops import StopMatcher
-from app.turns import ChatTurn, Done, Streamed
+from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
 from engine.types import SamplingParams
 
 TITLE_CHARS = 80
@@ -66,6 +67,11 @@ class ApiError(Exception):
             headers = {"Retry-After": str(max(1, round(self.retry_after_s)))}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
+
+UNAVAILABLE = ApiError(
+    503, "the database is not answering; try again shortly", "server_error",
+    code="unavailable", retry_after_s=5,
+)  # fmt: skip
 
 # The chat pipeline's error codes as HTTP statuses.
 STATUS = {
@@ -261,9 +267,10 @@ def aligner(sv, cid: str, chat: Chat, req: TurnRequest):
 
 
 async def discard_if_empty(sv, cid: str) -> None:
-    async with sv.hub.lock(cid):
-        if not await sv.store.messages(cid):
-            await sv.store.delete_conversation(cid)
+    with contextlib.suppress(*DB_ERRORS):  # a chat left empty is harmless
+        async with sv.hub.lock(cid):
+            if not await sv.store.messages(cid):
+                await sv.store.delete_conversation(cid)
 
 
 # --- the turn's sink ---------------------------------------------------------------------
@@ -342,6 +349,8 @@ async def list_models(request: Request) -> Response:
         await owner(request)
     except ApiError as e:
         return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
     sv = request.app.state.services
     model = {"id": model_id(sv.settings), "object": "model", "created": 0, "owned_by": "pensieve"}
     return JSONResponse({"object": "list", "data": [model]})
@@ -372,6 +381,8 @@ async def chat_completions(request: Request) -> Response:
         cid, created = await conversation_for(sv, user.id, chat, session)
     except ApiError as e:
         return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
 
     req = TurnRequest(chat.messages[-1][1], sampling, given)
     sink = ApiSink(body.stop or [])

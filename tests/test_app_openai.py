@@ -297,3 +297,33 @@ async def test_bench_driver_over_the_openai_api(server, token):
     assert all(1 <= r.output_tokens <= 5 for r in replies)
     first, second = replies[0], replies[1]
     assert second.stats["cached_tokens"] >= first.stats["prompt_tokens"] - CHUNK
+
+
+def test_quota_429_and_chats_survive_a_restart(tmp_path):
+    srv = Server(
+        f"sqlite+aiosqlite:///{tmp_path}/pensieve.db",
+        tmp_path / "server.log",
+        env={**TINY, "PENSIEVE_TURNS_PER_MINUTE": "2"},
+    ).start()
+    try:
+        key = srv.user("carol")
+        c = client(srv, key)
+        messages = [{"role": "user", "content": "Name a colour."}]
+        r, cid = ask(c, messages)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "Another?"},
+        ]
+        r2, again = ask(c, messages)
+        assert again == cid
+        with pytest.raises(openai.RateLimitError) as e:
+            ask(c, messages)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        srv.kill()  # no clean shutdown: the chat is in SQL, the engine's copy is gone
+        srv.start()
+        r3, after = ask(client(srv, key), messages)
+        assert after == cid
+        assert r3.usage.prompt_tokens == r2.usage.prompt_tokens  # the same context, rebuilt
+        assert len(srv.chat(key, cid)["messages"]) == 4
+    finally:
+        srv.stop()
