@@ -403,3 +403,29 @@ async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
         assert await s.stream("c") == [1, 2]
     finally:
         await s.close()
+
+
+async def test_prefix_lookup_is_per_owner_and_rewind_cuts(store: HistoryStore) -> None:
+    ada, _ = await store.create_user("ada")
+    bob, _ = await store.create_user("bob")
+    mine = await store.create_conversation(ada.id, session_key="tab")
+    theirs = await store.create_conversation(bob.id)
+    for cid in (mine.id, theirs.id):
+        await store.append_message(cid, "user", "hi", [1, 2])
+        await store.append_message(cid, "assistant", "yo", [3], prefix_hash="h1")
+    await store.append_message(mine.id, "user", "more", [4], starts_context=True)
+    await store.append_message(mine.id, "assistant", "ok", [5], prefix_hash="h2")
+    found = await store.find_prefixes(ada.id, ["h1", "h2", "nope"])
+    assert sorted((m.conversation_id, m.seq, m.prefix_hash, m.last_seq) for m in found) == [
+        (mine.id, 1, "h1", 3),
+        (mine.id, 3, "h2", 3),
+    ]
+    assert (await store.conversation_by_key(ada.id, "tab")).id == mine.id
+    assert await store.conversation_by_key(bob.id, "tab") is None
+    # Cutting back past a window's opener reports it; the older window is the stream again.
+    assert await store.rewind(mine.id, 2, "be brief") is True
+    assert [m.content for m in await store.messages(mine.id)] == ["hi", "yo"]
+    assert await store.stream(mine.id) == [1, 2, 3]
+    assert (await store.get_conversation(mine.id)).system_prompt == "be brief"
+    assert await store.rewind(mine.id, 2, "be brief") is False
+    assert len(await store.messages(theirs.id)) == 2
