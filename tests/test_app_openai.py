@@ -299,14 +299,32 @@ async def test_bench_driver_over_the_openai_api(server, token):
     assert second.stats["cached_tokens"] >= first.stats["prompt_tokens"] - CHUNK
 
 
-def test_quota_429_and_chats_survive_a_restart(tmp_path):
-    srv = Server(
-        f"sqlite+aiosqlite:///{tmp_path}/pensieve.db",
-        tmp_path / "server.log",
-        env={**TINY, "PENSIEVE_TURNS_PER_MINUTE": "2"},
-    ).start()
+async def test_busy_and_quota_429_and_chats_survive_a_restart(tmp_path):
+    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "6"}
+    env.update(PENSIEVE_MAX_RUNNING="1", PENSIEVE_MAX_WAITING="1")
+    srv = Server(f"sqlite+aiosqlite:///{tmp_path}/pensieve.db", tmp_path / "server.log", env=env)
+    srv.start()
     try:
         key = srv.user("carol")
+        # One turn running and one queued: more are refused with 429 and a retry hint, and
+        # leave no chat behind.
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0) as ac:
+            outcomes = await asyncio.gather(
+                *(
+                    ac.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"Count to fifty, {i}."}],
+                        max_tokens=48,
+                    )
+                    for i in range(4)
+                ),
+                return_exceptions=True,
+            )
+        busy = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+        done = [o for o in outcomes if not isinstance(o, Exception)]
+        assert busy and done and len(busy) + len(done) == 4
+        assert all(int(b.response.headers["retry-after"]) >= 1 for b in busy)
+        assert len(conversations(srv, key)) == len(done)
         c = client(srv, key)
         messages = [{"role": "user", "content": "Name a colour."}]
         r, cid = ask(c, messages)
@@ -327,3 +345,4 @@ def test_quota_429_and_chats_survive_a_restart(tmp_path):
         assert len(srv.chat(key, cid)["messages"]) == 4
     finally:
         srv.stop()
+    assert "Traceback" not in srv.log_tail(100_000)
