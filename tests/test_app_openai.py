@@ -33,6 +33,7 @@ def server(request, tmp_path_factory):
     srv.stop()
     if db:
         services.drop_database(db)
+    assert "Traceback" not in srv.log_tail(100_000)
 
 
 @pytest.fixture(scope="module")
