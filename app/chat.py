@@ -10,19 +10,12 @@ import logging
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.auth import origin_allowed, owner_token
-from app.detok import Detokenizer
 from app.frames import BadFrame, Request, parse_json, parse_message
-from app.window import NoRoom, Plan, plan_turn
-from engine.errors import ConversationBusy, EngineOverloaded
-from engine.types import Turn
-from store import HistoryConflict
+from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
 
 log = logging.getLogger("pensieve.chat")
 
@@ -31,8 +24,6 @@ NO_CREDENTIALS, NOT_OWNER, UNKNOWN_CHAT, REPLACED = 4401, 4403, 4404, 4409
 BAD_ORIGIN = 4403
 TRY_AGAIN_LATER = 1013
 
-# A database that is down, blackholed or timing out (as opposed to a bug or bad input).
-DB_ERRORS = (DBAPIError, PoolTimeout, TimeoutError, OSError)
 # The socket went away under a send or a close.
 GONE = (WebSocketDisconnect, RuntimeError, OSError)
 
@@ -43,12 +34,6 @@ def ws_max_size(max_message_chars: int) -> int:
     """Largest frame to accept: every character of the content may be an astral one that
     JSON escapes as a surrogate pair (`\\ud83d\\ude00`, 12 bytes), plus the other fields."""
     return 12 * max_message_chars + 4096
-
-
-def context_limit(engine) -> int:
-    """Most tokens one chat can hold: the model's positions, and the whole GPU tier (a turn's
-    context must fit there while it runs)."""
-    return engine.context_limit
 
 
 async def safe_close(ws: WebSocket, code: int, reason: str) -> None:
@@ -114,17 +99,6 @@ class Hub:
             await chat.close(1001, "server shutting down")
         if self.turns:
             await asyncio.gather(*self.turns, return_exceptions=True)
-
-
-@dataclass
-class Streamed:
-    """What the engine produced for a turn."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: object  # engine TurnStats
-    first_token_at: float | None
 
 
 class ChatSocket:
@@ -228,212 +202,34 @@ class ChatSocket:
         self.sv.hub.turns.add(self.turn)
         self.turn.add_done_callback(self.sv.hub.turns.discard)
 
-    # --- one turn: prepare, stream, commit --------------------------------------------
+    # --- one turn: the shared pipeline, with this socket as its sink --------------------
     async def run_turn(self, req: Request, t0: float) -> None:
-        try:
-            async with self.sv.hub.lock(self.conversation_id):
-                await self._turn(req, t0)
-        except DB_ERRORS as e:
-            log.warning("database unavailable during a turn of %s: %r", self.conversation_id, e)
-            await self.error(
-                "unavailable",
-                "the database is unavailable right now; the message was not sent, "
-                "try again shortly",
-            )
-        except Exception:
-            log.exception("turn of %s failed", self.conversation_id)
-            await self.error("internal", "the turn failed")
+        await ChatTurn(self.sv, self.conversation_id, self).run(req, t0)
 
-    async def _turn(self, req: Request, t0: float) -> None:
-        prepared = await self._prepare(req)
-        if prepared is None:
-            return
-        plan, message_id = prepared
-        stream = await self._submit(req, plan, message_id)
-        if stream is None:
-            return
-        out = await self._stream(stream)
-        if out is not None:
-            await self._commit(plan, out, t0)
+    async def token(self, text: str) -> None:
+        await self.send({"type": "token", "text": text})
 
-    async def _prepare(self, req: Request) -> tuple[Plan, int] | None:
-        """Plan the prompt from SQL and store the user's message: its tokens are durable
-        before the engine sees them, so after a crash the engine recomputes this context
-        from SQL, byte for byte."""
-        sv, cid = self.sv, self.conversation_id
-        store = sv.store
-        conv = await store.get_conversation(cid)
-        if conv is None:
-            await self.error("not_found", "this chat no longer exists")
-            return None
-        history = await store.messages(cid)
-        if history and history[-1].role == "user":
-            # The reply of an earlier turn could not be stored (the database went away
-            # after its question was): close that turn with an empty `error` reply, so the
-            # history stays question/answer pairs and the question is kept.
-            await store.append_message(cid, "assistant", "", [], finish_reason="error")
-            history = await store.messages(cid)
-        try:
-            plan = await asyncio.to_thread(
-                plan_turn,
-                sv.engine.tokenizer,
-                conv.system_prompt,
-                history,
-                req.content,
-                context_limit(sv.engine),
-                req.sampling.max_tokens,
-                req.max_tokens_given,
-            )
-        except NoRoom as e:
-            await self.error("too_long", str(e))
-            return None
-        req.sampling.max_tokens = plan.max_tokens
-        if not plan.fresh and plan.context_len < plan.stored_len:
-            await store.truncate(cid, plan.context_len)
-        try:
-            msg = await store.append_message(
-                cid,
-                "user",
-                req.content,
-                plan.prompt,
-                expected_start=plan.stored_len if plan.fresh else plan.context_len,
-                starts_context=plan.fresh,
-            )
-        except HistoryConflict:  # the chat moved on under us (another server): nothing written
-            await self.error("conflict", "the chat changed meanwhile; send the message again")
-            return None
-        sv.clock.touch(cid)
-        return plan, msg.id
+    async def finish(self, out: Streamed) -> Streamed:
+        return out
 
-    async def _submit(self, req: Request, plan: Plan, message_id: int):
-        """Hand the turn to the engine; a refusal takes the user's message back."""
-        engine, cid = self.sv.engine, self.conversation_id
-        if plan.fresh:  # a new window: the engine's copy of the old one is of no use
-            try:
-                await engine.free(cid)
-            except Exception:  # context_len=0 makes the engine start over anyway
-                log.exception("could not free %s", cid)
-        turn = Turn(cid, plan.prompt, req.sampling, context_len=plan.context_len)
-        try:
-            stream = engine.submit(turn)
-        except EngineOverloaded as e:
-            await self._take_back(message_id)
-            wait = e.retry_after_s
-            await self.error(
-                "busy", f"the server is busy; try again in {wait:.0f} s", retry_after_s=wait
-            )
-            return None
-        except ConversationBusy as e:
-            await self._take_back(message_id)
-            await self.error("busy", str(e))
-            return None
-        except (ValueError, RuntimeError) as e:  # bad input, or the engine loop is down
-            await self._take_back(message_id)
-            await self.error("bad_request", str(e))
-            return None
-        self.stream = stream
-        if self.cancelled or not self.open:
-            stream.cancel()
-        return stream
-
-    async def _take_back(self, message_id: int) -> None:
-        """The engine never saw the message: remove it, so history stays as before."""
-        try:
-            await self.sv.store.delete_last_message(self.conversation_id, message_id)
-        except DB_ERRORS:  # left as a question without a reply, which the next turn renders
-            log.exception("could not take back a refused message of %s", self.conversation_id)
-
-    async def _stream(self, stream) -> Streamed | None:
-        """Send the reply's text as it comes; None when the turn failed (already answered)."""
-        engine = self.sv.engine
-        detok = Detokenizer(engine.tokenizer, set(engine.stop_token_ids))
-        first: float | None = None
-        try:
-            async for token_id in stream:
-                if first is None:
-                    first = time.perf_counter()
-                piece = detok.push(token_id)
-                if piece:
-                    await self.send({"type": "token", "text": piece})
-        except Exception as e:
-            await self._fail()
-            if isinstance(e, DB_ERRORS):  # the engine could not read the history back
-                log.warning("history read for %s failed: %r", self.conversation_id, e)
-                await self.error(
-                    "unavailable", "the database is unavailable right now; try again shortly"
-                )
-            elif isinstance(e, ValueError):  # refused once the engine saw its state
-                await self.error("rejected", str(e))
-            else:
-                log.error("engine failed on %s", self.conversation_id, exc_info=e)
-                await self.error("engine_error", str(e))
-            return None
-        finally:
-            self.stream = None
-        tail = detok.flush()
-        if tail:
-            await self.send({"type": "token", "text": tail})
-        result = stream.result
-        return Streamed(
-            detok.text(), list(result.token_ids), result.finish_reason, result.stats, first
-        )
-
-    async def _fail(self) -> None:
-        """The turn produced no reply: close it in SQL with an empty `error` reply, and make
-        the engine forget its copy so the next turn rebuilds the context from SQL."""
-        cid = self.conversation_id
-        try:
-            await self.sv.engine.free(cid)
-        except Exception:  # the engine recomputes on the next turn's context_len anyway
-            log.exception("could not free %s", cid)
-        try:
-            await self.sv.store.append_message(cid, "assistant", "", [], finish_reason="error")
-        except DB_ERRORS:  # a question without a reply: the next turn renders it all the same
-            log.warning("could not record the failed turn of %s", cid)
-
-    async def _commit(self, plan: Plan, out: Streamed, t0: float) -> None:
-        """Store the reply, then tell the client it is done."""
-        sv, cid = self.sv, self.conversation_id
-        try:
-            reply = await sv.store.append_message(
-                cid,
-                "assistant",
-                out.text,
-                out.token_ids,
-                finish_reason=out.finish_reason,
-                expected_start=plan.context_len + len(plan.prompt),
-            )
-        except Exception as e:
-            await sv.engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
-            if not isinstance(e, DB_ERRORS):
-                raise
-            log.warning("could not store the reply of %s: %r", cid, e)
-            return await self.error(
-                "unavailable",
-                "the database is unavailable right now; this reply was not saved, "
-                "try again shortly",
-            )
-        sv.clock.touch(cid)
-        end = time.perf_counter()
-        ttft = (out.first_token_at or end) - t0
-        sv.metrics.observe_turn(ttft, end - t0, out.finish_reason)
-        s = out.stats
+    async def done(self, done: Done) -> None:
+        out, s = done.out, done.out.stats
         await self.send(
             {
                 "type": "done",
-                "message_id": reply.id,
+                "message_id": done.message_id,
                 "finish_reason": out.finish_reason,
-                "turns_left_out": plan.turns_left_out,
+                "turns_left_out": done.plan.turns_left_out,
                 "usage": {
-                    "prompt_tokens": len(plan.prompt),
+                    "prompt_tokens": len(done.plan.prompt),
                     "completion_tokens": len(out.token_ids),
                     "cached_tokens": s.cached_tokens,
                     "swapped_in_tokens": s.swapped_in_tokens,
                     "recomputed_tokens": s.recomputed_tokens,
                 },
                 "timing": {
-                    "ttft_ms": round(ttft * 1000, 1),
-                    "total_ms": round((end - t0) * 1000, 1),
+                    "ttft_ms": round(done.ttft_s * 1000, 1),
+                    "total_ms": round(done.total_s * 1000, 1),
                 },
             }
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -23,6 +23,8 @@ class Request:
     content: str
     sampling: SamplingParams
     max_tokens_given: bool
+    # (role, text) messages sent ahead of `content` in one request (the OpenAI API).
+    before: list[tuple[str, str]] = field(default_factory=list)
 
 
 def parse_json(text: str) -> dict:

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, api, pages
+from app import admin, api, openai_api, pages
 from app.auth import admin_token_from_file
 from app.chat import Hub, chat_endpoint
 from app.limits import RateLimit
@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app = Starlette(
         routes=[
             *api.routes,
+            *openai_api.routes,
             *admin.routes,
             WebSocketRoute("/ws/chat/{conversation_id}", chat_endpoint),
             *pages.routes,

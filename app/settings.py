@@ -73,6 +73,8 @@ class ServerSettings(BaseSettings):
     cookie_secure: bool = False  # mark cookies Secure (set behind HTTPS)
 
     max_body_bytes: int = Field(64 * 1024, ge=1)  # largest REST request body
+    # Largest /v1 request body: OpenAI clients resend the whole chat every turn.
+    max_api_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
     max_chats_per_owner: int = Field(1000, ge=1)
     # Browser owners made per client address and minute (each cookieless page visit makes one).
     new_users_per_minute: int = Field(10, ge=1)

@@ -76,15 +76,18 @@ def plan_turn(
     limit: int,
     max_tokens: int,
     max_tokens_given: bool,
+    before: list[tuple[str, str]] | None = None,
 ) -> Plan:
     """The next turn's prompt: the current window extended, or a fresh window when the
     reply would not have its room (`max_tokens` if asked for, else up to a quarter of the
-    limit)."""
+    limit). `before`: (role, text) messages the client adds ahead of its new message (an
+    API request may add several); the prompt renders them too."""
+    before = before or []
     needed = max_tokens if max_tokens_given else min(max_tokens, max(1, limit // 4))
     start = window_start(tokenizer, system, history)
     opener = max((i for i, m in enumerate(history) if m.starts_context), default=0)
     stored = [t for m in history[opener:] for t in m.token_ids]
-    msgs = chat_messages(system, _pairs(history, start, len(history)), content)
+    msgs = chat_messages(system, _pairs(history, start, len(history)) + before, content)
     delta = render_delta(tokenizer, msgs, stored)
     room = limit - delta.context_len - len(delta.token_ids)
     if room >= needed and room >= 1:
@@ -99,7 +102,7 @@ def plan_turn(
 
     # A fresh window: the system prompt, the latest whole turns that fit, the new message.
     def prompt(s: int) -> list[int]:
-        messages = chat_messages(system, _pairs(history, s, len(history)), content)
+        messages = chat_messages(system, _pairs(history, s, len(history)) + before, content)
         return encode(tokenizer, render(tokenizer, messages))
 
     starts = [s for s in range(start, len(history)) if history[s].role == "user"]

@@ -3,11 +3,13 @@
     python -m bench.serve --preset cpu                 # the engine in process, every mode
     python -m bench.serve --preset gpu --think 600     # one of the paper's settings
     python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --modes server
+    python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --api openai
 
 In process, each mode (pensieve / gpu / stateless, lru, separate prefill and decode) gets
 its own AsyncEngine; every conversation is an asyncio task that arrives, sends a turn,
 waits for the whole reply, thinks, and sends the next. With --url the same replay goes to
-a running server over its WebSocket protocol (conversations created through REST).
+a running server over its WebSocket protocol (conversations created through REST), or with
+--api openai through its OpenAI API (each turn resends the whole chat).
 """
 
 from __future__ import annotations
@@ -144,6 +146,74 @@ class UrlDriver:
         for ws in self.sockets.values():
             await ws.close()
         self.sockets.clear()
+
+
+class OpenAIDriver:
+    """Sends turns to a running server's OpenAI API (/v1/chat/completions, streamed): each
+    turn resends the whole chat, as OpenAI clients do, and the server finds the conversation
+    it continues. Usage over /v1 has no tiers: `cached_tokens` is the context reused from
+    either one, `prompt_tokens` the whole context."""
+
+    def __init__(self, url: str, token: str, timeout: float = 600.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.http = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+        self.model: str | None = None
+        self.chats: dict[str, list[dict]] = {}
+
+    async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
+        try:
+            if self.model is None:
+                r = await self.http.get(f"{self.url}/v1/models")
+                r.raise_for_status()
+                self.model = r.json()["data"][0]["id"]
+            messages = self.chats.setdefault(cid, [])
+            messages.append({"role": "user", "content": spec.text})
+            body = {
+                "model": self.model,
+                "messages": messages,
+                "max_tokens": spec.output_len,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            first, pieces, usage = None, [], {}
+            async with self.http.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    now = time.monotonic()
+                    text = (await r.aread()).decode(errors="replace")[:200]
+                    messages.pop()
+                    return wl.Reply(now, now, 0, error=f"HTTP {r.status_code}: {text}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"]["message"])
+                    for choice in chunk.get("choices", []):
+                        piece = choice["delta"].get("content")
+                        if piece:
+                            first = first or time.monotonic()
+                            pieces.append(piece)
+                    usage = chunk.get("usage") or usage
+            done = time.monotonic()
+            messages.append({"role": "assistant", "content": "".join(pieces)})
+            stats = {
+                "prompt_tokens": usage.get("prompt_tokens", 0),
+                "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            }
+            return wl.Reply(first or done, done, int(usage.get("completion_tokens", 0)), stats)
+        except Exception as e:
+            now = time.monotonic()
+            return wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}")
+
+    async def close(self) -> None:
+        await self.http.aclose()
 
 
 # ---------------------------------------------------------------- metrics
@@ -426,21 +496,22 @@ async def bench_engine(
 
 
 async def bench_url(
-    preset: Preset, url: str, token: str, log=_log, sample_file=None
+    preset: Preset, url: str, token: str, log=_log, sample_file=None, api: str = "ws"
 ) -> dict[str, Any]:
     convs, workload = load_workload(preset, preset.context_cap, sample_file)
     log(wl.format_summary(workload["summary"]))
     runs = []
     for think in preset.think_s:
         for rate in preset.rates:
-            driver = UrlDriver(url, token)
+            driver = OpenAIDriver(url, token) if api == "openai" else UrlDriver(url, token)
+            mode = "server-openai" if api == "openai" else "server"
             try:
                 records, wall = await run_once(
-                    driver.send, convs, rate, think, preset, f"server rate {rate:g}"
+                    driver.send, convs, rate, think, preset, f"{mode} rate {rate:g}"
                 )
             finally:
                 await driver.close()
-            run = _record("server", think, rate, records, wall, {"url": url})
+            run = _record(mode, think, rate, records, wall, {"url": url, "api": api})
             runs.append(run)
             log(_line(run))
     return {"workload": workload, "runs": runs}
@@ -517,6 +588,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-chunks", type=int)
     ap.add_argument("--threads", type=int, help="torch intra-op threads")
     ap.add_argument("--url", help="benchmark a running server instead of the engine in process")
+    ap.add_argument(
+        "--api",
+        choices=("ws", "openai"),
+        default="ws",
+        help="with --url: drive the chat WebSocket or the OpenAI API (/v1)",
+    )
     ap.add_argument(
         "--token",
         default=os.environ.get("PENSIEVE_TOKEN"),
@@ -627,7 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         if not args.token:
             ap.error("--url needs --token (or PENSIEVE_TOKEN)")
-        result = asyncio.run(bench_url(preset, args.url, args.token, sample_file=args.sample_file))
+        result = asyncio.run(
+            bench_url(preset, args.url, args.token, sample_file=args.sample_file, api=args.api)
+        )
     else:
         result = asyncio.run(
             bench_engine(preset, modes, sample_file=args.sample_file, on_run=report)

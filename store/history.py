@@ -8,17 +8,31 @@ import secrets
 import threading
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import ScalarSelect, delete, func, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+from sqlalchemy.orm import aliased
 
 from store.db import make_engine
 from store.models import ROLES, Conversation, Message, User, utcnow
 
 MAX_TITLE = 200
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A stored reply whose prefix hash a request shares."""
+
+    conversation_id: str
+    seq: int  # the reply's position: the request's first seq + 1 messages match
+    prefix_hash: str
+    last_seq: int  # the conversation's last message
+    updated: datetime
 
 
 class HistoryError(KeyError):
@@ -122,7 +136,11 @@ class HistoryStore:
     # Conversations.
 
     async def create_conversation(
-        self, owner_id: str, title: str = "", system_prompt: str | None = None
+        self,
+        owner_id: str,
+        title: str = "",
+        system_prompt: str | None = None,
+        session_key: str | None = None,
     ) -> Conversation:
         if len(title) > MAX_TITLE:
             raise ValueError(f"title is longer than {MAX_TITLE} characters")
@@ -134,6 +152,7 @@ class HistoryStore:
             system_prompt=system_prompt,
             created=now,
             updated=now,
+            session_key=session_key,
         )
         async with self.sessions.begin() as s:
             if await s.get(User, owner_id) is None:
@@ -150,6 +169,62 @@ class HistoryStore:
             q = q.where(Conversation.owner_id == owner_id)
         async with self.sessions() as s:
             return await s.scalar(q)
+
+    async def conversation_by_key(self, owner_id: str, key: str) -> Conversation | None:
+        """The owner's most recent conversation named `key` by an API client."""
+        q = (
+            select(Conversation)
+            .where(Conversation.owner_id == owner_id, Conversation.session_key == key)
+            .order_by(Conversation.updated.desc())
+            .limit(1)
+        )
+        async with self.sessions() as s:
+            return await s.scalar(q)
+
+    async def find_prefixes(self, owner_id: str, hashes: Sequence[str]) -> list[PrefixMatch]:
+        """The owner's replies whose prefix hash is one of `hashes` (an index lookup per
+        hash), each with its conversation's last seq and update time."""
+        if not hashes:
+            return []
+        other = aliased(Message)
+        last = (
+            select(func.max(other.seq))
+            .where(other.conversation_id == Conversation.id)
+            .correlate(Conversation)
+            .scalar_subquery()
+        )
+        q = (
+            select(
+                Message.conversation_id,
+                Message.seq,
+                Message.prefix_hash,
+                last,
+                Conversation.updated,
+            )
+            .join(Conversation, Conversation.id == Message.conversation_id)
+            .where(Conversation.owner_id == owner_id, Message.prefix_hash.in_(list(hashes)))
+        )
+        async with self.sessions() as s:
+            return [PrefixMatch(*row) for row in (await s.execute(q)).all()]
+
+    async def rewind(self, conversation_id: str, keep: int, system_prompt: str | None) -> bool:
+        """Keep only the first `keep` messages and set the system prompt, in one transaction
+        (a client edited or cut the chat). True when a message that opened a context window
+        went, i.e. the model's stream now is an older window."""
+        async with self.sessions.begin() as s:
+            res = await s.execute(  # the append lock, as in append_message
+                update(Conversation)
+                .where(Conversation.id == conversation_id)
+                .values(updated=utcnow(), system_prompt=system_prompt)
+            )
+            if res.rowcount == 0:
+                raise HistoryError(f"unknown conversation {conversation_id!r}")
+            gone = Message.conversation_id == conversation_id, Message.seq >= keep
+            opener = await s.scalar(
+                select(func.count()).where(*gone, Message.starts_context.is_(True))
+            )
+            await s.execute(delete(Message).where(*gone))
+            return bool(opener)
 
     async def list_conversations(self, owner_id: str, limit: int = 200) -> list[Conversation]:
         """The owner's conversations, most recently updated first."""
@@ -192,6 +267,7 @@ class HistoryStore:
         finish_reason: str | None = None,
         expected_start: int | None = None,
         starts_context: bool = False,
+        prefix_hash: str | None = None,
     ) -> Message:
         """Append a message at the end of the conversation, in one transaction.
 
@@ -243,6 +319,7 @@ class HistoryStore:
                 created=now,
                 finish_reason=finish_reason,
                 starts_context=starts_context,
+                prefix_hash=prefix_hash,
             )
             s.add(msg)
         return msg

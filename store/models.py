@@ -72,7 +72,10 @@ class User(Base):
 
 class Conversation(Base):
     __tablename__ = "conversations"
-    __table_args__ = (Index(None, "owner_id", "updated"),)
+    __table_args__ = (
+        Index(None, "owner_id", "updated"),
+        Index(None, "owner_id", "session_key"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
@@ -80,6 +83,8 @@ class Conversation(Base):
     system_prompt: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(default=utcnow)
     updated: Mapped[datetime] = mapped_column(default=utcnow)
+    # The name an API client gave the chat (X-Session-ID / prompt_cache_key), if any.
+    session_key: Mapped[str | None] = mapped_column(String(200))
 
 
 class Message(Base):
@@ -108,6 +113,10 @@ class Message(Base):
     # latest earlier turns that fit and itself, and start at position 0. The model's stream
     # is the messages from the last such one on (or from the first message).
     starts_context: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+
+    # On a reply: hash of the system prompt and every message up to this one (app/matching.py),
+    # so that a request resending the whole chat finds where it continues by an index lookup.
+    prefix_hash: Mapped[str | None] = mapped_column(String(64), index=True)
 
     @property
     def token_end(self) -> int:

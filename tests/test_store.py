@@ -49,7 +49,7 @@ def _schema(conn) -> tuple[set[str], list]:
 async def test_migrations_up_and_down(db_url: str) -> None:
     # Called on the running loop on purpose: the server does the same at start.
     migrate.upgrade(db_url)
-    assert migrate.current(db_url) == "0002"
+    assert migrate.current(db_url) == "0003"
     s = HistoryStore(db_url)
     try:
         async with s.engine.connect() as conn:
@@ -64,7 +64,7 @@ async def test_migrations_up_and_down(db_url: str) -> None:
         assert not TABLES & tables
 
         migrate.upgrade(db_url)  # and back up, on the same database
-        assert migrate.current(db_url) == "0002"
+        assert migrate.current(db_url) == "0003"
     finally:
         await s.close()
 
@@ -266,7 +266,7 @@ def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_pat
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("-> 0002" in out for out in outs) == 1  # one migrated, the other saw head
-    assert migrate.current(db_url) == "0002"
+    assert migrate.current(db_url) == "0003"
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
 
@@ -276,7 +276,7 @@ def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
     migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
-    assert migrate.current() == "0002"
+    assert migrate.current() == "0003"
 
 
 class _BusyCursor:
@@ -397,9 +397,35 @@ async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
                 )
             )
         await asyncio.to_thread(migrate.upgrade, db_url)
-        assert migrate.current(db_url) == "0002"
+        assert migrate.current(db_url) == "0003"
         [m] = await s.messages("c")
         assert (m.content, m.token_ids, m.starts_context) == ("hi", [1, 2], False)
         assert await s.stream("c") == [1, 2]
     finally:
         await s.close()
+
+
+async def test_prefix_lookup_is_per_owner_and_rewind_cuts(store: HistoryStore) -> None:
+    ada, _ = await store.create_user("ada")
+    bob, _ = await store.create_user("bob")
+    mine = await store.create_conversation(ada.id, session_key="tab")
+    theirs = await store.create_conversation(bob.id)
+    for cid in (mine.id, theirs.id):
+        await store.append_message(cid, "user", "hi", [1, 2])
+        await store.append_message(cid, "assistant", "yo", [3], prefix_hash="h1")
+    await store.append_message(mine.id, "user", "more", [4], starts_context=True)
+    await store.append_message(mine.id, "assistant", "ok", [5], prefix_hash="h2")
+    found = await store.find_prefixes(ada.id, ["h1", "h2", "nope"])
+    assert sorted((m.conversation_id, m.seq, m.prefix_hash, m.last_seq) for m in found) == [
+        (mine.id, 1, "h1", 3),
+        (mine.id, 3, "h2", 3),
+    ]
+    assert (await store.conversation_by_key(ada.id, "tab")).id == mine.id
+    assert await store.conversation_by_key(bob.id, "tab") is None
+    # Cutting back past a window's opener reports it; the older window is the stream again.
+    assert await store.rewind(mine.id, 2, "be brief") is True
+    assert [m.content for m in await store.messages(mine.id)] == ["hi", "yo"]
+    assert await store.stream(mine.id) == [1, 2, 3]
+    assert (await store.get_conversation(mine.id)).system_prompt == "be brief"
+    assert await store.rewind(mine.id, 2, "be brief") is False
+    assert len(await store.messages(theirs.id)) == 2

@@ -1,0 +1,496 @@
+"""The OpenAI Chat Completions API under /v1, over the same stateful conversations as the
+chat socket.
+
+A client resends the whole chat each turn; the request continues the owner's conversation
+that stores the longest prefix of it (app/matching.py), or the one its `X-Session-ID`
+header / `prompt_cache_key` names. A history the client edited or cut cuts the conversation
+back to the common prefix first. The turn itself is the chat socket's (app/turns.py), so a
+/v1 turn is stored exactly like a socket turn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from app import matching
+from app.api import BadRequest, read_body
+from app.auth import bearer
+from app.frames import Request as TurnRequest
+from app.frames import check_text
+from app.stops import StopMatcher
+from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
+from engine.types import SamplingParams
+
+TITLE_CHARS = 80
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.retry_after_s = param, code, retry_after_s
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = None
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+UNAVAILABLE = ApiError(
+    503, "the database is not answering; try again shortly", "server_error",
+    code="unavailable", retry_after_s=5,
+)  # fmt: skip
+
+# The chat pipeline's error codes as HTTP statuses.
+STATUS = {
+    "not_found": 404,
+    "too_long": 400,
+    "conflict": 409,
+    "busy": 429,
+    "bad_request": 400,
+    "rejected": 400,
+    "unavailable": 503,
+}
+
+
+def pipeline_error(code: str, message: str, retry_after_s: float | None) -> ApiError:
+    status = STATUS.get(code, 500)
+    if status == 429:
+        return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded",
+                        retry_after_s=retry_after_s or 1.0)  # fmt: skip
+    if code == "too_long":
+        return ApiError(400, message, param="messages", code="context_length_exceeded")
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return ApiError(status, message, kind, code=code)
+
+
+# --- the request -----------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class CompletionBody(BaseModel):
+    """The body of POST /v1/chat/completions; fields the server does not use are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    n: int | None = Field(None, ge=1, le=1)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=200)
+    tools: list | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("up to 4 non-empty strings")
+        return stops
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("tools are not supported")
+        return value
+
+
+def parse(raw: bytes) -> CompletionBody:
+    try:
+        return CompletionBody.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "json_invalid":
+            raise ApiError(400, "the body is not valid JSON") from None
+        msg = "n: only n=1 is supported" if param == "n" else f"{param}: {err['msg']}"
+        raise ApiError(400, msg, param=param) from None
+
+
+@dataclass
+class Chat:
+    """A request's chat: system prompt, then (role, text) messages ending with the user's."""
+
+    system: str | None
+    messages: list[tuple[str, str]]
+
+
+def chat_of(body: CompletionBody, max_chars: int) -> Chat:
+    msgs = [("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
+    for i, (_, text) in enumerate(msgs):
+        problem = check_text(text)
+        if problem or len(text) > max_chars:
+            why = problem or f"has {len(text)} characters, the limit is {max_chars}"
+            raise ApiError(400, f"messages[{i}].content {why}", param=f"messages.{i}.content")
+    system = None
+    if msgs and msgs[0][0] == "system":
+        system, msgs = msgs[0][1] or None, msgs[1:]
+    if not msgs or msgs[-1][0] != "user":
+        raise ApiError(400, "messages must end with a user message", param="messages")
+    return Chat(system, msgs)
+
+
+def sampling_of(body: CompletionBody, default: int, limit: int) -> tuple[SamplingParams, bool]:
+    given = body.max_completion_tokens or body.max_tokens
+    if given is not None and given > limit:
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise ApiError(400, f"{param}: must be at most {limit}", param=param)
+    sampling = SamplingParams(
+        max_tokens=given or default,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+    )
+    return sampling, given is not None
+
+
+def model_id(settings) -> str:
+    return Path(settings.model.rstrip("/")).name or settings.model
+
+
+async def owner(request: Request):
+    token = bearer(request)
+    user = await request.app.state.services.store.user_by_token(token) if token else None
+    if user is None:
+        raise ApiError(401, "invalid API key: send an owner's token as Authorization: Bearer <key>",
+                       code="invalid_api_key")  # fmt: skip
+    return user
+
+
+# --- which conversation ----------------------------------------------------------------
+
+
+async def conversation_for(sv, owner_id: str, chat: Chat, session: str | None) -> tuple[str, bool]:
+    """The conversation the request continues (and False), or a new one (and True)."""
+    store = sv.store
+    if session:
+        conv = await store.conversation_by_key(owner_id, session)
+        conv = conv or await store.get_conversation(session, owner_id)
+        if conv is not None:
+            return conv.id, False
+    else:
+        cid = await matching.find_conversation(store, owner_id, chat.system, chat.messages)
+        if cid is not None:
+            return cid, False
+    quota = sv.settings.max_chats_per_owner
+    if await store.count_conversations(owner_id) >= quota:
+        raise ApiError(429, f"an owner may keep at most {quota} chats; delete one first",
+                       "insufficient_quota", code="insufficient_quota")  # fmt: skip
+    first = chat.messages[0][1] if chat.messages else ""
+    title = " ".join(first.split())[:TITLE_CHARS]
+    conv = await store.create_conversation(owner_id, title, chat.system, session_key=session)
+    return conv.id, True
+
+
+def aligner(sv, cid: str, chat: Chat, req: TurnRequest):
+    """Run under the chat's lock before its turn: cut the stored chat back to what the
+    request shares with it, and queue the request's other new messages ahead of its last."""
+
+    async def align() -> bool:
+        store = sv.store
+        conv = await store.get_conversation(cid)
+        if conv is None:
+            return True  # the turn answers not_found
+        stored = [(m.role, m.content) for m in await store.messages(cid)]
+        keep = matching.common_turns(conv.system_prompt, stored, chat.system, chat.messages)
+        edited = keep < len(stored) or (conv.system_prompt or None) != chat.system
+        # The engine's copy of a removed window is of no use; within the window the turn's
+        # context_len cuts the engine's copy back.
+        if edited and await store.rewind(cid, keep, chat.system):
+            await sv.engine.free(cid)
+        req.before = chat.messages[keep:-1]
+        return True
+
+    return align
+
+
+async def discard_if_empty(sv, cid: str) -> None:
+    with contextlib.suppress(*DB_ERRORS):  # a chat left empty is harmless
+        async with sv.hub.lock(cid):
+            if not await sv.store.messages(cid):
+                await sv.store.delete_conversation(cid)
+
+
+# --- the turn's sink ---------------------------------------------------------------------
+
+
+@dataclass
+class Failed:
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+END = object()  # the turn's task ended
+
+
+class ApiSink:
+    """Collects a turn's text (cut at a stop string), its outcome or its error."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.open = True
+        self.cancelled = False
+        self.stream = None
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.stops = StopMatcher(stops)
+
+    async def error(self, code: str, message: str, **extra) -> None:
+        self.events.put_nowait(Failed(code, message, extra.get("retry_after_s")))
+
+    async def token(self, text: str) -> None:
+        piece = self.stops.push(text)
+        if piece:
+            self.events.put_nowait(piece)
+        if self.stops.hit and self.stream is not None:
+            self.stream.cancel()
+
+    async def finish(self, out: Streamed) -> Streamed:
+        if self.stops.hit:
+            return replace(out, text=self.stops.text, finish_reason="stop")
+        tail = self.stops.flush()
+        if tail:
+            self.events.put_nowait(tail)
+        return out
+
+    async def done(self, done: Done) -> None:
+        self.events.put_nowait(done)
+
+    def gone(self) -> None:
+        """The client left: the turn stops within a step and keeps what it generated."""
+        self.open = False
+        if self.stream is not None:
+            self.stream.cancel()
+
+
+def usage(done: Done) -> dict:
+    s, plan = done.out.stats, done.plan
+    prompt = plan.context_len + len(plan.prompt)
+    completion = len(done.out.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": s.cached_tokens + s.swapped_in_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def finish_reason(done: Done) -> str:
+    return "length" if done.out.finish_reason == "length" else "stop"
+
+
+# --- endpoints ---------------------------------------------------------------------------
+
+
+async def list_models(request: Request) -> Response:
+    try:
+        await owner(request)
+    except ApiError as e:
+        return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
+    sv = request.app.state.services
+    model = {"id": model_id(sv.settings), "object": "model", "created": 0, "owned_by": "pensieve"}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def chat_completions(request: Request) -> Response:
+    t0 = time.perf_counter()
+    sv = request.app.state.services
+    try:
+        user = await owner(request)
+        try:
+            raw = await read_body(request, sv.settings.max_api_body_bytes)
+        except BadRequest as e:
+            raise ApiError(e.status, e.message, code=e.code) from None
+        body = parse(raw)
+        if body.model != model_id(sv.settings):
+            raise ApiError(404, f"the model {body.model!r:.80} does not exist; this server "
+                           f"serves {model_id(sv.settings)!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+        chat = chat_of(body, sv.settings.max_message_chars)
+        st = sv.settings
+        sampling, given = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
+        wait = sv.hub.take_turn(user.id, st.turns_per_minute)
+        if wait is not None:
+            raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
+                           "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+        session = request.headers.get("x-session-id") or body.prompt_cache_key
+        cid, created = await conversation_for(sv, user.id, chat, session)
+    except ApiError as e:
+        return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
+
+    req = TurnRequest(chat.messages[-1][1], sampling, given)
+    sink = ApiSink(body.stop or [])
+    task = asyncio.create_task(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
+    sv.hub.turns.add(task)
+    task.add_done_callback(sv.hub.turns.discard)
+    task.add_done_callback(lambda _: sink.events.put_nowait(END))
+
+    first = await sink.events.get()
+    if isinstance(first, Failed):
+        if created:  # refused before anything was stored: leave no empty chat behind
+            await asyncio.wait([task])
+            await discard_if_empty(sv, cid)
+        return pipeline_error(first.code, first.message, first.retry_after_s).response()
+    if first is END:
+        return ApiError(500, "the turn ended without a reply", "server_error").response()
+    reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id(sv.settings))
+    headers = {"X-Session-ID": cid}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = reply.sse(first, sink, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return await reply.whole(first, sink, headers)
+
+
+@dataclass
+class Reply:
+    id: str
+    created: int
+    model: str
+
+    def _chunk(self, delta: dict, finish: str | None, usage_field: bool) -> dict:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if usage_field:
+            chunk["usage"] = None
+        return chunk
+
+    async def sse(self, first, sink: ApiSink, include_usage: bool):
+        """Server-sent events: a role chunk, content chunks, the finish chunk, the usage
+        chunk when asked for, [DONE]. A client that leaves cancels the turn."""
+
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        ended = False
+        try:
+            yield data(self._chunk({"role": "assistant", "content": ""}, None, include_usage))
+            event = first
+            while True:
+                if isinstance(event, str):
+                    yield data(self._chunk({"content": event}, None, include_usage))
+                elif isinstance(event, Done):
+                    yield data(self._chunk({}, finish_reason(event), include_usage))
+                    if include_usage:
+                        yield data({**self._chunk({}, None, False), "choices": [],
+                                    "usage": usage(event)})  # fmt: skip
+                    yield "data: [DONE]\n\n"
+                    break
+                elif isinstance(event, Failed):
+                    err = pipeline_error(event.code, event.message, event.retry_after_s)
+                    yield data(err.body())
+                    break
+                else:  # END without an outcome
+                    yield data(ApiError(500, "the turn failed", "server_error").body())
+                    break
+                event = await sink.events.get()
+            ended = True
+        finally:
+            if not ended:
+                sink.gone()
+
+    async def whole(self, first, sink: ApiSink, headers: dict) -> Response:
+        pieces, event = [], first
+        while isinstance(event, str):
+            pieces.append(event)
+            event = await sink.events.get()
+        if isinstance(event, Failed):
+            return pipeline_error(event.code, event.message, event.retry_after_s).response()
+        if not isinstance(event, Done):
+            return ApiError(500, "the turn failed", "server_error").response()
+        message = {"role": "assistant", "content": event.out.text, "refusal": None}
+        body = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(event),
+                }  # fmt: skip
+            ],
+            "usage": usage(event),
+        }
+        return JSONResponse(body, headers=headers)
+
+
+routes = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]
