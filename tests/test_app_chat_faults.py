@@ -15,7 +15,7 @@ import pytest
 import websockets
 
 from tests import services
-from tests.app_fixtures import TINY, Server, auth, connect, recv, say, until_done
+from tests.app_fixtures import TINY, Reply, Server, auth, connect, recv, say, until_done
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -162,6 +162,22 @@ class Proxy:
         self.listener.close()
 
 
+async def _ask_until_the_database_is_back(ws, content: str) -> tuple[str, Reply]:
+    """Send `content` until it is no longer answered `unavailable` (the pool reconnects once
+    the database is back); returns the reply's first piece and the rest of it."""
+    for _ in range(20):
+        await ws.send(json.dumps({"type": "message", "content": content}))
+        frame = await recv(ws, timeout=60)
+        if frame["type"] == "error" and frame["code"] == "unavailable":
+            await asyncio.sleep(0.5)
+            continue
+        assert frame["type"] == "token", frame
+        rest = await until_done(ws)
+        assert rest.errors == []
+        return frame["text"], rest
+    raise AssertionError("the chat did not recover after the database came back")
+
+
 async def test_database_outage_mid_chat_answers_unavailable_then_recovers(pg_db, tmp_path):
     proxy = Proxy(services.PG_PORT)
     url = f"postgresql+asyncpg://{services.PG_USER}@127.0.0.1:{proxy.port}/{pg_db}"
@@ -178,24 +194,14 @@ async def test_database_outage_mid_chat_answers_unavailable_then_recovers(pg_db,
                 frame = await recv(ws, timeout=60)
                 assert frame["type"] == "error" and frame["code"] == "unavailable", frame
             proxy.restore()
-            again = None
-            for _ in range(20):  # the pool reconnects once the database is back
-                await ws.send(json.dumps({"type": "message", "content": "Still there?"}))
-                frame = await recv(ws, timeout=60)
-                if frame["type"] == "error" and frame["code"] == "unavailable":
-                    await asyncio.sleep(0.5)
-                    continue
-                assert frame["type"] == "token", frame
-                again = await until_done(ws)
-                break
-            assert again is not None and again.errors == []
+            first_piece, again = await _ask_until_the_database_is_back(ws, "Still there?")
         msgs = server.chat(token, cid)["messages"]
         # Nothing committed was lost; the refused messages were never stored.
         assert [(m["role"], m["content"]) for m in msgs] == [
             ("user", "Hi! Name a colour."),
             ("assistant", first.text),
             ("user", "Still there?"),
-            ("assistant", frame["text"] + again.text),
+            ("assistant", first_piece + again.text),
         ]
     finally:
         server.stop()
@@ -229,17 +235,7 @@ async def test_reply_lost_to_an_outage_leaves_a_closed_turn_not_a_dangling_quest
                     break
             assert frame["type"] == "error" and frame["code"] == "unavailable", frame
             proxy.restore()
-            again = None
-            for _ in range(20):  # the pool reconnects once the database is back
-                await ws.send(json.dumps({"type": "message", "content": "Still there?"}))
-                frame = await recv(ws, timeout=60)
-                if frame["type"] == "error" and frame["code"] == "unavailable":
-                    await asyncio.sleep(0.5)
-                    continue
-                assert frame["type"] == "token", frame
-                again = await until_done(ws)
-                break
-            assert again is not None and again.errors == []
+            _, again = await _ask_until_the_database_is_back(ws, "Still there?")
         msgs = server.chat(token, cid)["messages"]
         assert [(m["role"], m["finish_reason"]) for m in msgs] == [
             ("user", None),
