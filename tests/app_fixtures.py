@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import websockets
 
+from tests import services
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,3 +177,22 @@ def wait_for(predicate, timeout: float = 10.0, every: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(every)
+
+
+@contextlib.contextmanager
+def server_on(database: str, tmp: Path, env: dict[str, str]) -> Iterator[Server]:
+    """A started server on a fresh SQLite file or PostgreSQL database ("sqlite" or
+    "postgresql"); stopped, and its database dropped, afterwards."""
+    if database == "sqlite":
+        url, db = f"sqlite+aiosqlite:///{tmp}/pensieve.db", None
+    else:
+        services.ensure_postgres()
+        db = services.create_database()
+        url = services.pg_async_url(db)
+    srv = Server(url, tmp / "server.log", env=env).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        if db:
+            services.drop_database(db)

@@ -10,8 +10,7 @@ import openai
 import pytest
 
 from app.stops import StopMatcher
-from tests import services
-from tests.app_fixtures import TINY, Server, auth, wait_for
+from tests.app_fixtures import TINY, Server, auth, server_on, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,18 +20,9 @@ CHUNK = 32  # the engine's chunk size: a turn may recompute at most its last par
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def server(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("openai")
-    if request.param == "sqlite":
-        url, db = f"sqlite+aiosqlite:///{tmp}/pensieve.db", None
-    else:
-        services.ensure_postgres()
-        db = services.create_database()
-        url = services.pg_async_url(db)
-    srv = Server(url, tmp / "server.log", env={**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000"}).start()
-    yield srv
-    srv.stop()
-    if db:
-        services.drop_database(db)
+    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000"}
+    with server_on(request.param, tmp_path_factory.mktemp("openai"), env) as srv:
+        yield srv
     assert "Traceback" not in srv.log_tail(100_000)
 
 

@@ -9,14 +9,13 @@ import httpx
 import pytest
 import websockets
 
-from tests import services
 from tests.app_fixtures import (
     TINY,
-    Server,
     auth,
     connect,
     recv,
     say,
+    server_on,
     until_done,
     wait_for,
 )
@@ -26,18 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def server(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ws")
-    if request.param == "sqlite":
-        url, db = f"sqlite+aiosqlite:///{tmp}/pensieve.db", None
-    else:
-        services.ensure_postgres()
-        db = services.create_database()
-        url = services.pg_async_url(db)
-    srv = Server(url, tmp / "server.log", env={**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000"}).start()
-    yield srv
-    srv.stop()
-    if db:
-        services.drop_database(db)
+    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000"}
+    with server_on(request.param, tmp_path_factory.mktemp("ws"), env) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
