@@ -19,7 +19,7 @@ from engine.types import EngineConfig
 
 # One line of help per EngineConfig field (tests check that none is missing).
 ENGINE_HELP: dict[str, str] = {
-    "model": "model name, Hugging Face model dir, or dummy:<shape>",
+    "model": "model name, Hugging Face model dir or hub id (org/name), or dummy:<shape>",
     "device": "cpu or cuda (default: cuda when present)",
     "dtype": "float32, bfloat16, float16 (default: per device)",
     "chunk_size": "tokens per KV chunk (a power of two)",

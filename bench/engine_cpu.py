@@ -132,10 +132,9 @@ def run_generate_batch(convs, args) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    from engine.loader import BUNDLED, convert_bundled
+    from engine.loader import model_dir
 
-    path = convert_bundled(None) if args.model == BUNDLED else Path(args.model)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir(args.model), dtype=torch.float32).eval()
     gen = GenerationConfig(
         max_new_tokens=args.output,
         min_new_tokens=args.output,  # like ignore_eos: every reply has the same length
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = None if args.sample_file else load_tokenizer(args.model)
-    convs = conversations(args, tokenizer, model_args(args.model).max_position)
+    convs = conversations(args, tokenizer, model_args(args.model).max_context)
     print(wl.format_summary(wl.summarize(convs)))
     total = history_chunks(convs)
     longest = max(-(-c.context_lens()[-1] // 32) for c in convs)

@@ -34,7 +34,7 @@ def linear_flops_per_token(a) -> int:
     """2 flops per weight of every layer's projections and MLP (embeddings are lookups)."""
     qkv = a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
     out = a.n_heads * a.head_dim * a.dim
-    mlp = 3 * a.dim * a.intermediate_size
+    mlp = (3 if a.spec.gated_mlp else 2) * a.dim * a.intermediate_size
     return 2 * a.n_layers * (qkv + out + mlp)
 
 

@@ -341,13 +341,9 @@ def size_pools(preset: Preset) -> Preset:
 
 def model_args(model: str):
     """The model's shape without loading its weights."""
-    from engine.loader import BUNDLED, convert_bundled
-    from engine.shapes import DUMMY_SHAPES, ModelArgs
+    from engine.loader import model_args as shape
 
-    if model.startswith("dummy:"):
-        return DUMMY_SHAPES[model.split(":", 1)[1]]
-    path = convert_bundled(None) if model == BUNDLED else Path(model).expanduser()
-    return ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
+    return shape(model)
 
 
 def kv_bytes_per_chunk(model: str, dtype: str, chunk_size: int = 32) -> int:
@@ -453,7 +449,7 @@ async def bench_engine(
     from engine import AsyncEngine
 
     preset = size_pools(preset)
-    convs, workload = load_workload(preset, model_args(preset.model).max_position, sample_file)
+    convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)
     log(wl.format_summary(workload["summary"]))
     if preset.gpu_fraction is not None:
         preset = fit_pools(preset, convs)
@@ -521,11 +517,11 @@ def load_tokenizer(model: str):
     """The tokenizer of the model the server runs (the sample's token counts depend on it)."""
     from transformers import AutoTokenizer
 
-    from engine.loader import BUNDLED, convert_bundled
+    from engine.loader import BUNDLED, model_dir
 
-    if model == BUNDLED or model.startswith("dummy:"):  # dummy shapes use the bundled tokenizer
-        return AutoTokenizer.from_pretrained(convert_bundled(None))
-    return AutoTokenizer.from_pretrained(Path(model).expanduser())
+    if model.startswith("dummy:"):  # dummy shapes use the bundled tokenizer
+        model = BUNDLED
+    return AutoTokenizer.from_pretrained(model_dir(model))
 
 
 def save_sample(path: Path, convs: list[wl.Conversation], workload: dict[str, Any]) -> None:
@@ -662,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
 
     if args.save_sample:
-        convs, workload = load_workload(preset, model_args(preset.model).max_position)
+        convs, workload = load_workload(preset, model_args(preset.model).max_context)
         save_sample(args.save_sample, convs, workload)
         print(wl.format_summary(workload["summary"]))
         print(f"wrote {args.save_sample}")

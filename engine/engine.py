@@ -82,7 +82,7 @@ class Engine:
         self.model, self.args = loaded.model, loaded.args
         self.tokenizer = loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
-        self.max_context = loaded.args.max_position
+        self.max_context = loaded.args.max_context  # a sliding window caps it
         if config.pack_cpu_weights:
             pack_linears(self.model)  # float32 CPU layers only; a no-op elsewhere
         self.backend = pick_backend(self.device, config.attention_backend)

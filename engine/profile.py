@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from engine.model import Llama
+from engine.model import Decoder
 from engine.policy import CostModel
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def timed(fn, device: torch.device, repeats: int = 3) -> float:
 
 @torch.inference_mode()
 def profile(
-    model: Llama, chunk_size: int, max_context: int, device, dtype, backend=None
+    model: Decoder, chunk_size: int, max_context: int, device, dtype, backend=None
 ) -> CostModel:
     """Attention of a chunk's queries over contexts of powers of two, plus the rest of a layer
     (projections and MLP of `chunk_size` tokens), times the number of layers."""
@@ -69,10 +69,9 @@ def profile(
     x = torch.randn(chunk_size, a.dim, device=device, dtype=dtype)
 
     def rest() -> None:
-        h = layer.wqkv(layer.attn_norm(x))
-        h = layer.wo(h[:, : a.n_heads * a.head_dim])
-        gate, up = layer.w13(layer.mlp_norm(h)).chunk(2, dim=-1)
-        layer.w2(torch.nn.functional.silu(gate) * up)
+        q, _, _ = layer.qkv(layer.attn_norm(x), None)
+        h = layer.wo(q.reshape(chunk_size, a.n_heads * a.head_dim))
+        layer.mlp(layer.mlp_norm(h))
 
     other = a.n_layers * timed(rest, device)
     # Keep it monotone: noise must not make a longer context look cheaper.
@@ -82,7 +81,7 @@ def profile(
 
 
 def load_or_profile(
-    model: Llama,
+    model: Decoder,
     name: str,
     chunk_size: int,
     max_context: int,

@@ -6,14 +6,14 @@ import torch
 
 from engine.cache import CopyPlan
 from engine.kv_pool import KVPool
-from engine.model import Llama
+from engine.model import Decoder
 from engine.sampler import sample
 from engine.scheduler import Piece
 from kernels import AttentionMetadata
 
 
 class Runner:
-    def __init__(self, model: Llama, pool: KVPool, chunk_size: int, backend: str | None) -> None:
+    def __init__(self, model: Decoder, pool: KVPool, chunk_size: int, backend: str | None) -> None:
         self.model = model
         self.pool = pool
         self.chunk_size = chunk_size

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from engine.families import FAMILIES, Family, family_of
+
 
 @dataclass
 class ModelArgs:
@@ -19,52 +21,38 @@ class ModelArgs:
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", "factor": ..., ...}
     max_position: int = 4096
     tie_embeddings: bool = False
+    family: str = "llama"  # a key of engine.families.FAMILIES (the transformers model_type)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # Mistral: keys further back than this are not attended
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}")
+
+    @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens a conversation may hold. With a sliding window the engine stops at
+        the window: up to there, windowed attention is full attention, so no turn ever needs
+        keys that the model would no longer see."""
+        if self.sliding_window:
+            return min(self.max_position, self.sliding_window)
+        return self.max_position
 
     @staticmethod
     def from_hf(config: dict) -> ModelArgs:
-        heads = config["num_attention_heads"]
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        return ModelArgs(
-            vocab_size=config["vocab_size"],
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate_size=config["intermediate_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-5),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position=config.get("max_position_embeddings", 4096),
-            tie_embeddings=config.get("tie_word_embeddings", False),
-        )
+        """From a transformers config.json; refuses model types and variants it cannot run."""
+        return ModelArgs(**family_of(config).read_config(config))
 
     def to_hf(self) -> dict:
-        """A transformers LlamaConfig dict of the same shape (tests compare against it)."""
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
-        return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.dim,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
-            "max_position_embeddings": self.max_position,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
+        """A transformers config dict of this family and shape (tests build the oracle from it)."""
+        return self.spec.write_config(self)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +74,24 @@ DUMMY_SHAPES: dict[str, ModelArgs] = {
     "llama-2-7b": ModelArgs(BUNDLED_VOCAB, 4096, 32, 32, 32, 128, 11008, max_position=4096),
     # Llama 2 13B with grouped-query attention (10 KV heads), as in the paper's evaluation.
     "llama-2-13b-gqa10": ModelArgs(BUNDLED_VOCAB, 5120, 40, 40, 10, 128, 13824, max_position=16384),
+    "llama-2-70b": ModelArgs(BUNDLED_VOCAB, 8192, 80, 64, 8, 128, 28672, max_position=4096),
+    # The paper's main family: learned positions, LayerNorm, ReLU, full MHA, biases, tied head.
+    "opt-13b": ModelArgs(
+        BUNDLED_VOCAB,
+        5120,
+        40,
+        40,
+        40,
+        128,
+        20480,
+        max_position=2048,
+        tie_embeddings=True,
+        family="opt",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        hidden_act="relu",
+    ),
     "llama-3-8b": ModelArgs(
         128256,
         4096,

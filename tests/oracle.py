@@ -5,24 +5,28 @@ from __future__ import annotations
 import torch
 
 from engine import Engine
-from engine.loader import BUNDLED, convert_bundled, dummy_state
+from engine.loader import dummy_state, model_dir
 
 
 def hf_model(engine: Engine):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The engine's model in transformers: a model dir as saved, a dummy shape rebuilt from
+    `ModelArgs.to_hf()` (the transformers class of its family) with the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     name = engine.config.model
-    if name == BUNDLED:
-        model = LlamaForCausalLM.from_pretrained(
-            convert_bundled(engine.config.cache_dir), dtype=torch.float32
-        )
-    else:
-        config = LlamaConfig(**engine.args.to_hf())
-        model = LlamaForCausalLM(config)
-        state = dummy_state(engine.args, engine.config.seed)
-        model.load_state_dict(state, strict=False)
-        if engine.args.tie_embeddings:
-            model.tie_weights()
+    if not name.startswith("dummy:"):
+        path = model_dir(name, engine.config.cache_dir)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = engine.args.to_hf()
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(config.pop("model_type"), **config), dtype=torch.float32
+    )
+    missing, unexpected = model.load_state_dict(
+        dummy_state(engine.args, engine.config.seed), strict=False
+    )
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if engine.args.tie_embeddings:
+        model.tie_weights()
     return model.eval()
 
 

@@ -7,21 +7,25 @@ import json
 import pytest
 
 from bench import mfu
-from engine.model import Llama
+from engine.model import Decoder
 from engine.shapes import DUMMY_SHAPES
 
 
-@pytest.mark.parametrize("shape", ["tiny", "llama-2-13b-gqa10"])
+@pytest.mark.parametrize("shape", ["tiny", "llama-2-13b-gqa10", "opt-13b"])
 def test_linear_flops_are_two_per_layer_weight(shape: str) -> None:
     args = DUMMY_SHAPES[shape]
     if shape != "tiny":  # the real size stays unallocated
         import torch
 
         with torch.device("meta"):
-            model = Llama(args)
+            model = Decoder(args)
     else:
-        model = Llama(args)
-    weights = sum(p.numel() for name, p in model.layers.named_parameters() if "norm" not in name)
+        model = Decoder(args)
+    weights = sum(
+        p.numel()
+        for name, p in model.layers.named_parameters()
+        if "norm" not in name and not name.endswith(".bias")
+    )
     assert mfu.linear_flops_per_token(args) == 2 * weights
 
 

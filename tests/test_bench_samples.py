@@ -41,7 +41,7 @@ def test_gpu_sample_is_the_packaged_file_tokenized_and_capped(sharegpt, preset: 
     assert len(convs) == p.conversations and len({c.id for c in convs}) == len(convs)
     tokenizer = serve.load_tokenizer(p.model)
     assert info["tokenizer"] == wl.tokenizer_name(tokenizer)
-    cap = min(p.context_cap, serve.model_args(p.model).max_position)
+    cap = min(p.context_cap, serve.model_args(p.model).max_context)
     assert info["context_cap"] == cap
     for conv in convs:
         full = wl.tokenize_conversation(tokenizer, conv.id, by_id[conv.id])

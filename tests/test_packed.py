@@ -9,18 +9,35 @@ import torch
 from torch import nn
 
 from engine import packed
-from engine.model import Llama
-from engine.shapes import DUMMY_SHAPES
+from engine.model import Decoder
+from engine.shapes import DUMMY_SHAPES, ModelArgs
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="no oneDNN in this torch build")
 
+# OPT's layers carry biases on every linear (nn.Linear initializes them non-zero).
+SMALL_OPT = ModelArgs(
+    512,
+    64,
+    2,
+    4,
+    4,
+    16,
+    128,
+    max_position=64,
+    family="opt",
+    qkv_bias=True,
+    o_bias=True,
+    mlp_bias=True,
+)
 
-def test_every_linear_is_packed_and_computes_the_same() -> None:
+
+@pytest.mark.parametrize("args", [DUMMY_SHAPES["tiny"], SMALL_OPT], ids=["llama", "opt"])
+def test_every_linear_is_packed_and_computes_the_same(args: ModelArgs) -> None:
     torch.manual_seed(0)
-    model = Llama(DUMMY_SHAPES["tiny"])
+    model = Decoder(args)
     plain = copy.deepcopy(model)
     n = packed.pack_linears(model)
-    assert n == 4 * DUMMY_SHAPES["tiny"].n_layers + 1  # wqkv, wo, w13, w2 per layer; lm_head
+    assert n == 4 * args.n_layers + 1  # wqkv, wo, w13 (or w1), w2 per layer; lm_head
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     names = [name for name, m in plain.named_modules() if isinstance(m, nn.Linear)]
     for name in names:
