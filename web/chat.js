@@ -596,6 +596,10 @@ function init() {
   );
   $("scrim").addEventListener("click", closeNav);
   document.addEventListener("keydown", onKey);
+  window.addEventListener("hashchange", () => {
+    const id = location.hash.slice(1);
+    if (id && id !== state.current) openChat(id);
+  });
   loadList()
     .then(() => {
       const id = location.hash.slice(1);

@@ -5,7 +5,13 @@
 
 const MARKDOWN_FORBID = ["img", "svg", "math", "style", "form", "input", "button", "textarea", "select", "iframe", "object", "embed", "video", "audio", "picture", "source"];
 
-marked.setOptions({ gfm: true, breaks: false, async: false });
+function escapeHtml(text) {
+  return text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+}
+
+// Raw HTML in a reply (a block or inline tag) is shown as the text it is, never parsed:
+// the sanitizer below only ever sees the markup marked makes itself.
+marked.use({ gfm: true, breaks: false, async: false, renderer: { html: (token) => escapeHtml(token.text) } });
 
 hljs.configure({ ignoreUnescapedHTML: true });
 
