@@ -140,9 +140,9 @@ def page(browser, server, owner):
     page.context.close()
 
 
-def shot(page, tmp_path, name: str) -> None:
+def shot(page, tmp_path, name: str, full_page: bool = False) -> None:
     path = tmp_path / f"{name}.png"
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), full_page=full_page)
     if SAVE_DOCS:
         (ROOT / "docs").mkdir(exist_ok=True)
         shutil.copy(path, ROOT / "docs" / f"{name}.png")
@@ -555,7 +555,7 @@ def test_admin_shows_chunks_move_between_tiers(server, page, tmp_path):
     )
     assert has == {"pools": True, "cached": True, "ttft": True, "prefetched": "prefetched"}
     assert page.locator(".uplot").count() == 3
-    shot(page, tmp_path, "admin")
+    shot(page, tmp_path, "admin", full_page=True)
     clean(page)
 
 

@@ -69,25 +69,26 @@ function renderCounters(counters) {
 }
 
 // --- charts ----------------------------------------------------------------------------
-function chartOptions(series, width, yLabel) {
+function chartOptions(series, width, yLabel, yRange) {
   return {
     width,
     height: 200,
     legend: { live: false },
     cursor: { drag: { x: false, y: false } },
-    scales: { x: { time: true } },
+    scales: { x: { time: true }, y: yRange ? { range: yRange } : { auto: true } },
     axes: [
       { stroke: "#8a90a4", grid: { stroke: "rgba(128,128,128,0.15)" } },
       { stroke: "#8a90a4", grid: { stroke: "rgba(128,128,128,0.15)" }, label: yLabel, size: 60 },
     ],
-    series: [{}, ...series.map(([label, color]) => ({ label, stroke: color, width: 2, spanGaps: false }))],
+    // Points too: a rate or a TTFT seen in one poll only is a single point, not a line.
+    series: [{}, ...series.map(([label, color]) => ({ label, stroke: color, width: 2, points: { show: true, size: 4 } }))],
   };
 }
 
 function makeCharts() {
   const width = (id) => Math.max(260, $(id).clientWidth);
   charts.pools = new uPlot(
-    chartOptions([["GPU", COLORS.gpu], ["CPU", COLORS.cpu]], width("chart-pools"), "%"),
+    chartOptions([["GPU", COLORS.gpu], ["CPU", COLORS.cpu]], width("chart-pools"), "%", [0, 100]),
     [[], [], []],
     $("chart-pools")
   );
