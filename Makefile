@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-fast test-gpu lint bench bench-kernel browser
+.PHONY: install serve test test-fast test-gpu lint bench bench-kernel browser vendor
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,32 @@ $(VENV)/.installed: pyproject.toml
 # Debian's Chromium drives the browser tests (Playwright's own download does not work here).
 browser:
 	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+
+# The pages' JavaScript libraries, pinned, from the npm registry into web/vendor/ with their
+# licenses. The copies are committed: serving needs no npm; run this only to change a version.
+MARKED := marked@18.2.1
+DOMPURIFY := dompurify@3.4.18
+HIGHLIGHT := @highlightjs/cdn-assets@11.12.0
+UPLOT := uplot@1.6.32
+vendor:
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cd "$$tmp" && \
+	npm pack -q $(MARKED) $(DOMPURIFY) $(HIGHLIGHT) $(UPLOT) >/dev/null && \
+	for f in *.tgz; do mkdir "$${f%.tgz}" && tar xzf "$$f" -C "$${f%.tgz}"; done && \
+	out="$(CURDIR)/web/vendor" && rm -rf "$$out" && mkdir -p "$$out" && \
+	cp marked-*/package/lib/marked.umd.js "$$out/marked.js" && \
+	cp marked-*/package/LICENSE "$$out/LICENSE.marked" && \
+	cp dompurify-*/package/dist/purify.min.js "$$out/purify.min.js" && \
+	cp dompurify-*/package/LICENSE "$$out/LICENSE.dompurify" && \
+	cp highlightjs-cdn-assets-*/package/highlight.min.js "$$out/highlight.min.js" && \
+	cp highlightjs-cdn-assets-*/package/styles/github.min.css "$$out/hljs-light.css" && \
+	cp highlightjs-cdn-assets-*/package/styles/github-dark.min.css "$$out/hljs-dark.css" && \
+	cp highlightjs-cdn-assets-*/package/LICENSE "$$out/LICENSE.highlightjs" && \
+	cp uplot-*/package/dist/uPlot.iife.min.js "$$out/uPlot.min.js" && \
+	cp uplot-*/package/dist/uPlot.min.css "$$out/uPlot.min.css" && \
+	cp uplot-*/package/LICENSE "$$out/LICENSE.uplot" && \
+	sed -i '/sourceMappingURL=/d' "$$out"/*.js && \
+	printf '%s\n' $(MARKED) $(DOMPURIFY) $(HIGHLIGHT) $(UPLOT) > "$$out/VERSIONS"
+	@ls web/vendor
 
 serve: install
 	$(BIN)/pensieve serve --host 127.0.0.1 --port 8000

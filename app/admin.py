@@ -28,6 +28,7 @@ async def cache(request: Request) -> Response:
         c["title"] = titles.get(c["id"])
     snap["conversations"] = convs
     snap["time"] = time.time()
+    snap["turns"] = {"count": sv.metrics.turns, "ttft_sum_s": round(sv.metrics.ttft_sum_s, 6)}
     return JSONResponse(snap, headers={"Cache-Control": "no-store"})
 
 

@@ -54,6 +54,14 @@ class NewConversation(BaseModel):
     system_prompt: Text(MAX_SYSTEM_PROMPT) | None = None
 
 
+class Rename(BaseModel):
+    """The body of PATCH /api/conversations/{id}."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    title: Text(MAX_TITLE)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes `limit` bytes: a large body is
     never held whole, and the rest of it is never read."""
@@ -175,6 +183,22 @@ async def get_conversation(request: Request) -> Response:
     )
 
 
+async def rename_conversation(request: Request) -> Response:
+    conv, err = await _owned(request)
+    if err:
+        return err
+    try:
+        body = await parse_body(request, Rename)
+    except BadRequest as e:
+        return problem(e.status, e.code, e.message)
+    title = " ".join(body.title.split())
+    if not title:
+        return problem(400, "bad_request", "title: must not be blank")
+    store = request.app.state.services.store
+    await store.set_title(conv.id, title)
+    return JSONResponse(conversation_json(await store.get_conversation(conv.id)))
+
+
 async def delete_conversation(request: Request) -> Response:
     conv, err = await _owned(request)
     if err:
@@ -196,5 +220,6 @@ routes = [
     Route("/api/conversations", create_conversation, methods=["POST"]),
     Route("/api/conversations", list_conversations, methods=["GET"]),
     Route("/api/conversations/{conversation_id}", get_conversation, methods=["GET"]),
+    Route("/api/conversations/{conversation_id}", rename_conversation, methods=["PATCH"]),
     Route("/api/conversations/{conversation_id}", delete_conversation, methods=["DELETE"]),
 ]

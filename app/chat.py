@@ -13,8 +13,16 @@ from collections import deque
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from app import edits
 from app.auth import origin_allowed, owner_token
-from app.frames import BadFrame, Request, parse_json, parse_message
+from app.frames import (
+    BadFrame,
+    Request,
+    parse_edit,
+    parse_json,
+    parse_message,
+    parse_regenerate,
+)
 from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
 
 log = logging.getLogger("pensieve.chat")
@@ -175,17 +183,29 @@ class ChatSocket:
             self.cancelled = True
             if self.stream is not None:
                 self.stream.cancel()
-        elif kind == "message":
+        elif kind in ("message", "edit", "regenerate"):
             await self._start_turn(frame)
         else:
             await self.error("unknown_type", f"unknown frame type {kind!r:.40}")
 
     async def _start_turn(self, frame: dict) -> None:
-        st = self.sv.settings
+        """A `message`, an `edit` (the chat cut back to before message `seq`, then the new
+        content sent) or a `regenerate` (cut back to before the last question, asked again)."""
+        st, cid = self.sv.settings, self.conversation_id
+        before = None
         try:
-            req = parse_message(
-                frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
-            )
+            if frame["type"] == "edit":
+                seq, req = parse_edit(
+                    frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
+                )
+                before = edits.edit(self.sv, cid, seq, self)
+            elif frame["type"] == "regenerate":
+                req = parse_regenerate(frame, st.max_tokens_default, st.max_tokens_limit)
+                before = edits.regenerate(self.sv, cid, req, self)
+            else:
+                req = parse_message(
+                    frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
+                )
         except BadFrame as e:
             return await self.error(e.code, str(e))
         if self.turn is not None and not self.turn.done():
@@ -198,13 +218,13 @@ class ChatSocket:
                 retry_after_s=wait,
             )
         self.cancelled = False
-        self.turn = asyncio.create_task(self.run_turn(req, time.perf_counter()))
+        self.turn = asyncio.create_task(self.run_turn(req, time.perf_counter(), before))
         self.sv.hub.turns.add(self.turn)
         self.turn.add_done_callback(self.sv.hub.turns.discard)
 
     # --- one turn: the shared pipeline, with this socket as its sink --------------------
-    async def run_turn(self, req: Request, t0: float) -> None:
-        await ChatTurn(self.sv, self.conversation_id, self).run(req, t0)
+    async def run_turn(self, req: Request, t0: float, before_turn=None) -> None:
+        await ChatTurn(self.sv, self.conversation_id, self).run(req, t0, before_turn)
 
     async def token(self, text: str) -> None:
         await self.send({"type": "token", "text": text})

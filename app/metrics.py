@@ -110,11 +110,17 @@ class Metrics:
             registry=self.registry,
         )
 
+        # Totals for the admin page's TTFT chart (it charts the mean per poll interval).
+        self.turns = 0
+        self.ttft_sum_s = 0.0
+
     def watch(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry.register(EngineCollector(snapshot))
 
     def observe_turn(self, ttft_s: float, total_s: float, finish_reason: str) -> None:
         self.ttft.observe(ttft_s)
+        self.turns += 1
+        self.ttft_sum_s += ttft_s
         self.e2e.observe(total_s)
         self.finished.labels(finish_reason).inc()
 

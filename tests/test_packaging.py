@@ -71,6 +71,12 @@ def test_installed_package_serves_pages_and_migrates(tmp_path):
         script = httpx.get(f"http://127.0.0.1:{port}/static/chat.js")
         assert script.status_code == 200
         assert script.text == (ROOT / "web" / "chat.js").read_text()
+        # The vendored libraries ship too, licenses included.
+        for name in ("vendor/marked.js", "vendor/purify.min.js", "vendor/uPlot.min.js",
+                     "vendor/LICENSE.dompurify", "markdown.js"):  # fmt: skip
+            asset = httpx.get(f"http://127.0.0.1:{port}/static/{name}")
+            assert asset.status_code == 200, name
+            assert asset.content == (ROOT / "web" / name).read_bytes(), name
     finally:
         proc.terminate()
         proc.wait(30)

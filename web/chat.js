@@ -1,16 +1,19 @@
-// Chat page: conversation list, streaming replies over /ws/chat/{id}, stop, history reload.
-// Everything users or the model wrote is set with textContent, never parsed as HTML.
+// Chat page: conversation list (search, rename, delete), streaming replies over
+// /ws/chat/{id} rendered as sanitized Markdown (markdown.js), stop, edit and resend,
+// regenerate, reconnect, keyboard shortcuts. Users' text is only ever set as textContent.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+const TYPING_EVERY_MS = 3000; // at most one `typing` frame per this interval
 const state = {
   conversations: [],
   current: null, // conversation id
   ws: null,
-  wsFor: null,
-  reply: null, // {bubble, text, meta} of the reply being streamed
+  reply: null, // {row, bubble, meta, text} of the reply being streamed
   retry: 0,
+  dropped: false, // the socket went away unasked: resync the history when it is back
   lastTyping: 0,
+  renderTimer: null,
 };
 
 function el(tag, cls, text) {
@@ -51,24 +54,44 @@ function setConn(stateName, label) {
 // --- conversation list ---------------------------------------------------------------
 function renderList() {
   const nav = $("conversations");
-  nav.replaceChildren();
-  for (const c of state.conversations) {
-    const item = el("div", "conv" + (c.id === state.current ? " active" : ""));
-    item.dataset.id = c.id;
-    const title = el("button", "conv-title", c.title || "Untitled chat");
-    title.type = "button";
-    title.addEventListener("click", () => openChat(c.id));
-    const del = el("button", "conv-del", "×");
-    del.type = "button";
-    del.title = "Delete chat";
-    del.setAttribute("aria-label", "Delete chat");
-    del.addEventListener("click", (e) => {
-      e.stopPropagation();
-      deleteChat(c.id);
-    });
-    item.append(title, del);
-    nav.append(item);
-  }
+  const query = $("search").value.trim().toLowerCase();
+  const shown = state.conversations.filter(
+    (c) => !query || (c.title || "Untitled chat").toLowerCase().includes(query)
+  );
+  nav.replaceChildren(...shown.map(listItem));
+  if (!shown.length) nav.append(el("p", "muted small none", query ? "No chat matches." : "No chats yet."));
+}
+
+function listItem(c) {
+  const item = el("div", "conv" + (c.id === state.current ? " active" : ""));
+  item.dataset.id = c.id;
+  const title = el("button", "conv-title", c.title || "Untitled chat");
+  title.type = "button";
+  title.title = c.title || "Untitled chat";
+  title.addEventListener("click", () => {
+    closeNav();
+    openChat(c.id);
+  });
+  const del = el("button", "conv-del", "×");
+  del.type = "button";
+  del.title = "Delete chat";
+  del.setAttribute("aria-label", "Delete chat");
+  del.addEventListener("click", (e) => {
+    e.stopPropagation();
+    // A second click within a few seconds confirms.
+    if (!item.classList.contains("confirm")) {
+      item.classList.add("confirm");
+      del.textContent = "Delete?";
+      setTimeout(() => {
+        item.classList.remove("confirm");
+        del.textContent = "×";
+      }, 4000);
+      return;
+    }
+    deleteChat(c.id);
+  });
+  item.append(title, del);
+  return item;
 }
 
 async function loadList() {
@@ -78,7 +101,6 @@ async function loadList() {
 }
 
 async function deleteChat(id) {
-  if (!confirm("Delete this chat and its history?")) return;
   try {
     await api("DELETE", `/api/conversations/${id}`);
   } catch (e) {
@@ -92,12 +114,48 @@ function newChat() {
   closeSocket();
   state.current = null;
   history.replaceState(null, "", "/");
-  $("chat-title").textContent = "New chat";
+  setTitle("New chat");
+  $("rename").hidden = true;
   clearMessages();
   setConn("idle", "not connected");
   setGenerating(false);
   renderList();
+  closeNav();
   $("input").focus();
+}
+
+// --- title and rename ----------------------------------------------------------------
+function setTitle(text) {
+  $("chat-title").textContent = text;
+  document.title = `${text} · Pensieve`;
+}
+
+function startRename() {
+  if (!state.current) return;
+  const input = $("title-edit");
+  input.value = $("chat-title").textContent;
+  $("chat-title").hidden = true;
+  $("rename").hidden = true;
+  input.hidden = false;
+  input.focus();
+  input.select();
+}
+
+async function endRename(save) {
+  const input = $("title-edit");
+  if (input.hidden) return;
+  input.hidden = true;
+  $("chat-title").hidden = false;
+  $("rename").hidden = !state.current;
+  const title = input.value.trim();
+  if (!save || !title || title === $("chat-title").textContent || !state.current) return;
+  try {
+    const conv = await api("PATCH", `/api/conversations/${state.current}`, { title });
+    setTitle(conv.title);
+    await loadList();
+  } catch (e) {
+    showError(e.message);
+  }
 }
 
 // --- messages ------------------------------------------------------------------------
@@ -107,16 +165,48 @@ function clearMessages() {
   $("empty").hidden = false;
 }
 
-function addMessage(role, text, metaText) {
+function setBubble(bubble, role, text) {
+  if (role === "assistant") bubble.replaceChildren(renderMarkdown(text));
+  else bubble.textContent = text;
+}
+
+function addMessage(role, text, metaText, seq) {
   $("empty").hidden = true;
   const row = el("div", `msg ${role}`);
-  const bubble = el("div", "bubble", text);
+  if (seq !== undefined) row.dataset.seq = seq;
+  const bubble = el("div", role === "assistant" ? "bubble markdown" : "bubble");
+  setBubble(bubble, role, text);
   row.append(bubble);
+  const foot = el("div", "foot");
   const meta = el("div", "meta", metaText || "");
-  row.append(meta);
+  const actions = el("div", "actions");
+  if (role === "user") actions.append(action("Edit", "edit", () => startEdit(row, text)));
+  if (role === "assistant") actions.append(action("Regenerate", "regen", regenerate));
+  foot.append(meta, actions);
+  row.append(foot);
   $("messages").append(row);
   scrollDown();
+  updateActions();
   return { row, bubble, meta };
+}
+
+function action(label, cls, onClick) {
+  const b = el("button", `act ${cls}`, label);
+  b.type = "button";
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+// Edit needs a stored seq; only the last reply can be regenerated; nothing while streaming.
+function updateActions() {
+  const rows = [...document.querySelectorAll("#messages .msg")];
+  const lastReply = rows.filter((r) => r.classList.contains("assistant")).pop();
+  for (const row of rows) {
+    const edit = row.querySelector(".act.edit");
+    if (edit) edit.hidden = state.reply !== null || row.dataset.seq === undefined;
+    const regen = row.querySelector(".act.regen");
+    if (regen) regen.hidden = state.reply !== null || row !== lastReply;
+  }
 }
 
 function scrollDown() {
@@ -143,6 +233,22 @@ function describe(done) {
   return parts.join(" · ");
 }
 
+function storedMeta(m) {
+  if (m.finish_reason === "cancelled") return "stopped";
+  if (m.finish_reason === "error") return "no reply (error)";
+  if (m.finish_reason === "length") return "cut at the token limit";
+  return "";
+}
+
+function renderHistory(messages) {
+  clearMessages();
+  for (const m of messages) {
+    if (m.role === "system") continue;
+    const { row } = addMessage(m.role, m.content, storedMeta(m), m.seq);
+    if (m.finish_reason === "error") row.classList.add("failed");
+  }
+}
+
 async function openChat(id) {
   if (id === state.current && state.ws) return;
   let conv;
@@ -153,21 +259,99 @@ async function openChat(id) {
     return newChat();
   }
   state.current = id;
+  state.reply = null;
   history.replaceState(null, "", `#${id}`);
-  $("chat-title").textContent = conv.title || "Untitled chat";
-  clearMessages();
-  for (const m of conv.messages) {
-    if (m.role === "system") continue;
-    let meta = "";
-    if (m.finish_reason === "cancelled") meta = "stopped";
-    else if (m.finish_reason === "error") meta = "no reply (error)";
-    else if (m.finish_reason === "length") meta = "cut at the token limit";
-    const { row } = addMessage(m.role, m.content, meta);
-    if (m.finish_reason === "error") row.classList.add("failed");
-  }
+  setTitle(conv.title || "Untitled chat");
+  $("rename").hidden = false;
+  renderHistory(conv.messages);
   renderList();
   setGenerating(false);
   connect(id);
+}
+
+// The stored history, when it may differ from what the page shows (after a turn, an
+// error, a reconnect). A turn still committing (its question stored, its reply not yet) is
+// waited for a few times.
+async function resync(id = state.current, tries = 10, force = false) {
+  let conv;
+  try {
+    conv = await api("GET", `/api/conversations/${id}`);
+  } catch {
+    return;
+  }
+  if (id !== state.current || state.reply) return;
+  const msgs = conv.messages.filter((m) => m.role !== "system");
+  const rows = [...document.querySelectorAll("#messages .msg")];
+  const same =
+    rows.length === msgs.length && rows.every((r, i) => r.classList.contains(msgs[i].role));
+  if (same && !force) rows.forEach((r, i) => (r.dataset.seq = msgs[i].seq));
+  else renderHistory(msgs);
+  updateActions();
+  const last = msgs[msgs.length - 1];
+  if (last && last.role === "user" && tries > 0) setTimeout(() => resync(id, tries - 1, force), 400);
+}
+
+// --- editing a sent message ------------------------------------------------------------
+function startEdit(row, text) {
+  if (state.reply || row.classList.contains("editing")) return;
+  row.classList.add("editing");
+  const bubble = row.querySelector(".bubble");
+  const box = el("textarea", "edit-box");
+  box.value = text;
+  box.setAttribute("aria-label", "Edit message");
+  const save = el("button", "btn primary small-btn", "Save & send");
+  save.type = "button";
+  const cancel = el("button", "btn small-btn", "Cancel");
+  cancel.type = "button";
+  const bar = el("div", "edit-bar");
+  bar.append(cancel, save);
+  const editor = el("div", "editor");
+  editor.append(box, bar);
+  bubble.hidden = true;
+  row.insertBefore(editor, bubble);
+  const close = () => {
+    editor.remove();
+    bubble.hidden = false;
+    row.classList.remove("editing");
+  };
+  cancel.addEventListener("click", close);
+  save.addEventListener("click", () => {
+    const content = box.value;
+    if (!content.trim()) return;
+    close();
+    sendEdit(row, content);
+  });
+  box.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      save.click();
+    } else if (e.key === "Escape") {
+      e.stopPropagation();
+      close();
+    }
+  });
+  box.focus();
+}
+
+async function sendEdit(row, content) {
+  const seq = Number(row.dataset.seq);
+  if (!(await ensureSocket())) return;
+  // Everything from the edited message on goes; the server cuts its copy back the same way.
+  while (row.nextSibling) row.nextSibling.remove();
+  row.remove();
+  addMessage("user", content);
+  beginReply({ type: "edit", seq, content });
+}
+
+function regenerate() {
+  if (state.reply || !state.current) return;
+  ensureSocket().then((ok) => {
+    if (!ok) return;
+    const rows = [...document.querySelectorAll("#messages .msg")];
+    const last = rows[rows.length - 1];
+    if (last && last.classList.contains("assistant")) last.remove();
+    beginReply({ type: "regenerate" });
+  });
 }
 
 // --- socket --------------------------------------------------------------------------
@@ -177,7 +361,6 @@ function closeSocket() {
     state.ws.close();
   }
   state.ws = null;
-  state.wsFor = null;
 }
 
 function connect(id) {
@@ -185,11 +368,14 @@ function connect(id) {
   const proto = location.protocol === "https:" ? "wss" : "ws";
   const ws = new WebSocket(`${proto}://${location.host}/ws/chat/${id}`);
   state.ws = ws;
-  state.wsFor = id;
   setConn("connecting", "connecting…");
   ws.onopen = () => {
     state.retry = 0;
     setConn("live", "connected");
+    if (state.dropped) {
+      state.dropped = false;
+      resync(id, 10, true); // the partial reply the server kept, or one that ended meanwhile
+    }
   };
   ws.onmessage = (ev) => onFrame(JSON.parse(ev.data));
   ws.onclose = (ev) => onClose(ws, id, ev);
@@ -199,10 +385,18 @@ function connect(id) {
   });
 }
 
+async function ensureSocket() {
+  if (state.ws && state.ws.readyState === WebSocket.OPEN) return true;
+  if (await connect(state.current)) return true;
+  showError("Could not connect to the chat.");
+  return false;
+}
+
 function onClose(ws, id, ev) {
   if (state.ws !== ws) return;
   state.ws = null;
-  finishReply("connection lost");
+  const streaming = state.reply !== null;
+  finishReply(streaming ? "interrupted: connection lost" : undefined);
   const reasons = {
     4401: "Not signed in: reload the page.",
     4403: "This chat belongs to someone else.",
@@ -215,8 +409,9 @@ function onClose(ws, id, ev) {
     if (ev.code === 4404) loadList().catch(() => {});
     return;
   }
+  state.dropped = true;
   setConn("closed", "reconnecting…");
-  const delay = Math.min(10000, 500 * 2 ** state.retry++);
+  const delay = Math.min(10000, 300 * 2 ** state.retry++);
   setTimeout(() => {
     if (state.current === id && !state.ws) connect(id);
   }, delay);
@@ -226,19 +421,40 @@ function onFrame(frame) {
   if (frame.type === "token") {
     if (!state.reply) state.reply = startReply();
     state.reply.text += frame.text;
-    state.reply.bubble.textContent = state.reply.text;
     state.reply.row.classList.remove("pending");
-    scrollDown();
+    scheduleRender();
   } else if (frame.type === "done") {
     const r = state.reply || startReply();
+    renderReply(r);
     r.meta.textContent = describe(frame);
     if (!r.text) r.bubble.textContent = frame.finish_reason === "cancelled" ? "" : "(empty reply)";
     finishReply();
+    resync();
     loadList().catch(() => {});
   } else if (frame.type === "error") {
     showError(frame.message);
-    if (state.reply && frame.code !== "busy") finishReply("no reply (error)", true);
+    if (state.reply) {
+      finishReply("no reply (error)", true);
+      resync(); // what the server kept: a refused edit or message leaves the chat as it was
+    }
   }
+}
+
+// Re-rendering Markdown on every token would be quadratic in busy streams: at most every
+// 50 ms, and once more at the end.
+function scheduleRender() {
+  if (state.renderTimer) return;
+  state.renderTimer = setTimeout(() => {
+    state.renderTimer = null;
+    if (state.reply) renderReply(state.reply);
+  }, 50);
+}
+
+function renderReply(r) {
+  const box = $("messages");
+  const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  setBubble(r.bubble, "assistant", r.text);
+  if (atBottom) scrollDown();
 }
 
 function startReply() {
@@ -247,20 +463,39 @@ function startReply() {
   return { row, bubble, meta, text: "" };
 }
 
+function beginReply(frame) {
+  state.reply = startReply();
+  state.reply.row.classList.add("streaming");
+  setGenerating(true);
+  updateActions();
+  state.ws.send(JSON.stringify(frame));
+}
+
 function finishReply(metaText, failed) {
-  if (state.reply) {
-    state.reply.row.classList.remove("pending", "streaming");
-    if (metaText && !state.reply.meta.textContent) state.reply.meta.textContent = metaText;
-    if (failed) state.reply.row.classList.add("failed");
-  }
+  const r = state.reply;
   state.reply = null;
+  clearTimeout(state.renderTimer);
+  state.renderTimer = null;
+  if (r) {
+    renderReply(r);
+    r.row.classList.remove("pending", "streaming");
+    if (metaText && !r.meta.textContent) r.meta.textContent = metaText;
+    if (failed) r.row.classList.add("failed");
+  }
   setGenerating(false);
+  updateActions();
 }
 
 function setGenerating(on) {
   $("send").hidden = on;
   $("stop").hidden = !on;
   document.body.classList.toggle("generating", on);
+}
+
+function stop() {
+  if (state.reply && state.ws && state.ws.readyState === WebSocket.OPEN) {
+    state.ws.send(JSON.stringify({ type: "cancel" }));
+  }
 }
 
 // --- sending -------------------------------------------------------------------------
@@ -274,23 +509,58 @@ async function send(text) {
     }
     state.current = conv.id;
     history.replaceState(null, "", `#${conv.id}`);
-    $("chat-title").textContent = conv.title || "Untitled chat";
+    setTitle(conv.title || "Untitled chat");
+    $("rename").hidden = false;
     await loadList();
   }
-  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) {
-    if (!(await connect(state.current))) return showError("Could not connect to the chat.");
-  }
+  if (!(await ensureSocket())) return;
   addMessage("user", text);
-  state.reply = startReply();
-  state.reply.row.classList.add("streaming");
-  setGenerating(true);
-  state.ws.send(JSON.stringify({ type: "message", content: text }));
+  beginReply({ type: "message", content: text });
 }
 
 function grow() {
   const t = $("input");
   t.style.height = "auto";
   t.style.height = Math.min(t.scrollHeight, 220) + "px";
+}
+
+// `typing` frames while the user writes, throttled: the server may bring the chat's cache
+// back meanwhile.
+function typing() {
+  const now = Date.now();
+  if (state.ws && state.ws.readyState === WebSocket.OPEN && now - state.lastTyping > TYPING_EVERY_MS) {
+    state.lastTyping = now;
+    state.ws.send(JSON.stringify({ type: "typing" }));
+  }
+}
+
+// --- phone layout: the chat list slides in ----------------------------------------------
+function openNav() {
+  document.body.classList.add("nav-open");
+  $("scrim").hidden = false;
+  $("menu").setAttribute("aria-expanded", "true");
+}
+
+function closeNav() {
+  document.body.classList.remove("nav-open");
+  $("scrim").hidden = true;
+  $("menu").setAttribute("aria-expanded", "false");
+}
+
+function onKey(e) {
+  const mod = e.ctrlKey || e.metaKey;
+  if (mod && e.shiftKey && e.code === "KeyO") {
+    e.preventDefault();
+    newChat();
+  } else if (mod && !e.shiftKey && e.code === "KeyK") {
+    e.preventDefault();
+    $("search").focus();
+    $("search").select();
+  } else if (e.key === "Escape") {
+    if (!$("title-edit").hidden) endRename(false);
+    else if (state.reply) stop();
+    else if (document.body.classList.contains("nav-open")) closeNav();
+  }
 }
 
 function init() {
@@ -310,16 +580,26 @@ function init() {
   });
   $("input").addEventListener("input", () => {
     grow();
-    const now = Date.now();
-    if (state.ws && state.ws.readyState === WebSocket.OPEN && now - state.lastTyping > 3000) {
-      state.lastTyping = now;
-      state.ws.send(JSON.stringify({ type: "typing" }));
-    }
+    typing();
   });
-  $("stop").addEventListener("click", () => {
-    if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify({ type: "cancel" }));
-  });
+  $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newChat);
+  $("search").addEventListener("input", renderList);
+  $("rename").addEventListener("click", startRename);
+  $("chat-title").addEventListener("dblclick", startRename);
+  $("title-edit").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") endRename(true);
+  });
+  $("title-edit").addEventListener("blur", () => endRename(true));
+  $("menu").addEventListener("click", () =>
+    document.body.classList.contains("nav-open") ? closeNav() : openNav()
+  );
+  $("scrim").addEventListener("click", closeNav);
+  document.addEventListener("keydown", onKey);
+  window.addEventListener("hashchange", () => {
+    const id = location.hash.slice(1);
+    if (id && id !== state.current) openChat(id);
+  });
   loadList()
     .then(() => {
       const id = location.hash.slice(1);
