@@ -133,7 +133,7 @@ class HandOff:
             if scope["type"] == "websocket":
                 relayed = await relay_socket(scope, receive, send, home, cluster)
             else:
-                relayed = await relay_http(scope, body, send, home, cluster)
+                relayed = await relay_http(scope, body, receive, send, home, cluster)
             if relayed:
                 return
             home = await cluster.home_unreachable(cid, home)
@@ -276,15 +276,14 @@ async def _send_to(cluster, scope: Scope, body: bytes, home: Home, **extra: str)
         return None
 
 
-async def relay_http(scope: Scope, body: bytes, send: Send, home: Home, cluster) -> bool:
+async def relay_http(
+    scope: Scope, body: bytes, receive: Receive, send: Send, home: Home, cluster
+) -> bool:
     upstream = await _send_to(cluster, scope, body, home)
     if upstream is None:
         return False
-
-    async def nothing() -> Message:
-        return {"type": "http.disconnect"}
-
-    await _response(upstream)(scope, nothing, send)
+    await receive()  # the body, read already: what follows is the client leaving
+    await _response(upstream)(scope, receive, send)
     return True
 
 
