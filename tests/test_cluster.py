@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import websockets
 
 from app.cluster import ALIVE_TTL_S, HEARTBEAT_S, replica_id
-from tests.app_fixtures import auth, connect, recv, say
+from tests.app_fixtures import ADMIN, auth, connect, recv, say
 from tests.cluster_fixtures import Cluster, start_cluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -143,6 +144,32 @@ async def test_forged_forward_mark_is_ignored(cluster: Cluster, token: str):
         reply = await say(ws, "Again.", max_tokens=4)
     assert reply.done["usage"]["cached_tokens"] > 0  # still handed to the home
     assert cluster.home(cid) == replica_id("127.0.0.1", home.port)
+
+
+def test_admin_page_shows_every_replica(cluster: Cluster, token: str):
+    from tests.test_web import ARGS, CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (make browser)")
+    from playwright.sync_api import sync_playwright
+
+    held = {r: convs for r, convs in held_by(cluster).items() if convs}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(cluster.front.url + "/admin#token=" + ADMIN)
+        rows = page.locator("#cluster .conv-row[data-replica]")
+        page.wait_for_function("document.querySelectorAll('#cluster [data-replica]').length == 3")
+        assert rows.count() == 3
+        for replica, convs in held.items():
+            row = page.locator(f"#cluster [data-replica='{replica}']")
+            assert row.locator(".badge").inner_text() == "ok"
+            shown = row.locator("details .conv-id").evaluate_all("els => els.map(e => e.title)")
+            assert set(shown) & convs  # the conversations it holds
+        browser.close()
+    assert errors == []
 
 
 async def reconnect_and_say(cluster: Cluster, token: str, cid: str, text: str):
