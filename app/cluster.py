@@ -205,6 +205,8 @@ class Cluster:
         stale, and the next turn here rebuilds the context from SQL."""
         if self._busy(cid):
             return
+        if all(c.id != cid for c in self.services.engine.snapshot().conversations):
+            return  # nothing held: spare the engine loop a round trip
         try:
             await self.services.engine.free(cid)
         except Exception:  # the turn's context_len resyncs the engine anyway

@@ -2,7 +2,8 @@
 there, so a turn never rebuilds a cache another replica holds.
 
 - `HandOff`, an ASGI middleware, relays the chat socket `/ws/chat/{id}` (a WebSocket
-  relay, close codes passed on) and `/api/conversations/{id}...` (HTTP).
+  relay, close codes passed on) and changes to `/api/conversations/{id}...` (HTTP; reads
+  are SQL's, answered where they land).
 - `forward_turn` relays a `/v1` request once it is matched to its conversation, naming the
   conversation in `X-Session-ID` so the home continues exactly that one.
 
@@ -119,7 +120,7 @@ class HandOff:
             return await self.app(scope, receive, send)
         scope = _accept_forwarded(scope, cluster.forward_key)
         cid = conversation_in(scope["path"])
-        if cid is None or scope.get("state", {}).get("forwarded"):
+        if cid is None or scope.get("state", {}).get("forwarded") or _read_only(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "http":
             body = await _read_body(receive, sv.settings.max_body_bytes)
@@ -138,6 +139,12 @@ class HandOff:
                 return
             home = await cluster.home_unreachable(cid, home)
         await self.app(scope, receive, send)
+
+
+def _read_only(scope: Scope) -> bool:
+    """A read of a conversation (its stored history) is SQL's, whichever replica answers; a
+    change (DELETE: close its socket, free its cache) is its home's."""
+    return scope["type"] == "http" and scope["method"] in ("GET", "HEAD", "OPTIONS")
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

@@ -208,12 +208,13 @@ def run(given: dict[str, object], replicas: int, host: str, port: int, log_level
     if not redis_url:
         redis_proc, redis_url = _start_redis(host)
         log.info("started a private Redis at %s", redis_url)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
+    # The replicas see this environment's PENSIEVE_* settings, with the flags over them.
+    env = dict(os.environ)
     env.update({f"PENSIEVE_{k.upper()}": _env_value(v) for k, v in given.items()})
     env.update(PENSIEVE_REDIS_URL=str(redis_url), PENSIEVE_CLUSTER="true")
     env["PENSIEVE_DATABASE_URL"] = settings.database_url
-    if os.environ.get("PENSIEVE_ADMIN_TOKEN") and "admin_token" not in given:
-        env["PENSIEVE_ADMIN_TOKEN"] = os.environ["PENSIEVE_ADMIN_TOKEN"]
+    for own in ("PENSIEVE_REPLICA_ID", "PENSIEVE_REPLICA_URL", "PENSIEVE_HOST", "PENSIEVE_PORT"):
+        env.pop(own, None)  # each replica's own
     members = [Replica(host, p, env, log_level) for p in replica_ports(host, port, replicas)]
     with tempfile.TemporaryDirectory(prefix="pensieve-cluster-") as tmp:
         launcher = Launcher(members, f"{host}:{port}", Path(tmp), redis=redis_proc)

@@ -133,6 +133,22 @@ async def test_api_request_matched_by_content_goes_to_the_home(cluster: Cluster,
     assert cid not in held_by(cluster)[replica_id("127.0.0.1", other.port)]
 
 
+async def test_delete_on_another_replica_closes_the_socket_at_the_home(
+    cluster: Cluster, token: str
+):
+    cid = new_chat(cluster.front.url, token)
+    async with connect(cluster.front, cid, token) as ws:
+        await say(ws, "Soon gone.", max_tokens=4)
+        home = cluster.home(cid)
+        other = next(s for s in cluster.servers if replica_id("127.0.0.1", s.port) != home)
+        r = httpx.delete(f"{other.url}/api/conversations/{cid}", headers=auth(token))
+        assert r.status_code == 204, r.text
+        with pytest.raises(websockets.ConnectionClosed):
+            await recv(ws, timeout=15)
+        assert ws.close_code == 4404  # the home closed it: the DELETE was handed there
+    assert cid not in held_by(cluster)[home]
+
+
 async def test_forged_forward_mark_is_ignored(cluster: Cluster, token: str):
     cid = new_chat(cluster.front.url, token)
     async with connect(cluster.front, cid, token) as ws:
