@@ -177,7 +177,9 @@ def test_admin_page_shows_every_replica(cluster: Cluster, token: str):
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(cluster.front.url + "/admin#token=" + ADMIN)
         rows = page.locator("#cluster .conv-row[data-replica]")
-        page.wait_for_function("() => document.querySelectorAll('#cluster [data-replica]').length == 3")
+        page.wait_for_function(
+            "() => document.querySelectorAll('#cluster [data-replica]').length == 3"
+        )
         assert rows.count() == 3
         for replica, convs in held.items():
             row = page.locator(f"#cluster [data-replica='{replica}']")
