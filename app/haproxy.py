@@ -5,7 +5,8 @@
   consistent hashing: adding or removing a replica moves only its share of conversations.
 - Everything else (pages, new chats, `/v1` without a session, admin) goes round robin.
 - `/healthz` checks every `check_s` take a replica out after `fall` failures, i.e. within
-  seconds; its open sockets are cut then, so their clients reconnect elsewhere.
+  seconds (a refused connection fails a check at once; a slow answer only after
+  `check_timeout_s`); its open sockets are cut then, so their clients reconnect elsewhere.
 - A connection a dead replica refuses is sent again to another one (`option redispatch`).
 """
 
@@ -34,6 +35,7 @@ def config(
     check_s: float = 1.0,
     fall: int = 2,
     rise: int = 2,
+    check_timeout_s: float = 5.0,
     tunnel_timeout_s: int = 3600,
     server_timeout_s: int = 600,
     stats: bool = False,
@@ -64,6 +66,9 @@ defaults
     timeout tunnel {tunnel_timeout_s}s
     timeout http-request 10s
     timeout queue 30s
+    # A refused check fails at once; a replica busy generating may answer /healthz slowly,
+    # and must not lose its sockets for it.
+    timeout check {max(100, round(check_timeout_s * 1000))}ms
 
 frontend pensieve
     bind {bind}
