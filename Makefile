@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-fast test-gpu lint bench bench-kernel browser vendor
+.PHONY: install serve test test-fast test-gpu lint bench bench-kernel browser haproxy vendor
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,10 @@ vendor:
 	printf '%s\n' $(MARKED) $(DOMPURIFY) $(HIGHLIGHT) $(UPLOT) > "$$out/VERSIONS"
 	@ls web/vendor
 
+# Debian's HAProxy fronts `pensieve cluster` and the cluster tests.
+haproxy:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || (apt-get update -q && apt-get install -y -q haproxy)
+
 serve: install
 	$(BIN)/pensieve serve --host 127.0.0.1 --port 8000
 
@@ -55,7 +59,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: install browser
+test: install browser haproxy
 	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
 

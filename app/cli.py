@@ -1,4 +1,4 @@
-"""`pensieve serve` and `pensieve users create NAME`."""
+"""`pensieve serve`, `pensieve cluster` and `pensieve users create NAME`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ SERVER_FLAGS = (
     ("database_timeout_s", float, "bound of each database connect, statement and checkout"),
     ("redis_url", str, "Redis URL for activity times (default: none, in-process)"),
 )
+REPLICA_FLAGS = (
+    ("cluster", bool, "run as a replica: join the conversation directory in Redis"),
+    ("replica_id", str, "this replica's id in the cluster (default host:port)"),
+    ("replica_url", str, "the URL other replicas reach this one at (default http://host:port)"),
+)
 
 
 def _flag_type(kind: object) -> object:
@@ -36,17 +41,32 @@ def _add_flag(p: argparse.ArgumentParser, name: str, kind: object, text: str | N
         p.add_argument(flag, dest=name, type=kind, help=text)
 
 
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    for name, kind, _ in engine_fields():
+        _add_flag(p, name, kind, ENGINE_HELP.get(name))
+    for name, kind, text in SERVER_FLAGS:
+        _add_flag(p, name, kind, text)
+    p.add_argument("--log-level", default="info")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pensieve", description="Stateful LLM chat server.")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the chat, REST API and admin pages")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    for name, kind, _ in engine_fields():
-        _add_flag(serve, name, kind, ENGINE_HELP.get(name))
-    for name, kind, text in SERVER_FLAGS:
+    _add_server_flags(serve)
+    for name, kind, text in REPLICA_FLAGS:
         _add_flag(serve, name, kind, text)
-    serve.add_argument("--log-level", default="info")
+    cluster = sub.add_parser(
+        "cluster", help="N replicas and HAProxy in front of them, on this machine"
+    )
+    cluster.add_argument("--replicas", type=int, default=2, help="replicas to start (default 2)")
+    cluster.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    cluster.add_argument(
+        "--port", type=int, default=8000, help="HAProxy's port; replicas take P+1..P+N"
+    )
+    _add_server_flags(cluster)
     users = sub.add_parser("users", help="manage owners")
     users_sub = users.add_subparsers(dest="users_command", required=True)
     create = users_sub.add_parser("create", help="create an owner; its token is the last line")
@@ -103,6 +123,24 @@ async def _create_user(settings: Settings, name: str) -> str:
     return token
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    from app import launcher
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    skip = {"host", "port", "replicas", "log_level"}
+    given = {
+        k: v
+        for k, v in vars(args).items()
+        if v is not None and k in Settings.model_fields and k not in skip
+    }
+    try:
+        return launcher.run(given, args.replicas, args.host, args.port, args.log_level)
+    except RuntimeError as e:  # a replica that would not start
+        sys.exit(f"pensieve: {e}")
+
+
 def _one_line(e: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()
@@ -114,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":
             serve(args)
+        elif args.command == "cluster":
+            sys.exit(_cluster(args))
         elif args.command == "users":
             token = asyncio.run(_create_user(_settings(args), args.name))
             print(token)

@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, api, openai_api, pages
+from app import admin, api, cluster, openai_api, pages
 from app.auth import admin_token_from_file
 from app.chat import Hub, chat_endpoint
+from app.handoff import HandOff
 from app.limits import RateLimit
 from app.logs import redact_access_logs
 from app.metrics import Metrics
@@ -39,6 +40,7 @@ class Services:
     hub: Hub = field(default_factory=Hub)
     new_users: RateLimit = field(default_factory=lambda: RateLimit(10))
     db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
+    cluster: cluster.Cluster | None = None  # this replica's membership (--cluster)
     running: bool = True
 
     def engine_running(self) -> bool:
@@ -88,6 +90,9 @@ async def lifespan(app: Starlette):
             new_users=RateLimit(settings.new_users_per_minute),
         )
         sv.metrics.watch(engine.snapshot)
+        if settings.cluster:
+            sv.cluster = await _join_cluster(settings, sv)
+            stack.push_async_callback(sv.cluster.stop)  # before the engine stops
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:
@@ -95,6 +100,22 @@ async def lifespan(app: Starlette):
         finally:
             sv.running = False
             await sv.hub.drain()
+
+
+async def _join_cluster(settings: Settings, sv: Services) -> cluster.Cluster:
+    from app.directory import Directory
+
+    me = settings.replica_id or cluster.replica_id(settings.host, settings.port)
+    member = cluster.Cluster(
+        Directory(
+            settings.redis_url, me, alive_ttl_s=cluster.ALIVE_TTL_S, home_ttl_s=cluster.HOME_TTL_S
+        ),
+        settings.replica_url or cluster.replica_url(settings.host, settings.port),
+        sv,
+        cluster.forward_key(sv.admin_token),
+    )
+    await member.start()
+    return member
 
 
 async def database_unavailable(request: Request, exc: Exception) -> Response:
@@ -115,6 +136,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             *api.routes,
             *openai_api.routes,
             *admin.routes,
+            *cluster.routes,
             WebSocketRoute("/ws/chat/{conversation_id}", chat_endpoint),
             *pages.routes,
         ],
@@ -125,6 +147,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             ConnectionError: database_unavailable,
         },
         middleware=[
+            Middleware(HandOff),  # first: a request for another replica's chat goes there
             Middleware(SecurityHeaders),
             Middleware(SameOriginWrites, allowed=settings.allowed_origins),
         ],

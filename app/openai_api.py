@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app import matching
+from app import handoff, matching
 from app.api import BadRequest, read_body
 from app.auth import bearer
 from app.frames import Request as TurnRequest
@@ -373,12 +373,18 @@ async def chat_completions(request: Request) -> Response:
         chat = chat_of(body, sv.settings.max_message_chars)
         st = sv.settings
         sampling, given = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
-        wait = sv.hub.take_turn(user.id, st.turns_per_minute)
+        # A request another replica handed over was counted there.
+        wait = (
+            None if handoff.forwarded(request) else sv.hub.take_turn(user.id, st.turns_per_minute)
+        )
         if wait is not None:
             raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
                            "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
         session = request.headers.get("x-session-id") or body.prompt_cache_key
         cid, created = await conversation_for(sv, user.id, chat, session)
+        relayed = await handoff.forward_turn(request, raw, cid)  # claims a new one here
+        if relayed is not None:  # the conversation's home replica answers
+            return relayed
     except ApiError as e:
         return e.response()
     except DB_ERRORS:

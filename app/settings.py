@@ -59,6 +59,11 @@ class ServerSettings(BaseSettings):
     # Connect, statement and pool-checkout bound of each database operation.
     database_timeout_s: float = Field(5.0, gt=0)
     redis_url: str | None = None
+    # Replicas: join the directory in Redis (needs redis_url); an id and a URL other
+    # replicas reach this one at (default host:port and http://host:port).
+    cluster: bool = False
+    replica_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^\s]+$")
+    replica_url: str | None = Field(None, pattern=r"^https?://[^\s/]+/?$")
     # None: the token in admin_token_file is used, made there (mode 0600) on first start.
     admin_token: str | None = None
     admin_token_file: str = "./data/admin-token"
@@ -89,6 +94,12 @@ class ServerSettings(BaseSettings):
         if isinstance(value, list):
             return [str(v).strip().rstrip("/") for v in value if str(v).strip()]
         return value
+
+    @model_validator(mode="after")
+    def _cluster_needs_redis(self):
+        if self.cluster and not self.redis_url:
+            raise ValueError("cluster: a replica needs redis_url (the shared directory)")
+        return self
 
     @model_validator(mode="after")
     def _engine_valid(self):
