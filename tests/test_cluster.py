@@ -176,7 +176,7 @@ def test_admin_page_shows_every_replica(cluster: Cluster, token: str):
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(cluster.front.url + "/admin#token=" + ADMIN)
-        rows = page.locator("#cluster .conv-row[data-replica]")
+        rows = page.locator("#cluster .replica-row[data-replica]")
         page.wait_for_function(
             "() => document.querySelectorAll('#cluster [data-replica]').length == 3"
         )

@@ -20,9 +20,9 @@
   }
 
   function replicaRow(r) {
-    const row = el("div", "conv-row");
+    const row = el("div", "replica-row");
     row.dataset.replica = r.id;
-    const head = el("div", "conv-row-head");
+    const head = el("div", "replica-head");
     head.append(el("code", "conv-id", r.id));
     const health = r.alive ? r.health || "ok" : "down";
     head.append(el("span", health === "ok" ? "badge live" : "badge", health));
@@ -52,6 +52,8 @@
   }
 
   async function tick() {
+    // Only once admin.js has signed in (the dashboard is shown): a fetch before that is a 401.
+    if (document.getElementById("dash").hidden) return setTimeout(tick, POLL_MS / 4);
     try {
       const res = await fetch("/api/admin/cluster", { credentials: "same-origin", cache: "no-store" });
       if (res.ok) {
