@@ -67,4 +67,5 @@ def dequantize(
     """codes [..., head_dim], scales [...] -> values [..., head_dim] in `dtype`."""
     if fmt == "fp8":
         codes = codes.view(torch.float8_e4m3fn)
-    return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
+    x = codes.float()  # the float32 product the Triton kernels take; in place: one pass less
+    return x.mul_(scales.float().unsqueeze(-1)).to(dtype)
