@@ -22,6 +22,7 @@ ENGINE_HELP: dict[str, str] = {
     "model": "model name, Hugging Face model dir or hub id (org/name), or dummy:<shape>",
     "device": "cpu or cuda (default: cuda when present)",
     "dtype": "float32, bfloat16, float16 (default: per device)",
+    "kv_dtype": "KV cache: auto (the model dtype), fp8 (e4m3) or int8 (8-bit: ~2x the chunks)",
     "chunk_size": "tokens per KV chunk (a power of two)",
     "gpu_cache_chunks": "GPU KV cache size in chunks (default: from free memory)",
     "cpu_cache_chunks": "CPU KV cache size in chunks (default: from host memory)",

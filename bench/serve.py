@@ -315,6 +315,7 @@ def engine_config(preset: Preset, mode: Mode):
         model=preset.model,
         device=preset.device,
         dtype=preset.dtype,
+        kv_dtype=preset.kv_dtype,
         gpu_cache_chunks=preset.gpu_cache_chunks,
         cpu_cache_chunks=preset.cpu_cache_chunks if mode.cache_mode == "pensieve" else 0,
         cache_mode=mode.cache_mode,
@@ -330,7 +331,7 @@ def size_pools(preset: Preset) -> Preset:
     """Turn the preset's GB pool sizes into chunk counts from the model's KV bytes per chunk."""
     if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
         return preset
-    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16")
+    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16", preset.kv_dtype)
     gpu, cpu = preset.gpu_cache_chunks, preset.cpu_cache_chunks
     if preset.gpu_cache_gb is not None:
         gpu = int(preset.gpu_cache_gb * 2**30 // per)
@@ -346,13 +347,13 @@ def model_args(model: str):
     return shape(model)
 
 
-def kv_bytes_per_chunk(model: str, dtype: str, chunk_size: int = 32) -> int:
-    """K and V bytes of one chunk across all layers, from the model's shape."""
+def kv_bytes_per_chunk(model: str, dtype: str, kv_dtype: str = "auto", chunk_size: int = 32) -> int:
+    """K and V bytes of one chunk across all layers (8-bit: with its scales), from the shape."""
     import torch
 
     from engine.kv_pool import KVPool
 
-    return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype))
+    return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype), kv_dtype)
 
 
 def _chunks(conv: wl.Conversation, chunk: int) -> int:
@@ -367,11 +368,18 @@ def history_chunks(convs: list[wl.Conversation], chunk: int = 32) -> int:
 
 def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> Preset:
     """First tier = gpu_fraction of the sample's history (at least room for the longest
-    conversation twice over); the second tier holds all of it."""
+    conversation twice over); the second tier holds all of it. Sized in bytes of the
+    model's own dtype: an 8-bit KV gets the chunks that the same bytes hold."""
     total = history_chunks(convs, chunk)
     longest = max(_chunks(c, chunk) for c in convs)
     gpu = max(int(total * preset.gpu_fraction), 2 * longest + 2)
-    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=max(total, gpu))
+    cpu = max(total, gpu)
+    if preset.kv_dtype != "auto":
+        dtype = preset.dtype or "bfloat16"
+        per = kv_bytes_per_chunk(preset.model, dtype, chunk_size=chunk)
+        per8 = kv_bytes_per_chunk(preset.model, dtype, preset.kv_dtype, chunk)
+        gpu, cpu = gpu * per // per8, cpu * per // per8
+    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
 
 
 def _cpu_pool_gb(wanted: float) -> float:
@@ -453,10 +461,14 @@ async def bench_engine(
     log(wl.format_summary(workload["summary"]))
     if preset.gpu_fraction is not None:
         preset = fit_pools(preset, convs)
+    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16", preset.kv_dtype)
     workload["pools"] = {
+        "kv_dtype": preset.kv_dtype,
         "gpu_cache_chunks": preset.gpu_cache_chunks,
         "cpu_cache_chunks": preset.cpu_cache_chunks,
         "history_chunks": history_chunks(convs),
+        "bytes_per_chunk": per,
+        "gpu_cache_bytes": (preset.gpu_cache_chunks or 0) * per,
     }
     log(f"pools: {workload['pools']}")
     runs: list[dict[str, Any]] = []
@@ -580,6 +592,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float)
     ap.add_argument("--model")
     ap.add_argument("--device")
+    ap.add_argument("--dtype", help="model dtype (float32, bfloat16, float16)")
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8", "int8"),
+        help="KV cache dtype; 8-bit pools get the chunks that auto's bytes hold",
+    )
     ap.add_argument("--gpu-chunks", type=int)
     ap.add_argument("--cpu-chunks", type=int)
     ap.add_argument("--threads", type=int, help="torch intra-op threads")
@@ -640,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         ("time_scale", args.time_scale),
         ("model", args.model),
         ("device", args.device),
+        ("dtype", args.dtype),
+        ("kv_dtype", args.kv_dtype),
         ("gpu_cache_chunks", args.gpu_chunks),
         ("cpu_cache_chunks", args.cpu_chunks),
         ("threads", args.threads),

@@ -58,6 +58,14 @@ def _pool_sizes(
     return gpu, cpu
 
 
+def _check_kv_dtype(kv_dtype: str, backend: str, device: torch.device) -> None:
+    """Triton converts to and from e4m3 only on GPUs with native fp8 (compute capability 8.9+)."""
+    if kv_dtype != "fp8" or backend != "triton" or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("kv_dtype='fp8' needs a GPU of compute capability 8.9+; use 'int8'")
+
+
 class Engine:
     """Synchronous core. `run` serves a batch of turns; `submit` + `step` drive it finely."""
 
@@ -88,10 +96,12 @@ class Engine:
         self.backend = pick_backend(self.device, config.attention_backend)
 
         cs = config.chunk_size
+        kv = config.kv_dtype
+        _check_kv_dtype(kv, self.backend, self.device)
         gpu, cpu = _pool_sizes(
-            config, KVPool.bytes_per_block(self.args, cs, self.dtype), self.device
+            config, KVPool.bytes_per_block(self.args, cs, self.dtype, kv), self.device
         )
-        self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype)
+        self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype, kv)
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history

@@ -6,6 +6,10 @@ so a run moves as one contiguous transfer per layer and K/V (the pools hand out 
 ids first, so a conversation's chunks tend to form long runs). On CUDA the copies run on a
 side stream: swap-in is enqueued layer by layer with one event per layer, and attention of
 layer i waits for layer i's event only. On the CPU the same calls copy synchronously.
+
+With an 8-bit KV (`kv_dtype` "fp8" or "int8") each tier holds 8-bit codes in that layout plus
+float16 scales [layers, 2, num_blocks, block_size, kv_heads] (one per token and KV head, see
+`kernels/quant.py`); a block's scales travel with its codes in every copy.
 """
 
 from __future__ import annotations
@@ -17,39 +21,69 @@ import torch
 
 from engine.cache import CopyPlan
 from engine.shapes import ModelArgs
+from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 
 log = logging.getLogger(__name__)
 
 
 class KVPool:
     def __init__(
-        self, args: ModelArgs, gpu_blocks: int, cpu_blocks: int, block_size: int, device, dtype
+        self,
+        args: ModelArgs,
+        gpu_blocks: int,
+        cpu_blocks: int,
+        block_size: int,
+        device,
+        dtype,
+        kv_dtype: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        shape = (block_size, args.n_kv_heads, args.head_dim)
-        self.gpu = torch.zeros(
-            (args.n_layers, 2, gpu_blocks, *shape), device=self.device, dtype=dtype
-        )
-        self.cpu = self._host_pool(args.n_layers, max(cpu_blocks, 0), shape, dtype)
-        self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(args.n_layers)]
+        self.kv_dtype = kv_dtype
+        parts = _parts(args, block_size, dtype, kv_dtype)
+        layers = args.n_layers
+        gpu = [
+            torch.zeros((layers, 2, gpu_blocks, *shape), device=self.device, dtype=dt)
+            for shape, dt in parts
+        ]
+        cpu = self._host_pool(layers, max(cpu_blocks, 0), parts)
+        # Codes (or the KV itself) first, then the scales of an 8-bit KV.
+        self.gpu, self.cpu = gpu[0], cpu[0]
+        self.gpu_scales = gpu[1] if len(gpu) > 1 else None
+        self.cpu_scales = cpu[1] if len(cpu) > 1 else None
+        self._tiers = list(zip(gpu, cpu, strict=True))  # (GPU, CPU) tensor pairs every copy moves
+        if kv_dtype == "auto":
+            self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layers)]
+        else:
+            g, s = self.gpu, self.gpu_scales
+            self.layers = [
+                tuple(QuantizedKV(g[i, kv], s[i, kv], kv_dtype) for kv in (0, 1))
+                for i in range(layers)
+            ]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._layer_events: list | None = None
         self._pending_swap_in: list[tuple[int, int]] = []
         self._background_done = None
 
-    def _host_pool(self, layers: int, blocks: int, shape: tuple, dtype) -> torch.Tensor:
-        """The CPU tier, page-locked on CUDA so copies run at full speed and asynchronously.
-        The host can refuse to pin far less than it has free, so a pool that cannot be pinned
-        is halved until it can (the engine reads back how many blocks it got)."""
+    def _host_pool(self, layers: int, blocks: int, parts: list[tuple]) -> list[torch.Tensor]:
+        """The CPU tier (one tensor per (shape, dtype) part), page-locked on CUDA so copies run
+        at full speed and asynchronously. The host can refuse to pin far less than it has free,
+        so a pool that cannot be pinned is halved until it can (the engine reads back how many
+        blocks it got)."""
         while True:
+            pinned: list[torch.Tensor] = []
             try:
-                pool = torch.zeros((layers, 2, blocks, *shape), dtype=dtype)
-                if self.cuda and pool.nbytes:
-                    _pin(pool)
+                pools = [torch.zeros((layers, 2, blocks, *shape), dtype=dt) for shape, dt in parts]
+                for pool in pools:
+                    if self.cuda and pool.nbytes:
+                        _pin(pool)
+                        pinned.append(pool)
+                for pool in pinned:
                     weakref.finalize(self, _unpin, pool)
-                return pool
+                return pools
             except (RuntimeError, MemoryError):  # torch.AcceleratorError is a RuntimeError
+                for pool in pinned:
+                    _unpin(pool)
                 if blocks <= 1:
                     raise
                 log.warning("could not pin %d CPU blocks; trying %d", blocks, blocks // 2)
@@ -61,9 +95,18 @@ class KVPool:
         return self.cpu.shape[2]
 
     @staticmethod
-    def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return args.n_layers * 2 * block_size * args.n_kv_heads * args.head_dim * elem
+    def bytes_per_block(
+        args: ModelArgs, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto"
+    ) -> int:
+        """Bytes one block takes in either tier: K and V of every layer, with the scales of
+        an 8-bit KV."""
+        total = 0
+        for shape, dt in _parts(args, block_size, dtype, kv_dtype):
+            n = args.n_layers * 2 * block_size
+            for dim in shape[1:]:
+                n *= dim
+            total += n * torch.empty((), dtype=dt).element_size()
+        return total
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -128,17 +171,29 @@ class KVPool:
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
         for gpu, cpu, n in runs(pairs):
             for layer in range(self.gpu.shape[0]):
-                for kv in (0, 1):
-                    self.cpu[layer, kv, cpu : cpu + n].copy_(
-                        self.gpu[layer, kv, gpu : gpu + n], non_blocking=self.cuda
-                    )
+                for g, c in self._tiers:
+                    for kv in (0, 1):
+                        c[layer, kv, cpu : cpu + n].copy_(
+                            g[layer, kv, gpu : gpu + n], non_blocking=self.cuda
+                        )
 
     def _copy_in(self, pairs: list[tuple[int, int]], layer: int) -> None:
         for cpu, gpu, n in runs(pairs):
-            for kv in (0, 1):
-                self.gpu[layer, kv, gpu : gpu + n].copy_(
-                    self.cpu[layer, kv, cpu : cpu + n], non_blocking=self.cuda
-                )
+            for g, c in self._tiers:
+                for kv in (0, 1):
+                    g[layer, kv, gpu : gpu + n].copy_(
+                        c[layer, kv, cpu : cpu + n], non_blocking=self.cuda
+                    )
+
+
+def _parts(args: ModelArgs, block_size: int, dtype, kv_dtype: str) -> list[tuple]:
+    """(shape within [layers, 2, blocks], dtype) of each tensor of a tier."""
+    kv = (block_size, args.n_kv_heads, args.head_dim)
+    if kv_dtype == "auto":
+        return [(kv, dtype)]
+    if kv_dtype not in CODE_DTYPE:
+        raise ValueError(f"kv_dtype must be auto, fp8 or int8, got {kv_dtype!r}")
+    return [(kv, CODE_DTYPE[kv_dtype]), ((block_size, args.n_kv_heads), SCALE_DTYPE)]
 
 
 def _pin(tensor: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 CACHE_MODES = ("pensieve", "gpu", "stateless")
 EVICTION_POLICIES = ("pensieve", "lru")
+KV_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype
 
 
 @dataclass
@@ -13,6 +14,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     device: str | None = None  # None: "cuda" when present, else "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    kv_dtype: str = "auto"  # "fp8" (e4m3) or "int8": 8-bit KV, ~2x the chunks per byte
     chunk_size: int = 32
     gpu_cache_chunks: int | None = None  # None: sized from free memory
     cpu_cache_chunks: int | None = None  # None: sized from host memory
@@ -32,6 +34,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedKV
 from kernels.reference import paged_attention_torch, write_kv_torch
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv", "pick_backend"]
+__all__ = ["AttentionMetadata", "QuantizedKV", "paged_attention", "write_kv", "pick_backend"]
 
 
 def pick_backend(device: torch.device | str, backend: str | None = None) -> str:
@@ -19,7 +20,8 @@ def pick_backend(device: torch.device | str, backend: str | None = None) -> str:
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, backend=None):
-    """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]."""
+    """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]
+    (tensors of q's dtype, or `QuantizedKV` 8-bit pools)."""
     if pick_backend(q.device, backend) == "triton":
         from kernels.triton_attention import paged_attention_triton
 

@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedKV, dequantize, quantize
+
+Cache = torch.Tensor | QuantizedKV
 
 
 @dataclass
@@ -75,10 +78,19 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     return plan
 
 
+def _gather(cache: Cache, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks of the pool, in order; an 8-bit pool is dequantized to `dtype` (only the
+    gathered blocks, so the pool itself stays 8-bit)."""
+    if isinstance(cache, QuantizedKV):
+        codes = cache.codes.index_select(0, blocks)
+        return dequantize(codes, cache.scales.index_select(0, blocks), cache.fmt, dtype)
+    return cache.index_select(0, blocks)
+
+
 def paged_attention_torch(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -91,8 +103,8 @@ def paged_attention_torch(
         q_len = p.end - p.start
         kv_len = p.pos + q_len
         # index_select: 2-3x faster than advanced indexing for a gather of whole blocks.
-        k = k_cache.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
-        v = v_cache.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
+        k = _gather(k_cache, p.blocks, q.dtype).view(-1, num_kv_heads, head_dim)[:kv_len]
+        v = _gather(v_cache, p.blocks, q.dtype).view(-1, num_kv_heads, head_dim)[:kv_len]
         k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         v = v.transpose(0, 1).unsqueeze(0)
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
@@ -110,8 +122,8 @@ def paged_attention_torch(
     if d is not None:
         n = d.blocks.shape[0]
         flat = d.blocks.view(-1)
-        k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = _gather(k_cache, flat, q.dtype).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, flat, q.dtype).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads that share a KV head attend as one group of queries over it: with
         # no causal mask between them this is exact, and it skips SDPA's GQA expansion
         # (10-20% faster decode attention on the CPU).
@@ -122,17 +134,23 @@ def paged_attention_torch(
 
 
 def write_kv_torch(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Store new keys/values [T, kvh, d] at flat slots (block * block_size + offset); -1 skips."""
+    """Store new keys/values [T, kvh, d] at flat slots (block * block_size + offset); -1 skips.
+    An 8-bit pool gets each token's codes and its scale per head."""
     _, _, kvh, d = k_cache.shape
     slots = slots.long()
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if isinstance(cache, QuantizedKV):
+            codes, scales = quantize(x, cache.fmt)
+            cache.codes.view(-1, kvh, d).index_copy_(0, slots, codes)
+            cache.scales.view(-1, kvh).index_copy_(0, slots, scales)
+        else:
+            cache.view(-1, kvh, d).index_copy_(0, slots, x.to(cache.dtype))

@@ -12,6 +12,10 @@ its sub-request by binary search over that. Programs past the end of their sub-r
 When the grid is too small to fill the GPU (decode batches), the keys of each tile are split into
 `NUM_SEGS` segments handled by separate programs (flash-decoding); a second kernel merges their
 partial results.
+
+An 8-bit pool (`kernels.quant.QuantizedKV`) is dequantized tile by tile as it is loaded:
+codes times the key's scale, rounded to q's dtype, exactly as the PyTorch reference does
+before its attention.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedKV
+from kernels.triton_cache import QUANT_KIND, QUANT_NONE
 
 LOG2E = 1.4426950408889634
 
@@ -45,11 +51,23 @@ def _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _dequantize(codes, scale, QUANT: tl.constexpr, DTYPE: tl.constexpr):
+    """8-bit codes times their float16 scales (broadcast by the caller), rounded to DTYPE."""
+    if QUANT == 1:
+        x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = codes.to(tl.float32)
+    return (x * scale.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, kv_heads] float16, 8-bit pools only
+    v_scale_ptr,
     table_ptr,
     query_start_ptr,
     query_pos_ptr,
@@ -68,6 +86,10 @@ def _paged_attention_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_ksb,
+    stride_kst,
+    stride_vsb,
+    stride_vst,
     stride_table,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -77,6 +99,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SEGS: tl.constexpr,
+    QUANT: tl.constexpr,  # 0: the pool holds q's dtype, 1: fp8 e4m3 codes, 2: int8 codes
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -145,6 +168,15 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
+        if QUANT != 0:
+            ks = tl.load(
+                k_scale_ptr + block * stride_ksb + slot * stride_kst + kvh, mask=k_ok, other=0.0
+            )
+            vs = tl.load(
+                v_scale_ptr + block * stride_vsb + slot * stride_vst + kvh, mask=k_ok, other=0.0
+            )
+            kt = _dequantize(kt, ks[None, :], QUANT, out_ptr.dtype.element_ty)
+            v = _dequantize(v, vs[:, None], QUANT, out_ptr.dtype.element_ty)
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -254,8 +286,8 @@ def pick_config(num_tokens: int, num_seqs: int, group_pad: int, head_dim: int) -
 
 def paged_attention_triton(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | QuantizedKV,
+    v_cache: torch.Tensor | QuantizedKV,
     meta: AttentionMetadata,
     scale: float,
     num_segs: int | None = None,
@@ -270,8 +302,22 @@ def paged_attention_triton(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q, k_cache and v_cache must share dtype, caches the same shape")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must have the same shape")
+    quant = QUANT_NONE
+    k_scale, v_scale = k_cache, v_cache  # unused unless 8-bit
+    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        if not (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
+            raise ValueError("K and V pools must both be 8-bit or neither")
+        if k_cache.fmt != v_cache.fmt:
+            raise ValueError("K and V pools must share their 8-bit format")
+        quant = QUANT_KIND[k_cache.fmt]
+        k_scale, v_scale = k_cache.scales, v_cache.scales
+        k_cache, v_cache = k_cache.codes, v_cache.codes
+        if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1:
+            raise ValueError("kv_heads must be the contiguous dimension of the scales")
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q, k_cache and v_cache must share dtype (or the pool be 8-bit)")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("head_dim must be the contiguous dimension of q and the caches")
     if out is None:
@@ -320,6 +366,8 @@ def paged_attention_triton(
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         meta.block_tables,
         meta.query_start,
         meta.query_pos,
@@ -338,6 +386,10 @@ def paged_attention_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale.stride(0) if quant else 0,
+        k_scale.stride(1) if quant else 0,
+        v_scale.stride(0) if quant else 0,
+        v_scale.stride(1) if quant else 0,
         meta.block_tables.stride(0),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
@@ -347,6 +399,7 @@ def paged_attention_triton(
         TILE_N=tile_n,
         BLOCK_SIZE=block_size,
         NUM_SEGS=num_segs,
+        QUANT=quant,
         UPCAST=upcast,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,

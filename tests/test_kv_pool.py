@@ -57,8 +57,14 @@ def test_a_host_pool_that_cannot_be_pinned_is_halved(monkeypatch) -> None:
     monkeypatch.setattr(kv_pool, "_unpin", lambda t: None)
     pool = kv_pool.KVPool.__new__(kv_pool.KVPool)  # the host side only: no GPU here
     pool.cuda = True
-    host = pool._host_pool(2, 40, (4, 1, 8), torch.float32)  # 256 bytes a block and layer
+    (host,) = pool._host_pool(2, 40, [((4, 1, 8), torch.float32)])  # 256 bytes a block and layer
     assert host.shape == (2, 2, 10, 4, 1, 8)  # 40 -> 20 -> 10 blocks
     assert pinned == [host.nbytes] and host.abs().sum() == 0
+    # An 8-bit tier: codes and scales are pinned, or halved, together.
+    pinned.clear()
+    codes, scales = pool._host_pool(2, 80, [((4, 1, 8), torch.uint8), ((4, 1), torch.float16)])
+    assert codes.shape[2] == scales.shape[2] == 40  # 80 blocks of codes: 10,240 bytes
+    assert pinned == [codes.nbytes, scales.nbytes]
     pool.cuda = False
-    assert pool._host_pool(2, 40, (4, 1, 8), torch.float32).shape[2] == 40  # CPU: never pinned
+    (host,) = pool._host_pool(2, 40, [((4, 1, 8), torch.float32)])
+    assert host.shape[2] == 40  # CPU: never pinned

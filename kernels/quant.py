@@ -1,0 +1,71 @@
+"""8-bit KV cache: codes plus one scale per token and KV head.
+
+A quantized pool keeps, per layer and for K and V each, 8-bit codes
+[num_blocks, block_size, kv_heads, head_dim] and float16 scales [num_blocks, block_size,
+kv_heads]. `fp8` codes are e4m3 (stored as their uint8 bits: torch's CPU kernels cannot
+index or index_copy float8 tensors) with scale = amax / 448; `int8` codes are
+round(x / scale) with scale = amax / 127, amax over the head's `head_dim` values.
+
+Why a scale per token and not per block: a block is filled one token at a time during
+decode, so a per-block scale fixed by its first tokens clips later, larger ones, and one
+that grows means requantizing the tokens already stored. A per-token scale is set once,
+when the token is written, from that token alone: no read-modify-write, and a token's codes
+do not depend on what shared its block or on whether it was written by a prompt step, a
+decode step or a recompute. It costs 2 bytes per head_dim codes (3% at head_dim 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_DTYPES = ("auto", "fp8", "int8")
+QMAX = {"fp8": 448.0, "int8": 127.0}
+CODE_DTYPE = {"fp8": torch.uint8, "int8": torch.int8}  # storage of the codes
+SCALE_DTYPE = torch.float16
+# Smallest scale: keeps all-zero rows finite; 2**-24 is float16's smallest subnormal.
+MIN_SCALE = 2.0**-24
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """One layer's K (or V) pool in 8 bits; passed to the kernels in place of a tensor."""
+
+    codes: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    scales: torch.Tensor  # [num_blocks, block_size, kv_heads] float16
+    fmt: str  # "fp8" | "int8"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+
+def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (codes [..., head_dim] in CODE_DTYPE[fmt], scales [...] float16).
+
+    The scale is rounded to float16 before dividing, so codes and the stored scale agree;
+    the clamp absorbs the rounding."""
+    qmax = QMAX[fmt]
+    x = x.float()
+    scale = (x.abs().amax(-1) / qmax).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    y = (x / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
+    if fmt == "fp8":
+        codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = torch.floor(y + 0.5).to(torch.int8)  # round half up: Triton does the same
+    return codes, scale
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """codes [..., head_dim], scales [...] -> values [..., head_dim] in `dtype`."""
+    if fmt == "fp8":
+        codes = codes.view(torch.float8_e4m3fn)
+    x = codes.float()  # the float32 product the Triton kernels take; in place: one pass less
+    return x.mul_(scales.float().unsqueeze(-1)).to(dtype)
