@@ -201,9 +201,7 @@ class Engine:
                 seq=next(self._seq),
                 base=state.kv_len,
                 tokens=state.tail + prompt[shared:],
-                stats=TurnStats(
-                    prompt_tokens=len(prompt), shared_tokens=shared, arrival_s=now
-                ),
+                stats=TurnStats(prompt_tokens=len(prompt), shared_tokens=shared, arrival_s=now),
                 generator=make_generator(turn.sampling),
                 on_token=on_token,
                 chain=chain,
