@@ -165,6 +165,10 @@ def test_admin_shows_chunks_move_between_tiers(server, page, tmp_path):
         timeout=30_000,
     )
     assert page.locator(".pool[data-tier=gpu] .gauge-fill").count() == 1
+    # The chats' rendered prompts agree on their first chunk (the template's system part
+    # and "Tell me a fact about the number"): it is stored once, and marked so.
+    page.locator(".conv-row .chunk.shared").first.wait_for(timeout=30_000)
+    assert "shared" in page.locator(".legend").text_content()
     shot(page, tmp_path, "admin")
 
 

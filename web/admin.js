@@ -1,4 +1,5 @@
-// Admin page: pool gauges per tier and each conversation's chunks by tier, polled live.
+// Admin page: pool gauges per tier and each conversation's chunks by tier (shared chunks
+// marked), polled live.
 "use strict";
 
 // The token is exchanged once (POST /admin/session) for an HttpOnly cookie; it is never put
@@ -58,6 +59,8 @@ function conversation(c, chunkSize) {
   row.dataset.id = c.id;
   const counts = { gpu: 0, cpu: 0, dropped: 0 };
   for (const t of c.chunks) counts[t] = (counts[t] || 0) + 1;
+  const holders = c.holders || [];
+  const shared = holders.filter((n) => n > 1).length;
   const head = el("div", "conv-row-head");
   const name = el("code", "conv-id", c.id.slice(0, 12));
   name.title = c.id;
@@ -69,10 +72,14 @@ function conversation(c, chunkSize) {
     el("span", "muted small", `GPU ${counts.gpu} · CPU ${counts.cpu} · dropped ${counts.dropped}`),
     el("span", "muted small", `idle ${idle(c.idle_s)}`)
   );
+  if (shared) head.append(el("span", "badge shared", `${shared} shared`));
   const bar = el("div", "chunks");
   c.chunks.forEach((tier, i) => {
-    const cell = el("i", `chunk ${tier}`);
-    cell.title = `chunk ${i}: tokens ${i * chunkSize}–${(i + 1) * chunkSize - 1} · ${tier}`;
+    const n = holders[i] || 1;
+    const cell = el("i", `chunk ${tier}` + (n > 1 ? " shared" : ""));
+    cell.title =
+      `chunk ${i}: tokens ${i * chunkSize}–${(i + 1) * chunkSize - 1} · ${tier}` +
+      (n > 1 ? ` · shared by ${n} conversations, stored once` : "");
     bar.append(cell);
   });
   row.append(head, bar);
@@ -86,7 +93,9 @@ function render(snap) {
   pools.replaceChildren(...Object.entries(snap.pools).map(([k, v]) => pool(k, v)));
   const dl = $("counters");
   dl.replaceChildren();
-  for (const [k, v] of Object.entries(snap.counters)) {
+  const sharing = snap.sharing || { chunks: 0, saved_blocks: 0 };
+  const shown = { ...snap.counters, shared_chunks: sharing.chunks, blocks_saved_by_sharing: sharing.saved_blocks };
+  for (const [k, v] of Object.entries(shown)) {
     const item = el("div", "counter");
     item.append(el("dt", "", k.replaceAll("_", " ")), el("dd", "", String(v)));
     dl.append(item);
