@@ -133,9 +133,9 @@ def test_restart_and_edit_inside_the_shared_prompt():
     assert alone.run([Turn("y", system + [1, 2], sp)])[0].token_ids == a
 
     history.append("b", system + [3, 4] + b)
-    restarted = make("dummy:tiny", gpu_cache_chunks=32, cpu_cache_chunks=8)
-    restarted.history = history
-    restarted.owns_history = False
+    restarted = Engine(
+        EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=32), history=history
+    )
     got = restarted.run([Turn("b", [5], sp, context_len=len(system) + 2 + len(b))])[0]
     want = alone.run([Turn("z", system + [3, 4] + b + [5], sp)])[0].token_ids
     assert got.token_ids == want
