@@ -67,6 +67,10 @@ class EngineCollector:
                 "Context tokens evicted from the CPU tier.",
             ),
             "suspensions": ("pensieve:num_preemptions", "Running turns suspended to CPU."),
+            "shared_tokens": (
+                "pensieve:shared_tokens",
+                "Prompt tokens of new conversations found in chunks shared with others.",
+            ),
         }
         for key, (name, doc) in simple.items():
             yield CounterMetricFamily(name, doc, value=getattr(c, key))
@@ -84,6 +88,16 @@ class EngineCollector:
         swaps.add_metric(["in"], c.swapped_in_tokens)
         swaps.add_metric(["out"], c.swapped_out_tokens)
         yield swaps
+        yield GaugeMetricFamily(
+            "pensieve:kv_cache_shared_chunks",
+            "Chunks held by more than one conversation, stored once.",
+            value=snap.sharing.chunks,
+        )
+        yield GaugeMetricFamily(
+            "pensieve:kv_cache_shared_saved_blocks",
+            "Blocks a copy per conversation of the shared chunks would take on top.",
+            value=snap.sharing.saved_blocks,
+        )
 
 
 class Metrics:

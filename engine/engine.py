@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from engine.cache import KVCacheManager
+from engine.cache import KVCacheManager, chain_hashes
 from engine.conversation import StreamState
 from engine.errors import ConversationBusy
 from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
@@ -24,7 +24,13 @@ from engine.request import FINISHED, RUNNING, Request
 from engine.runner import Runner
 from engine.sampler import make_generator
 from engine.scheduler import FAILED, PENDING, READY, Scheduler
-from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
+from engine.snapshot import (
+    ConversationInfo,
+    EngineCounters,
+    EngineSnapshot,
+    PoolUsage,
+    SharingUsage,
+)
 from engine.types import EngineConfig, Turn, TurnResult, TurnStats
 from kernels import pick_backend
 
@@ -127,6 +133,7 @@ class Engine:
             config.cache_mode,
             config.admit_reserve,
             config.swap_out_threshold,
+            share=config.share_prefixes,
         )
         self.scheduler = Scheduler(
             self.cache, config.max_batch_tokens, config.max_running, config.unified, self._fetch
@@ -188,16 +195,26 @@ class Engine:
             now = time.time()
             self.clock.touch(state.id, now)
             state.busy = True
+            prompt = list(turn.prompt_token_ids)
+            chain: list[bytes] = []
+            shared = 0
+            if self.cache.share and state.length == 0 and not table.chunks:
+                # A conversation starts: link the shared chunks its prompt starts with (its
+                # last token is always computed, for the logits of the first reply token).
+                chain = chain_hashes(prompt, self.cache.chunk_size)
+                linkable = (len(prompt) - 1) // self.cache.chunk_size
+                shared = state.kv_len = self.cache.link(table, chain[:linkable])
             req = Request(
                 turn=turn,
                 state=state,
                 table=table,
                 seq=next(self._seq),
                 base=state.kv_len,
-                tokens=state.tail + list(turn.prompt_token_ids),
-                stats=TurnStats(prompt_tokens=len(turn.prompt_token_ids), arrival_s=now),
+                tokens=state.tail + prompt[shared:],
+                stats=TurnStats(prompt_tokens=len(prompt), shared_tokens=shared, arrival_s=now),
                 generator=make_generator(turn.sampling),
                 on_token=on_token,
+                chain=chain,
             )
             state.tail = []
             if self.owns_history:
@@ -297,6 +314,10 @@ class Engine:
                 if p.sample:
                     ended += self._accept(p.req, next(sampled), now)
             self.pool.end_step(plan.after)
+            for req in ended:  # after the step's copies: publishing may free blocks
+                if req.chain and req.finish_reason != "error":
+                    n = req.state.kv_len // self.cache.chunk_size
+                    self.cache.publish(req.table, req.chain[:n])
             self.counters["steps"] += 1
             return ended
 
@@ -390,6 +411,7 @@ class Engine:
                         id=table.id,
                         tokens=0 if state is None else state.length,
                         chunks=tuple(table.tiers()),
+                        holders=tuple(c.holders(table)),
                         running=table.pinned,
                         idle_s=None if last is None else max(0.0, now - last),
                         retention=c.lowest_value(table, now),
@@ -411,6 +433,10 @@ class Engine:
                 ),
                 conversations=tuple(convs),
                 context_limit=self.context_limit,
+                sharing=SharingUsage(
+                    chunks=sum(1 for s in c.shared if len(s.holders) > 1),
+                    holders=sum(len(s.holders) for s in c.shared if len(s.holders) > 1),
+                ),
             )
 
     def close(self) -> None:

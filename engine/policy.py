@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.conversation import ChunkTable
@@ -67,3 +68,12 @@ class Policy:
         if self.kind == "lru":
             return (self.last_active(conv), chunk)
         return (self.value(conv, chunk, now), chunk)
+
+    def shared_key(
+        self, holders: Iterable[ChunkTable], chunk: int, now: float
+    ) -> tuple[float, int]:
+        """A chunk several conversations hold is worth the sum of what it is worth to each
+        (LRU: it is as recent as its most recent holder)."""
+        if self.kind == "lru":
+            return (max((self.last_active(c) for c in holders), default=0.0), chunk)
+        return (sum(self.value(c, chunk, now) for c in holders), chunk)

@@ -36,6 +36,9 @@ class Request:
     admitted_once: bool = False
     error: BaseException | None = None  # why it ended with finish_reason "error"
     handle: Any = None  # the front end's object for this turn (AsyncEngine: its TurnStream)
+    # A conversation's first turn: hash chain of its prompt's full chunks, published when
+    # it ends so that later conversations starting the same way can link them.
+    chain: list[bytes] = field(default_factory=list)
 
     @property
     def total(self) -> int:

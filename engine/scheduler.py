@@ -146,7 +146,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _dropped_tokens(self, req: Request) -> int:
-        return min(req.table.n_dropped * self.cache.chunk_size, req.state.kv_len)
+        return self.cache.recompute_tokens(req.table, req.state.kv_len)
 
     def _can_admit(self, req: Request) -> bool:
         return self.cache.can_admit(req.table, req.total)

@@ -27,8 +27,22 @@ class EngineCounters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    shared_tokens: int = 0  # prompt tokens of new conversations found in shared chunks
     running: int = 0
     waiting: int = 0
+
+
+@dataclass(frozen=True)
+class SharingUsage:
+    """Chunks held by more than one conversation, stored once."""
+
+    chunks: int = 0
+    holders: int = 0  # sum over those chunks of the conversations holding each
+
+    @property
+    def saved_blocks(self) -> int:
+        """Blocks a copy per conversation would take on top of these."""
+        return self.holders - self.chunks
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,7 @@ class ConversationInfo:
     id: str
     tokens: int  # tokens in its stream
     chunks: tuple[str, ...]  # tier of each chunk: "gpu", "cpu" or "dropped"
+    holders: tuple[int, ...]  # conversations holding each chunk: 2 or more when shared
     running: bool
     idle_s: float | None  # None: never active
     retention: float | None  # value of its first held chunk; None: it holds nothing
@@ -53,6 +68,7 @@ class EngineSnapshot:
     counters: EngineCounters
     conversations: tuple[ConversationInfo, ...]
     context_limit: int  # most tokens one conversation can hold
+    sharing: SharingUsage = SharingUsage()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,5 +79,9 @@ class EngineSnapshot:
             "eviction": self.eviction,
             "pools": {"gpu": asdict(self.gpu), "cpu": asdict(self.cpu)},
             "counters": asdict(self.counters),
-            "conversations": [{**asdict(c), "chunks": list(c.chunks)} for c in self.conversations],
+            "sharing": {**asdict(self.sharing), "saved_blocks": self.sharing.saved_blocks},
+            "conversations": [
+                {**asdict(c), "chunks": list(c.chunks), "holders": list(c.holders)}
+                for c in self.conversations
+            ],
         }

@@ -30,6 +30,9 @@ class EngineConfig:
     cache_dir: str | None = None  # converted models and cost profiles; None: ~/.cache/pensieve
     attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
     pack_cpu_weights: bool = True  # float32 on the CPU: oneDNN-packed linears (faster decode)
+    # pensieve mode: full chunks of first prompts that are equal across conversations (a
+    # system prompt) are stored once and linked by new conversations instead of computed
+    share_prefixes: bool = True
 
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
@@ -98,6 +101,7 @@ class TurnStats:
     cached_tokens: int = 0  # context found on the GPU tier
     swapped_in_tokens: int = 0  # context brought back from the CPU tier
     recomputed_tokens: int = 0  # context recomputed from raw history
+    shared_tokens: int = 0  # prompt tokens found in chunks shared with other conversations
     arrival_s: float = 0.0
     first_token_s: float = 0.0
     finish_s: float = 0.0

@@ -260,6 +260,9 @@ async def test_health_and_metrics(server, token):
         'pensieve:context_tokens_reused_total{tier="gpu"}',
         "pensieve:recomputed_tokens_total",
         "pensieve:dropped_tokens_total",
+        "pensieve:shared_tokens_total",
+        "pensieve:kv_cache_shared_chunks",
+        "pensieve:kv_cache_shared_saved_blocks",
         "pensieve:time_to_first_token_seconds_bucket",
         "pensieve:e2e_request_latency_seconds_count",
     ):

@@ -148,12 +148,15 @@ def test_context_limit_and_typed_snapshot():
         "eviction",
         "pools",
         "counters",
+        "sharing",
         "conversations",
     }
     assert d["pools"]["gpu"] == {"total": 32, "used": 1, "free": 31}
+    assert d["sharing"] == {"chunks": 0, "holders": 0, "saved_blocks": 0}
     (conv,) = d["conversations"]
     assert conv["id"] == "s" and conv["tokens"] == 3 + SP.max_tokens
     assert conv["chunks"] == ["gpu"] and conv["running"] is False
+    assert conv["holders"] == [1]
     with pytest.raises(ValueError, match="limit|fit"):
         engine.run([Turn("big", [1] * (engine.context_limit + 1), SP)])
     with pytest.raises(AttributeError):

@@ -543,6 +543,10 @@ def test_admin_shows_chunks_move_between_tiers(server, page, tmp_path):
         timeout=30_000,
     )
     assert page.locator(".pool[data-tier=gpu] .gauge-fill").count() == 1
+    # The chats' rendered prompts agree on their first chunk (the template's system part):
+    # it is stored once, and marked so.
+    page.locator(".conv-row .chunk.shared").first.wait_for(timeout=30_000)
+    assert "shared" in page.locator(".legend").text_content()
     # The charts have points: pool use every poll, token rates and TTFT from the turns.
     page.wait_for_function("() => charts.pools.data[0].length >= 3")
     has = page.evaluate(

@@ -1,4 +1,4 @@
-// Admin page: pool gauges, live charts of the last minutes (uPlot, vendored), counters, and
+// Admin page (shared chunks marked): pool gauges, live charts of the last minutes (uPlot, vendored), counters, and
 // a sortable, filterable, paged table of conversations with their chunks by tier.
 "use strict";
 
@@ -181,11 +181,17 @@ function row(c, chunkSize) {
   const num = (v) => el("td", "num", v);
   const state = el("td");
   if (c.running) state.append(el("span", "badge live", "running"));
+  const holders = c.holders || [];
+  const shared = holders.filter((n) => n > 1).length;
+  if (shared) state.append(el("span", "badge shared", `${shared} shared`));
   const bar = el("td");
   const chunks = el("div", "chunks");
   c.chunks.forEach((tier, i) => {
-    const cell = el("i", `chunk ${tier}`);
-    cell.title = `chunk ${i}: tokens ${i * chunkSize}–${(i + 1) * chunkSize - 1} · ${tier}`;
+    const n = holders[i] || 1;
+    const cell = el("i", `chunk ${tier}` + (n > 1 ? " shared" : ""));
+    cell.title =
+      `chunk ${i}: tokens ${i * chunkSize}–${(i + 1) * chunkSize - 1} · ${tier}` +
+      (n > 1 ? ` · shared by ${n} conversations, stored once` : "");
     chunks.append(cell);
   });
   bar.append(chunks);
@@ -243,7 +249,8 @@ function render(snap) {
   $("device").textContent = `${snap.device} · ${snap.cache_mode} · ${snap.eviction} eviction`;
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   $("pools").replaceChildren(...Object.entries(snap.pools).map(([k, v]) => pool(k, v)));
-  renderCounters(snap.counters);
+  const sharing = snap.sharing || { chunks: 0, saved_blocks: 0 };
+  renderCounters({ ...snap.counters, shared_chunks: sharing.chunks, blocks_saved_by_sharing: sharing.saved_blocks });
   addSample(snap);
   renderCharts();
   renderTable();
