@@ -66,6 +66,20 @@ def dequantize(
 ) -> torch.Tensor:
     """codes [..., head_dim], scales [...] -> values [..., head_dim] in `dtype`."""
     if fmt == "fp8":
-        codes = codes.view(torch.float8_e4m3fn)
-    x = codes.float()  # the float32 product the Triton kernels take; in place: one pass less
-    return x.mul_(scales.float().unsqueeze(-1)).to(dtype)
+        # A 256-entry table: torch's CPU float8 -> float conversion is ~18x slower than a take.
+        x = torch.take(_fp8_table(codes.device), codes.long())
+    else:
+        x = codes.float()  # the float32 product the Triton kernels take
+    return x.mul_(scales.float().unsqueeze(-1)).to(dtype)  # in place: one pass less
+
+
+_FP8_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    """The float32 value of every e4m3 bit pattern (the two NaN codes stay NaN)."""
+    table = _FP8_TABLES.get(device)
+    if table is None:
+        bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = _FP8_TABLES[device] = bits.view(torch.float8_e4m3fn).float().to(device)
+    return table
