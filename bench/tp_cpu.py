@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
+
+import torch
 
 from bench.common import RESULTS, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
 
 
-def run(tp: int, rounds: int, prompt: int, output: int, convs: int) -> dict:
+def run(tp: int, rounds: int, prompt: int, output: int, convs: int, threads: int) -> dict:
+    torch.set_num_threads(threads)  # two ranks set their own: cores / ranks each
     engine = Engine(
         EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=256, tensor_parallel=tp)
     )
@@ -64,14 +68,22 @@ def main() -> None:
     p.add_argument("--convs", type=int, default=4)
     p.add_argument("--out", type=Path, default=RESULTS / "tp_cpu.json")
     a = p.parse_args()
-    rows = [run(tp, a.rounds, a.prompt, a.output, a.convs) for tp in (1, 2)]
+    # One rank with all the cores and with one core (on a loaded machine, intra-op threads
+    # waiting for each other can cost more than the work), then two ranks of one core each.
+    cores = os.cpu_count() or 1
+    rows = [
+        run(tp, a.rounds, a.prompt, a.output, a.convs, threads)
+        for tp, threads in ((1, cores), (1, 1), (2, cores))
+    ]
+    rows[0]["name"], rows[1]["name"] = f"TP=1 {cores} threads", "TP=1 1 thread"
     result = {
         "benchmark": "tp_cpu",
         "model": "dummy:tiny",
         "config": vars(a) | {"out": str(a.out)},
         "environment": environment("cpu"),
         "rows": rows,
-        "overhead_x": round(rows[1]["ms_per_step"] / rows[0]["ms_per_step"], 2),
+        "load_avg": os.getloadavg(),
+        "tp2_over_tp1_1_thread": round(rows[2]["ms_per_step"] / rows[1]["ms_per_step"], 2),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
@@ -81,7 +93,7 @@ def main() -> None:
         rows,
         "ms_per_step",
         "ms per engine step",
-        f"dummy:tiny on the CPU, {result['environment']['cpu_count']} cores: 1 rank vs 2 (gloo)",
+        f"dummy:tiny, CPU, {cores} cores: 1 rank vs 2 (gloo)",
         a.out.with_suffix(".png"),
     )
     print(json.dumps(result, indent=2))

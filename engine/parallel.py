@@ -160,6 +160,7 @@ class TensorParallel:
         except BaseException:
             self.close()
             raise
+        self._threads = torch.get_num_threads()
         _share_threads(device, n)
 
     def _wait_for_workers(self, store: dist.TCPStore) -> None:
@@ -263,6 +264,8 @@ class TensorParallel:
                 p.join(timeout=5.0)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if hasattr(self, "_threads"):
+            torch.set_num_threads(self._threads)
 
 
 class ParallelPool(KVPool):
