@@ -26,10 +26,20 @@ def make(tp: int, **kw) -> Engine:
     return Engine(EngineConfig(model="dummy:tiny", device="cpu", tensor_parallel=tp, **kw))
 
 
+_OPEN: list[Engine] = []  # one tensor-parallel engine per process at a time
+
+
+def close_open() -> None:
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 @pytest.fixture(scope="module")
 def tp_engine():
     engine = make(2, **SMALL_POOLS)
+    _OPEN.append(engine)
     yield engine
+    close_open()
     engine.close()
     assert not dist.is_initialized()
     for p in engine.tp.procs:
@@ -109,7 +119,7 @@ async def test_killed_worker_fails_turns_without_a_hang(tp_engine):
 
 @pytest.mark.timeout(120)
 def test_worker_lost_inside_a_collective_fails_fast(tp_engine):
-    tp_engine.close()  # one tensor-parallel engine per process at a time
+    close_open()
     engine = make(2, gpu_cache_chunks=16)
     try:
         sp = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -124,3 +134,32 @@ def test_worker_lost_inside_a_collective_fails_fast(tp_engine):
     finally:
         engine.close()
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(240)
+def test_bundled_model_at_three_ranks_equals_hf():
+    # 9 heads, 3 KV heads, intermediate size 1536: 3 ranks divide them all.
+    close_open()
+    engine = Engine(
+        EngineConfig(
+            device="cpu",
+            tensor_parallel=3,
+            gpu_cache_chunks=6,
+            cpu_cache_chunks=2,
+            max_batch_tokens=64,
+        )
+    )
+    try:
+        hf = hf_model(engine)
+        plan = prompts(engine, 3, 2, seed=5, min_len=30, max_len=64)
+        sp = SamplingParams(max_tokens=8, ignore_eos=True)
+        contexts: list[list[int]] = [[] for _ in plan]
+        for t in range(2):
+            got = engine.run([Turn(f"b{i}", plan[i][t], sp) for i in range(len(plan))])
+            for i, g in enumerate(got):
+                contexts[i] += plan[i][t]
+                assert g.token_ids == hf_greedy(hf, contexts[i], 8, set()), (i, t)
+                contexts[i] += g.token_ids
+        engine.cache.check()
+    finally:
+        engine.close()
