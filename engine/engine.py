@@ -92,7 +92,14 @@ class Engine:
             self.dtype = _DTYPES[config.dtype]
         else:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {config.dtype!r}")
-        loaded = load(config.model, self.device, self.dtype, config.cache_dir, config.seed)
+        self.tp = None  # tensor parallelism: the other ranks (engine/parallel.py)
+        if config.tensor_parallel > 1:
+            from engine.parallel import TensorParallel
+
+            self.tp = TensorParallel(config, self.device, self.dtype)
+            loaded = self.tp.load()  # rank 0's shard; args stay the full model's
+        else:
+            loaded = load(config.model, self.device, self.dtype, config.cache_dir, config.seed)
         self.model, self.args = loaded.model, loaded.args
         self.tokenizer = loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
@@ -104,10 +111,14 @@ class Engine:
         cs = config.chunk_size
         kv = config.kv_dtype
         _check_kv_dtype(kv, self.backend, self.device)
+        pool_args = self.args if self.tp is None else self.tp.args  # a rank's KV heads
         gpu, cpu = _pool_sizes(
-            config, KVPool.bytes_per_block(self.args, cs, self.dtype, kv), self.device
+            config, KVPool.bytes_per_block(pool_args, cs, self.dtype, kv), self.device
         )
-        self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype, kv)
+        if self.tp is None:
+            self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype, kv)
+        else:
+            self.pool = self.tp.pool(gpu, cpu, self.backend)
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history
@@ -115,7 +126,7 @@ class Engine:
         if config.eviction == "pensieve" and config.cache_mode != "stateless":
             cost = load_or_profile(
                 self.model,
-                config.model,
+                config.model if self.tp is None else self.tp.profile_name,
                 cs,
                 self.max_context,
                 self.device,
@@ -138,7 +149,10 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, config.max_batch_tokens, config.max_running, config.unified, self._fetch
         )
-        self.runner = Runner(self.model, self.pool, cs, self.backend)
+        if self.tp is None:
+            self.runner = Runner(self.model, self.pool, cs, self.backend)
+        else:
+            self.runner = self.tp.runner(self.model, self.pool, self.backend)
         self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
@@ -441,3 +455,5 @@ class Engine:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self.tp is not None:
+            self.tp.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.cache import CopyPlan
@@ -10,6 +12,20 @@ from engine.model import Decoder
 from engine.sampler import sample
 from engine.scheduler import Piece
 from kernels import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """A step's batch as plain lists: what the model needs, nothing of the requests (a
+    tensor-parallel engine sends it to every rank)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # flat KV slot of each token
+    q_lens: list[int] = field(default_factory=list)
+    q_pos: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # GPU blocks of each piece
+    rows: list[int] = field(default_factory=list)  # tokens whose next-token logits are wanted
 
 
 class Runner:
@@ -23,34 +39,40 @@ class Runner:
     def step(self, pieces: list[Piece], plan: CopyPlan) -> list[int]:
         """One forward over the unified batch; returns the sampled token of each sampling piece."""
         cs = self.chunk_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens, q_pos, tables, rows = [], [], [], []
+        x = StepInputs()
         params, gens = [], []
         for p in pieces:
             blocks = p.req.table.gpu_blocks(-(-p.end // cs))
-            ids += p.req.token_range(p.start, p.end)
-            positions += range(p.start, p.end)
-            slots += [blocks[i // cs] * cs + i % cs for i in range(p.start, p.end)]
-            q_lens.append(p.end - p.start)
-            q_pos.append(p.start)
-            tables.append(blocks)
+            x.ids += p.req.token_range(p.start, p.end)
+            x.positions += range(p.start, p.end)
+            x.slots += [blocks[i // cs] * cs + i % cs for i in range(p.start, p.end)]
+            x.q_lens.append(p.end - p.start)
+            x.q_pos.append(p.start)
+            x.tables.append(blocks)
             if p.sample:
-                rows.append(len(ids) - 1)
+                x.rows.append(len(x.ids) - 1)
                 params.append(p.req.turn.sampling)
                 gens.append(p.req.generator)
+        logits = self.forward(x, plan)
+        return sample(logits, params, gens) if x.rows else []
+
+    def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
+        """Start the step's copies, run the model over `x`; the logits of `x.rows`."""
         dev = self.device
-        meta = AttentionMetadata.build(q_lens, q_pos, tables, dev)
-        self.pool.begin_step(plan)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+        meta = AttentionMetadata.build(x.q_lens, x.q_pos, x.tables, dev)
+        self.begin(x, plan)
+        return self.model(
+            torch.tensor(x.ids, dtype=torch.long, device=dev),
+            torch.tensor(x.positions, dtype=torch.long, device=dev),
             self.pool.layers,
             meta,
-            torch.tensor(slots, dtype=torch.long, device=dev),
-            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor(x.slots, dtype=torch.long, device=dev),
+            torch.tensor(x.rows, dtype=torch.long, device=dev),
             before_attention=self.pool.before_attention,
             backend=self.backend,
         )
-        return sample(logits, params, gens) if rows else []
+
+    def begin(self, x: StepInputs, plan: CopyPlan) -> None:
+        """Before the forward: the step's copies (a tensor-parallel runner also sends the step
+        to the other ranks here)."""
+        self.pool.begin_step(plan)

@@ -33,6 +33,9 @@ class EngineConfig:
     # pensieve mode: full chunks of first prompts that are equal across conversations (a
     # system prompt) are stored once and linked by new conversations instead of computed
     share_prefixes: bool = True
+    # Ranks the model is split across (heads, KV heads, MLP, vocabulary): worker processes
+    # over torch.distributed, one GPU each on CUDA; 1: no workers, one process as before
+    tensor_parallel: int = 1
 
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
@@ -51,6 +54,10 @@ class EngineConfig:
             raise ValueError("gpu_cache_chunks must be positive")
         if self.cpu_cache_chunks is not None and self.cpu_cache_chunks < 0:
             raise ValueError("cpu_cache_chunks must not be negative")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(
+                f"tensor_parallel must be a positive integer, got {self.tensor_parallel!r}"
+            )
         if not 0.0 <= self.admit_reserve < 1.0 or not 0.0 <= self.swap_out_threshold < 1.0:
             raise ValueError("admit_reserve and swap_out_threshold must be in [0, 1)")
 

@@ -1,0 +1,165 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks): greedy equality with one rank and with
+Hugging Face through swaps, drops, recomputes and suspensions; shapes that do not divide are
+refused; a killed worker fails turns with an error instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from engine import AsyncEngine, Engine, EngineConfig, SamplingParams, Turn
+from engine.parallel import TensorParallelError
+from engine.shapes import DUMMY_SHAPES
+from engine.shard import shard_args
+from tests.oracle import hf_greedy, hf_model
+from tests.test_engine_equality import prompts
+
+# 9 chunks hold any one conversation (at most 3 x 64 + 3 x 24 tokens) but not two.
+SMALL_POOLS = dict(gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64)
+
+
+def make(tp: int, **kw) -> Engine:
+    return Engine(EngineConfig(model="dummy:tiny", device="cpu", tensor_parallel=tp, **kw))
+
+
+_OPEN: list[Engine] = []  # one tensor-parallel engine per process at a time
+
+
+def close_open() -> None:
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+@pytest.fixture(scope="module")
+def tp_engine():
+    engine = make(2, **SMALL_POOLS)
+    _OPEN.append(engine)
+    yield engine
+    close_open()
+    engine.close()
+    assert not dist.is_initialized()
+    for p in engine.tp.procs:
+        assert not p.is_alive()
+
+
+def test_shapes_split_where_they_divide():
+    big = DUMMY_SHAPES["llama-2-70b"]  # 64 heads, GQA-8
+    for n in (2, 4, 8):
+        a = shard_args(big, n)
+        assert (a.n_heads, a.n_kv_heads) == (64 // n, 8 // n)
+    assert shard_args(DUMMY_SHAPES["llama-2-13b-gqa10"], 2).n_kv_heads == 5
+    with pytest.raises(ValueError, match="does not divide the model's 10 KV heads"):
+        shard_args(DUMMY_SHAPES["llama-2-13b-gqa10"], 4)
+
+
+def test_bundled_model_is_refused_at_two_ranks():
+    # SmolLM2-135M has 9 heads and 3 KV heads: nothing is started for a shape that cannot split.
+    with pytest.raises(
+        ValueError, match="tensor_parallel=2 does not divide the model's 9 attention"
+    ):
+        Engine(EngineConfig(device="cpu", tensor_parallel=2))
+    assert not dist.is_initialized()
+
+
+def test_refusals_before_any_worker():
+    with pytest.raises(ValueError, match="tensor_parallel must be a positive integer"):
+        make(0)
+    with pytest.raises(ValueError, match="kv_dtype='auto' only"):
+        make(2, kv_dtype="int8")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_equal_one_rank_and_hf(tp_engine):
+    one = make(1, **SMALL_POOLS)
+    hf = hf_model(one)
+    plan = prompts(one, 4, 3, seed=1, min_len=40, max_len=64)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    contexts: list[list[int]] = [[] for _ in plan]
+    for t in range(3):
+        turns = [Turn(f"c{i}", plan[i][t], sp) for i in range(len(plan))]
+        got = tp_engine.run(turns)
+        want = one.run(turns)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            contexts[i] += plan[i][t]
+            assert g.token_ids == w.token_ids, f"conversation {i}, turn {t}: TP=2 != TP=1"
+            assert g.token_ids == hf_greedy(hf, contexts[i], 24, set()), (i, t)
+            contexts[i] += g.token_ids
+        tp_engine.cache.check()
+    c = tp_engine.snapshot().counters
+    assert c.swapped_in_tokens > 0 and c.recomputed_tokens > 0, c
+    assert c.dropped_tokens > 0 and c.suspensions > 0, c
+    # The same decisions on both: the plan, not the shard, decides what moves.
+    assert c == one.snapshot().counters
+    one.close()
+
+
+@pytest.mark.timeout(120)
+async def test_killed_worker_fails_turns_without_a_hang(tp_engine):
+    # Runs last: it kills the module's engine.
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    os.kill(tp_engine.tp.procs[0].pid, signal.SIGKILL)
+    tp_engine.tp.procs[0].join(10)
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        tp_engine.run([Turn("k0", [1, 2, 3], sp)])
+    # Served: the turn ends with the error, and so does the next one.
+    server = AsyncEngine(tp_engine.config, engine=tp_engine)
+    await server.start()
+    try:
+        for cid in ("k1", "k2"):
+            with pytest.raises(TensorParallelError, match="rank 1"):
+                await server.generate(Turn(cid, [4, 5, 6], sp))
+    finally:
+        await server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_worker_lost_inside_a_collective_fails_fast(tp_engine):
+    close_open()
+    engine = make(2, gpu_cache_chunks=16)
+    try:
+        sp = SamplingParams(max_tokens=4, ignore_eos=True)
+        assert engine.run([Turn("a", [1, 2, 3], sp)])[0].finish_reason == "length"
+        engine.tp.check = lambda: None  # skip the liveness check: the collectives must notice
+        os.kill(engine.tp.procs[0].pid, signal.SIGKILL)
+        engine.tp.procs[0].join(10)
+        t = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            engine.run([Turn("b", [1, 2, 3], sp)])
+        assert time.monotonic() - t < 30  # the peer's closed socket, not the collective timeout
+    finally:
+        engine.close()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(240)
+def test_bundled_model_at_three_ranks_equals_hf():
+    # 9 heads, 3 KV heads, intermediate size 1536: 3 ranks divide them all.
+    close_open()
+    engine = Engine(
+        EngineConfig(
+            device="cpu",
+            tensor_parallel=3,
+            gpu_cache_chunks=6,
+            cpu_cache_chunks=2,
+            max_batch_tokens=64,
+        )
+    )
+    try:
+        hf = hf_model(engine)
+        plan = prompts(engine, 3, 2, seed=5, min_len=30, max_len=64)
+        sp = SamplingParams(max_tokens=8, ignore_eos=True)
+        contexts: list[list[int]] = [[] for _ in plan]
+        for t in range(2):
+            got = engine.run([Turn(f"b{i}", plan[i][t], sp) for i in range(len(plan))])
+            for i, g in enumerate(got):
+                contexts[i] += plan[i][t]
+                assert g.token_ids == hf_greedy(hf, contexts[i], 8, set()), (i, t)
+                contexts[i] += g.token_ids
+        engine.cache.check()
+    finally:
+        engine.close()
