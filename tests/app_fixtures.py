@@ -26,16 +26,8 @@ ADMIN = "test-admin-token"
 TINY = {"PENSIEVE_GPU_CACHE_CHUNKS": "24", "PENSIEVE_CPU_CACHE_CHUNKS": "32"}
 
 
-@dataclass
-class Server:
-    """`pensieve serve` on a free port; SIGKILL-able, restartable on the same database."""
-
-    database_url: str
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    log_level: str = "warning"  # "info" writes the access log
-    proc: subprocess.Popen | None = None
+class Local:
+    """Something listening on a local port (`self.port`): its HTTP and chat-socket addresses."""
 
     @property
     def url(self) -> str:
@@ -44,6 +36,18 @@ class Server:
     @property
     def ws(self) -> str:
         return f"ws://127.0.0.1:{self.port}/ws/chat/"
+
+
+@dataclass
+class Server(Local):
+    """`pensieve serve` on a free port; SIGKILL-able, restartable on the same database."""
+
+    database_url: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    log_level: str = "warning"  # "info" writes the access log
+    proc: subprocess.Popen | None = None
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}

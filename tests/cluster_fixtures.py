@@ -16,7 +16,7 @@ import redis
 from app import haproxy
 from app.cluster import replica_id
 from tests import services
-from tests.app_fixtures import ADMIN, Server, auth
+from tests.app_fixtures import ADMIN, Local, Server, auth
 from tests.services import free_port, wait_port
 
 # Small, fast replicas: a random-weight tiny model, small pools, short replies, no quota.
@@ -31,21 +31,13 @@ REPLICA_ENV = {
 
 
 @dataclass
-class Front:
+class Front(Local):
     """HAProxy on a free port in front of `servers`."""
 
     servers: list[Server]
     workdir: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws/chat/"
 
     def start(self) -> Front:
         backends = [
