@@ -22,8 +22,9 @@ must give way to a dropped private chunk after it), and of the run's tail when i
 back (truncation). Each table stays laid out [dropped | shared | CPU | GPU].
 
 Prefetch (`prefetch`): a user is typing in an idle conversation, so its CPU chunks are
-copied back to GPU blocks that are free, or reclaimed at no cost from idle chunks worth
-less, from the back of its CPU run (the chunk next to its GPU run) first. They keep their
+copied back to GPU blocks that are free, or taken from idle chunks worth less (reclaimed
+at no cost where they have a CPU copy), from the back of its CPU run (the chunk next to
+its GPU run) first. They keep their
 CPU copies: if the user never sends, they are reclaimed for free once they are worth less
 than others (their value falls with idle time like any other chunk's). The next admission
 counts the tokens prefetch brought back that are still on the GPU (`prefetched_tokens`).
@@ -512,9 +513,9 @@ class KVCacheManager:
 
     def _reclaim_for(self, t: ChunkTable, key, copies: CopyPlan) -> bool:
         """A free GPU block for a prefetch of `t`: free already, or the GPU block of the
-        lowest-value idle chunk if it is worth less than `key` and has a CPU copy or a free
-        CPU block to be swapped out to (nothing is dropped for a prefetch). Never a running
-        turn's block (pinned chunks are no candidates)."""
+        lowest-value idle chunk if it is worth less than `key` (reclaimed at no cost when it
+        has a CPU copy, else evicted as an admission would). Never a running turn's block
+        (pinned chunks are no candidates)."""
         if self.gpu.num_free:
             return True
         self._gpu_heap.ensure(self._candidates())
@@ -523,8 +524,6 @@ class KVCacheManager:
             return False
         x, i = found
         if x is t or self._key(x, i) >= key:
-            return False
-        if self._chunk(x, i).cpu is None and not self.cpu.num_free:
             return False
         if isinstance(x, Chunk):
             self._evict_shared_gpu(x, copies)

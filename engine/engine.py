@@ -23,7 +23,7 @@ from engine.profile import load_or_profile
 from engine.request import FINISHED, RUNNING, Request
 from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import FAILED, PENDING, READY, Scheduler
+from engine.scheduler import FAILED, PENDING, PREFETCH_WAIT_S, READY, Scheduler
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -264,7 +264,7 @@ class Engine:
                 self.scheduler.add_prefetch(req)
             elif self.cache.on_cpu(table):
                 self.clock.touch(conversation_id, now)
-                self.scheduler.swap_prefetch[table] = None
+                self.scheduler.swap_prefetch[table] = now + PREFETCH_WAIT_S
 
     def _supersede(self, conversation_id: str, keep: bool) -> Request | None:
         """A real turn comes: the conversation's prefetch ends. A running one is left

@@ -28,7 +28,7 @@ from engine.request import FINISHED, RUNNING, WAITING, Request
 
 # What a history read of a waiting turn says (see `Scheduler.fetch`).
 READY, PENDING, FAILED = "ready", "pending", "failed"
-PREFETCH_WAIT_S = 15.0  # a recompute prefetch not admitted by then is given up
+PREFETCH_WAIT_S = 15.0  # a prefetch that found no room by then is given up
 
 
 @dataclass
@@ -71,7 +71,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefetching: deque[Request] = deque()  # recompute prefetches not admitted yet
-        self.swap_prefetch: dict[ChunkTable, None] = {}  # tables to swap in ahead of a turn
+        # tables to swap in ahead of a turn, and until when to keep trying
+        self.swap_prefetch: dict[ChunkTable, float] = {}
 
     def add(self, req: Request) -> None:
         req.status = WAITING
@@ -216,8 +217,9 @@ class Scheduler:
         return budget
 
     def _admit_prefetch(self, budget: int, plan: StepPlan) -> int:
-        """Admit recompute prefetches while there is room (the oldest first; one that
-        waited longer than PREFETCH_WAIT_S is given up)."""
+        """Admit recompute prefetches while a real turn would be admitted (the oldest
+        first; one that waited longer than PREFETCH_WAIT_S is given up). Making room evicts
+        idle chunks by value, as for a turn: the typing conversation is worth the most."""
         skipped: list[Request] = []
         try:
             while self.prefetching and budget > 0 and len(self.running) < self.max_running:
@@ -232,14 +234,10 @@ class Scheduler:
                 if time.time() - req.stats.arrival_s > PREFETCH_WAIT_S:  # the moment passed
                     self.finish(self.prefetching[0], "expired")
                     continue
-                # Room without dropping anything: free blocks, blocks reclaimable at no
-                # cost, and blocks swapped out to free CPU blocks.
-                cache, table = self.cache, req.table
-                room = cache.gpu.num_free + cache.reclaimable() + cache.cpu.num_free
-                if not self._can_admit(req) or cache.blocks_needed(table, req.total) > room:
+                if not self._can_admit(req):  # the room a real turn would need
                     break
                 self.prefetching.popleft()
-                adm = cache.admit(table, req.state.kv_len, req.total, prefetch=True)
+                adm = self.cache.admit(req.table, req.state.kv_len, req.total, prefetch=True)
                 plan.before.extend(adm.copies)
                 req.admitted_once = True
                 req.stats.cached_tokens = adm.cached_tokens
@@ -261,7 +259,7 @@ class Scheduler:
                 continue
             copies, done = self.cache.prefetch(table)
             plan.before.extend(copies)
-            if done or not copies:  # no room now: the next typing frame asks again
+            if done or time.time() > self.swap_prefetch[table]:
                 del self.swap_prefetch[table]
 
     # ---- after a step ----------------------------------------------------------------------

@@ -262,7 +262,7 @@ def test_prefetch_swaps_in_back_first_and_keeps_the_copies():
     m.check()
 
 
-def test_prefetch_takes_no_running_blocks_and_drops_nothing():
+def test_prefetch_takes_no_running_blocks():
     m, clock, now = manager(gpu=4, cpu=4)
     turn(m, clock, "a", 8, when=1000.0)
     turn(m, clock, "b", 16, when=1001.0)  # a all on the CPU
