@@ -40,7 +40,6 @@ from bench.serve import (
     model_args,
 )
 
-
 TURN_STATS = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", "prefetched_tokens")
 
 
