@@ -179,6 +179,7 @@ class ChatSocket:
         kind = frame.get("type")
         if kind == "typing":
             self.sv.clock.touch(self.conversation_id)
+            self._prefetch()
         elif kind == "cancel":
             self.cancelled = True
             if self.stream is not None:
@@ -187,6 +188,17 @@ class ChatSocket:
             await self._start_turn(frame)
         else:
             await self.error("unknown_type", f"unknown frame type {kind!r:.40}")
+
+    def _prefetch(self) -> None:
+        """A message is coming: the engine brings the chat's context back to the GPU tier
+        meanwhile. A hint: nothing it does reaches the socket."""
+        prefetch = getattr(self.sv.engine, "prefetch", None)
+        if prefetch is None or (self.turn is not None and not self.turn.done()):
+            return
+        try:
+            prefetch(self.conversation_id)
+        except Exception:
+            log.exception("prefetch of %s failed", self.conversation_id)
 
     async def _start_turn(self, frame: dict) -> None:
         """A `message`, an `edit` (the chat cut back to before message `seq`, then the new
@@ -246,6 +258,7 @@ class ChatSocket:
                     "cached_tokens": s.cached_tokens,
                     "swapped_in_tokens": s.swapped_in_tokens,
                     "recomputed_tokens": s.recomputed_tokens,
+                    "prefetched_tokens": s.prefetched_tokens,
                 },
                 "timing": {
                     "ttft_ms": round(done.ttft_s * 1000, 1),

@@ -67,6 +67,10 @@ class EngineCollector:
                 "Context tokens evicted from the CPU tier.",
             ),
             "suspensions": ("pensieve:num_preemptions", "Running turns suspended to CPU."),
+            "prefetched_tokens": (
+                "pensieve:prefetched_tokens",
+                "Context brought back to the GPU tier while the user was typing.",
+            ),
             "shared_tokens": (
                 "pensieve:shared_tokens",
                 "Prompt tokens of new conversations found in chunks shared with others.",

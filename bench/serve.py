@@ -30,7 +30,13 @@ from bench.common import RESULTS, environment, host_memory_gb
 from bench.presets import MODES, PRESETS, Mode, Preset
 
 # Per-turn token counts a reply reports, in process and over the WebSocket alike.
-_USAGE = ("prompt_tokens", "cached_tokens", "swapped_in_tokens", "recomputed_tokens")
+_USAGE = (
+    "prompt_tokens",
+    "cached_tokens",
+    "swapped_in_tokens",
+    "recomputed_tokens",
+    "prefetched_tokens",
+)
 
 
 # ---------------------------------------------------------------- drivers

@@ -165,6 +165,12 @@ class AsyncEngine:
         self._post(("free", conversation_id, fut))
         return fut
 
+    def prefetch(self, conversation_id: str) -> None:
+        """The user is typing: bring the conversation's context back to the GPU tier at low
+        priority (see `Engine.prefetch`). Cheap, never raises; repeated calls are one."""
+        if self.alive and conversation_id not in self._busy:
+            self._post(("prefetch", conversation_id))
+
     def snapshot(self) -> EngineSnapshot:
         """Residency as of at most a fraction of a second ago (never waits for a step)."""
         if self._snapshot is None:
@@ -206,7 +212,7 @@ class AsyncEngine:
                 except Exception as e:  # a bug, not I/O: fail what was in flight, keep serving
                     log.exception("engine step failed")
                     ended = engine.fail_all(e)
-                self._running = len(engine.scheduler.running)
+                self._running = sum(1 for r in engine.scheduler.running if not r.prefetch)
                 for req in ended:
                     self._finish(req)
                 if not ended and not engine.scheduler.running:
@@ -248,6 +254,11 @@ class AsyncEngine:
                 req = item[1].request
                 if req is not None:
                     self.engine.cancel(req)
+            elif kind == "prefetch":
+                try:
+                    self.engine.prefetch(item[1])
+                except Exception:  # a hint only: the turn that follows works without it
+                    log.exception("prefetch of %s failed", item[1])
             elif kind == "free":
                 _, cid, fut = item
                 try:

@@ -20,6 +20,14 @@ sum of its holders' values, and freed when its last holder lets go. A holder let
 its whole shared run when it must recompute (it has dropped chunks before it, or the run
 must give way to a dropped private chunk after it), and of the run's tail when it is cut
 back (truncation). Each table stays laid out [dropped | shared | CPU | GPU].
+
+Prefetch (`prefetch`): a user is typing in an idle conversation, so its CPU chunks are
+copied back to GPU blocks that are free, or taken from idle chunks worth less (reclaimed
+at no cost where they have a CPU copy), from the back of its CPU run (the chunk next to
+its GPU run) first. They keep their
+CPU copies: if the user never sends, they are reclaimed for free once they are worth less
+than others (their value falls with idle time like any other chunk's). The next admission
+counts the tokens prefetch brought back that are still on the GPU (`prefetched_tokens`).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class Admission:
     cached_tokens: int  # context already on the GPU
     swapped_in_tokens: int  # context coming back from the CPU
     recompute_tokens: int  # leading positions [0, n) to recompute from raw history
+    prefetched_tokens: int = 0  # of cached_tokens: those a prefetch brought back
     copies: CopyPlan = field(default_factory=CopyPlan)  # swap-outs to make room, swap-ins
 
 
@@ -85,6 +94,7 @@ class Counters:
     dropped_tokens: int = 0
     suspensions: int = 0
     shared_tokens: int = 0  # prompt tokens of new conversations found in shared chunks
+    prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
 
 
 class _LazyHeap:
@@ -356,14 +366,20 @@ class KVCacheManager:
             return after <= self.gpu.num_blocks
         return after <= self.gpu.num_blocks * (1.0 - self.admit_reserve)
 
-    def admit(self, t: ChunkTable, kv_len: int, upto: int) -> Admission:
+    def admit(self, t: ChunkTable, kv_len: int, upto: int, prefetch: bool = False) -> Admission:
         """Pin the table and give every chunk of [0, upto) a GPU block. `kv_len` positions
-        have KV (held or dropped); positions from there on are about to be written."""
+        have KV (held or dropped); positions from there on are about to be written.
+        `prefetch`: the turn only brings the context back ahead of the user's message."""
         copies = CopyPlan()
         if t.n_dropped:  # recomputed from position 0: its shared run is recomputed too
             self._let_go(t)
         self._set_pinned(t, True)
         cs = self.chunk_size
+        prefetched = 0
+        for i, c in enumerate(t.chunks):  # found again on the GPU thanks to a prefetch
+            if c.prefetched and c.gpu is not None:
+                prefetched += max(0, min(cs, kv_len - i * cs))
+            c.prefetched = False
         need = self.blocks_needed(t, upto)
         if not self._make_room_gpu(need, copies):
             self._set_pinned(t, False)
@@ -378,6 +394,7 @@ class KVCacheManager:
                 cached += tokens
                 continue
             self._set_gpu(t, chunk)
+            chunk.prefetched = prefetch
             if chunk.cpu is not None:
                 copies.swap_in.append((chunk.cpu, chunk.gpu))
                 swapped += tokens
@@ -393,7 +410,9 @@ class KVCacheManager:
         self.counters.cached_tokens += cached
         self.counters.swapped_in_tokens += swapped
         self.counters.recomputed_tokens += recompute
-        return Admission(cached, swapped, recompute, copies)
+        if prefetch:
+            self.counters.prefetched_tokens += swapped
+        return Admission(cached, swapped, recompute, prefetched, copies)
 
     def grow(self, t: ChunkTable, kv_len: int, upto: int) -> CopyPlan | None:
         """Room for a running turn to compute positions [kv_len, upto): the copies that make
@@ -459,6 +478,58 @@ class KVCacheManager:
         t.n_shared = min(t.n_shared, keep)
         t.n_off_gpu = min(t.n_off_gpu, keep)
         self._changed(t)
+
+    # ---- prefetch -------------------------------------------------------------------------
+
+    def on_cpu(self, t: ChunkTable) -> bool:
+        """The idle table holds chunks on the CPU tier only (none dropped): a swap-in
+        prefetch can bring them back."""
+        if t.pinned or t.n_dropped or self.mode != "pensieve":
+            return False
+        return t.n_off_gpu > t.n_shared or any(c.gpu is None for c in self._run(t))
+
+    def prefetch(self, t: ChunkTable) -> tuple[CopyPlan, bool]:
+        """Copy the idle table's CPU chunks back to the GPU, back of the CPU run first, into
+        free blocks or blocks reclaimed at no cost from idle chunks worth less. Returns the
+        swap-ins and whether nothing is left to bring back."""
+        copies = CopyPlan()
+        if not self.on_cpu(t):
+            return copies, True
+        for i in range(t.n_off_gpu - 1, t.n_dropped - 1, -1):
+            c = t.chunks[i]
+            if c.gpu is not None:  # a shared chunk already on the GPU
+                continue
+            owner = c if c.shared else t
+            if not self._reclaim_for(t, self._key(owner, i), copies):
+                return copies, False
+            self._set_gpu(None if c.shared else t, c)
+            c.prefetched = True
+            copies.swap_in.append((c.cpu, c.gpu))
+            self.counters.prefetched_tokens += self._chunk_tokens(t, i)
+            if i >= t.n_shared:  # the CPU run ends one chunk earlier: the layout holds
+                t.n_off_gpu = i
+            self._changed(c if c.shared else t)
+        return copies, True
+
+    def _reclaim_for(self, t: ChunkTable, key, copies: CopyPlan) -> bool:
+        """A free GPU block for a prefetch of `t`: free already, or the GPU block of the
+        lowest-value idle chunk if it is worth less than `key` (reclaimed at no cost when it
+        has a CPU copy, else evicted as an admission would). Never a running turn's block
+        (pinned chunks are no candidates)."""
+        if self.gpu.num_free:
+            return True
+        self._gpu_heap.ensure(self._candidates())
+        found = self._gpu_heap.pop()
+        if found is None:
+            return False
+        x, i = found
+        if x is t or self._key(x, i) >= key:
+            return False
+        if isinstance(x, Chunk):
+            self._evict_shared_gpu(x, copies)
+        else:
+            self._evict_front_gpu(x, copies)
+        return self.gpu.num_free > 0
 
     # ---- ahead-of-time swap-out -----------------------------------------------------------
 
@@ -614,6 +685,7 @@ class KVCacheManager:
     def _clear_gpu(self, t: ChunkTable | None, c: Chunk) -> None:
         self.gpu.release(c.gpu)
         c.gpu = None
+        c.prefetched = False
         self._count(t, c, -1, -(c.cpu is not None))
 
     def _set_cpu(self, t: ChunkTable | None, c: Chunk, block: int) -> None:

@@ -28,6 +28,7 @@ class Chunk:
     # dropped (then it is the first chunk its holders still hold).
     parent: Chunk | None = None
     pins: int = 0  # holders running a turn: it stays on the GPU while this is not 0
+    prefetched: bool = False  # brought back to the GPU by a prefetch, not yet used by a turn
 
     @property
     def shared(self) -> bool:

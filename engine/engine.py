@@ -23,7 +23,7 @@ from engine.profile import load_or_profile
 from engine.request import FINISHED, RUNNING, Request
 from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import FAILED, PENDING, READY, Scheduler
+from engine.scheduler import FAILED, PENDING, PREFETCH_WAIT_S, READY, Scheduler
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -158,6 +158,7 @@ class Engine:
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self._prefetching: dict[str, Request] = {}  # recompute prefetches in flight
 
     # ---- turns in ----------------------------------------------------------------------------
 
@@ -204,6 +205,7 @@ class Engine:
                 )
             self.streams[state.id] = state
             table = self.cache.table(state.id)
+            prefetch = self._supersede(state.id, keep=length == state.length)
             if length != state.length:
                 self._resync(state, length)
             now = time.time()
@@ -234,8 +236,89 @@ class Engine:
             if self.owns_history:
                 self.history.append(state.id, list(turn.prompt_token_ids))
             self.counters["prompt_tokens"] += len(turn.prompt_token_ids)
-            self.scheduler.add(req)
+            if prefetch is not None and prefetch.status == RUNNING:
+                self._take_over(prefetch, req)
+            else:
+                if prefetch is not None and prefetch.base == req.base:  # its history read
+                    req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
+                self.scheduler.add(req)
             return req
+
+    # ---- prefetch ----------------------------------------------------------------------------
+
+    def prefetch(self, conversation_id: str) -> None:
+        """The user of an idle conversation is typing: start bringing its context back to
+        the GPU tier at low priority (swap-in of its CPU chunks, or an internal turn that
+        recomputes a dropped prefix and samples nothing), so that the message that follows
+        finds it there. A no-op for unknown, busy or already prefetching conversations, the
+        baseline cache modes, and a context that is all on the GPU already."""
+        with self.lock:
+            state = self.streams.get(conversation_id)
+            table = self.cache.tables.get(conversation_id)
+            if self.cache.mode != "pensieve" or state is None or table is None:
+                return
+            if state.busy or table.pinned or state.kv_len == 0:
+                return
+            if conversation_id in self._prefetching or table in self.scheduler.swap_prefetch:
+                return  # typing frames come often: one prefetch at a time
+            now = time.time()
+            if table.n_dropped:
+                self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
+                req = Request(
+                    turn=Turn(conversation_id, []),
+                    state=state,
+                    table=table,
+                    seq=next(self._seq),
+                    base=state.kv_len,
+                    tokens=[],
+                    stats=TurnStats(arrival_s=now),
+                    prefetch=True,
+                )
+                self._prefetching[conversation_id] = req
+                self.scheduler.add_prefetch(req)
+            elif self.cache.on_cpu(table):
+                self.clock.touch(conversation_id, now)
+                self.scheduler.swap_prefetch[table] = now + PREFETCH_WAIT_S
+
+    def _supersede(self, conversation_id: str, keep: bool) -> Request | None:
+        """A real turn comes: the conversation's prefetch ends. A running one is left
+        running if `keep` (the context stays as it is), for the turn to take over."""
+        table = self.cache.tables.get(conversation_id)
+        if table is not None:
+            self.scheduler.swap_prefetch.pop(table, None)
+        req = self._prefetching.pop(conversation_id, None)
+        if req is None or req.status == FINISHED:
+            return None
+        if not (keep and req.status == RUNNING):
+            self.scheduler.finish(req, "superseded")
+        return req
+
+    def _take_over(self, prefetch: Request, req: Request) -> None:
+        """The real turn `req` goes on from where the running prefetch is: in its place in
+        the running batch, with the recompute left to do, then its own prompt."""
+        done = prefetch.pending[0][0] if prefetch.pending else prefetch.stats.recomputed_tokens
+        p, s = prefetch.stats, req.stats
+        s.cached_tokens = p.cached_tokens + p.swapped_in_tokens + done
+        s.prefetched_tokens = p.swapped_in_tokens + done
+        s.recomputed_tokens = p.recomputed_tokens - done
+        self.cache.counters.prefetched_tokens += done
+        req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
+        req.admitted_once = True
+        req.pending = list(prefetch.pending)
+        if req.state.kv_len < req.total:
+            req.pending.append((req.state.kv_len, req.total))
+        req.status = RUNNING
+        running = self.scheduler.running
+        running[running.index(prefetch)] = req
+        prefetch.status, prefetch.finish_reason = FINISHED, "superseded"
+
+    def _end_prefetch(self, req: Request, reason: str) -> None:
+        if req.status != FINISHED:
+            self.scheduler.finish(req, reason)
+        if reason == "prefetched":  # its recompute is done
+            self.cache.counters.prefetched_tokens += req.stats.recomputed_tokens
+        if self._prefetching.get(req.state.id) is req:
+            del self._prefetching[req.state.id]
 
     def _resync(self, state: StreamState, length: int) -> None:
         """The caller's durable history says the stream has `length` tokens before this turn."""
@@ -291,6 +374,7 @@ class Engine:
             state = self.streams.get(conversation_id)
             if state is not None and state.busy:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
+            self._supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
             if self.owns_history:
@@ -319,6 +403,8 @@ class Engine:
                 tokens = self.runner.step(plan.pieces, plan.before)
             else:
                 self.pool.begin_step(plan.before)
+                for layer in range(len(self.pool.layers)):  # no forward: copy it all in now
+                    self.pool.before_attention(layer)
                 tokens = []
             now = time.time()
             sampled = iter(tokens)
@@ -327,6 +413,8 @@ class Engine:
                 state.kv_len = max(state.kv_len, p.end)
                 if p.sample:
                     ended += self._accept(p.req, next(sampled), now)
+                elif p.req.prefetch and p.req.status == RUNNING and not p.req.pending:
+                    self._end_prefetch(p.req, "prefetched")
             self.pool.end_step(plan.after)
             for req in ended:  # after the step's copies: publishing may free blocks
                 if req.chain and req.finish_reason != "error":
@@ -357,6 +445,9 @@ class Engine:
         return [req]
 
     def _end(self, req: Request, reason: str, now: float) -> None:
+        if req.prefetch:
+            self._end_prefetch(req, reason)
+            return
         self.scheduler.finish(req, reason)
         state = req.state
         state.length = req.total
@@ -382,6 +473,7 @@ class Engine:
         """End every turn in flight with `error` (a step failed: the state may be broken)."""
         with self.lock:
             failed = [*self.scheduler.running, *self.scheduler.waiting]
+            failed += self.scheduler.prefetching
             now = time.time()
             for req in failed:
                 req.error = error
@@ -392,11 +484,14 @@ class Engine:
                     req.status, req.finish_reason, req.state.busy = FINISHED, "error", False
             self.scheduler.running.clear()
             self.scheduler.waiting.clear()
+            self.scheduler.prefetching.clear()
+            self.scheduler.swap_prefetch.clear()
             return failed
 
     def wait_for_io(self, timeout: float = 0.05) -> None:
         """Nothing could be scheduled: wait until a history read finishes."""
-        futures = [r.fetch for r in self.scheduler.waiting if r.fetch is not None]
+        queued = [*self.scheduler.waiting, *self.scheduler.prefetching]
+        futures = [r.fetch for r in queued if r.fetch is not None]
         if futures:
             wait(futures, timeout=timeout)
         else:

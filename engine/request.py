@@ -35,6 +35,7 @@ class Request:
     cancelled: bool = False
     admitted_once: bool = False
     error: BaseException | None = None  # why it ended with finish_reason "error"
+    prefetch: bool = False  # an internal turn that only recomputes the context (typing)
     handle: Any = None  # the front end's object for this turn (AsyncEngine: its TurnStream)
     # A conversation's first turn: hash chain of its prompt's full chunks, published when
     # it ends so that later conversations starting the same way can link them.

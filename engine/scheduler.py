@@ -8,19 +8,27 @@ latest-arrived running turns are suspended: their KV leaves the GPU and they wai
 A step is a value: `schedule` returns a `StepPlan` with everything the engine must carry
 out (the batch, the copies before and after the forward, the turns that must end).
 Reading history is I/O and may fail: that is a status of one turn, never an exception.
+
+Prefetch (a user is typing in an idle conversation) is the lowest priority: only when no
+turn waits for admission, with what is left of the budget (a share of it while real turns
+run), its swap-ins in the step's copies and its recomputes as internal turns that sample
+nothing, are the first suspended, and end when a real turn of their conversation comes.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache import CopyPlan, KVCacheManager
+from engine.conversation import ChunkTable
 from engine.request import FINISHED, RUNNING, WAITING, Request
 
 # What a history read of a waiting turn says (see `Scheduler.fetch`).
 READY, PENDING, FAILED = "ready", "pending", "failed"
+PREFETCH_WAIT_S = 15.0  # a prefetch that found no room by then is given up
 
 
 @dataclass
@@ -62,13 +70,20 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefetching: deque[Request] = deque()  # recompute prefetches not admitted yet
+        # tables to swap in ahead of a turn, and until when to keep trying
+        self.swap_prefetch: dict[ChunkTable, float] = {}
 
     def add(self, req: Request) -> None:
         req.status = WAITING
         self.waiting.append(req)
 
+    def add_prefetch(self, req: Request) -> None:
+        req.status = WAITING
+        self.prefetching.append(req)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefetching or self.swap_prefetch)
 
     # ---- planning a step ---------------------------------------------------------------------
 
@@ -79,16 +94,19 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_batch_tokens
         prefill_step = self.unified or self._wants_prefill()
-        for req in sorted(self.running, key=lambda r: r.seq):
+        for req in sorted(self.running, key=lambda r: (r.prefetch, r.seq)):
             if budget <= 0:
                 break
             if req.status != RUNNING:  # suspended earlier in this loop
                 continue
             if not self.unified and req.in_prefill != prefill_step:
                 continue
-            budget -= self._take(req, budget, plan)
+            budget -= self._take(req, self._prefetch_budget(req, budget), plan)
         if prefill_step:
             budget = self._admit(budget, plan)
+            if not self.waiting:  # real work first
+                budget = self._admit_prefetch(budget, plan)
+                self._swap_prefetch(plan)
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
         return plan
 
@@ -101,6 +119,13 @@ class Scheduler:
             and self._can_admit(self.waiting[0])
         )
 
+    def _prefetch_budget(self, req: Request, budget: int) -> int:
+        """A prefetch takes at most a quarter of the step's tokens while real turns run, so
+        that their decode steps stay short."""
+        if not req.prefetch or all(r.prefetch for r in self.running):
+            return budget
+        return min(budget, max(self.cache.chunk_size, self.max_batch_tokens // 4))
+
     def _take(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Schedule up to `budget` of a running turn's pending tokens; returns how many."""
         taken = 0
@@ -109,7 +134,8 @@ class Scheduler:
             stop = min(end, start + budget - taken)
             if not self._room(req, stop, plan):
                 break
-            plan.pieces.append(Piece(req, start, stop, sample=stop == req.total))
+            sample = stop == req.total and not req.prefetch
+            plan.pieces.append(Piece(req, start, stop, sample=sample))
             taken += stop - start
             if stop < end:
                 req.pending[0] = (stop, end)
@@ -124,7 +150,7 @@ class Scheduler:
             if alive == [req]:  # it alone fills the GPU tier: it cannot grow any further
                 plan.full.append(req)
                 return False
-            victim = max(alive, key=lambda r: r.seq)
+            victim = max(alive, key=lambda r: (r.prefetch, r.seq))
             self._suspend(victim, plan)
             if victim is req:
                 return False
@@ -138,6 +164,12 @@ class Scheduler:
             req.pending.pop(0)
 
     def _suspend(self, req: Request, plan: StepPlan) -> None:
+        if req.prefetch:  # a prefetch is not worth a swap-out: it just ends, all of it undone
+            plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
+            n = req.stats.recomputed_tokens
+            req.pending = [(0, n)] if n else []
+            self.finish(req, "suspended")
+            return
         self._discard_partial_recompute(req)
         plan.before.extend(self.cache.suspend(req.table, req.state.kv_len))
         self.running.remove(req)
@@ -172,6 +204,7 @@ class Scheduler:
                     req.admitted_once = True
                     req.stats.cached_tokens = adm.cached_tokens
                     req.stats.swapped_in_tokens = adm.swapped_in_tokens
+                    req.stats.prefetched_tokens = adm.prefetched_tokens
                 req.stats.recomputed_tokens += adm.recompute_tokens
                 req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
                 if req.state.kv_len < req.total:
@@ -183,6 +216,52 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _admit_prefetch(self, budget: int, plan: StepPlan) -> int:
+        """Admit recompute prefetches while a real turn would be admitted (the oldest
+        first; one that waited longer than PREFETCH_WAIT_S is given up). Making room evicts
+        idle chunks by value, as for a turn: the typing conversation is worth the most."""
+        skipped: list[Request] = []
+        try:
+            while self.prefetching and budget > 0 and len(self.running) < self.max_running:
+                req = self.prefetching[0]
+                status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
+                if status == FAILED:  # the real turn will read (and report) it again
+                    self.finish(self.prefetching[0], "error")
+                    continue
+                if status == PENDING:
+                    skipped.append(self.prefetching.popleft())
+                    continue
+                if time.time() - req.stats.arrival_s > PREFETCH_WAIT_S:  # the moment passed
+                    self.finish(self.prefetching[0], "expired")
+                    continue
+                if not self._can_admit(req):  # the room a real turn would need
+                    break
+                self.prefetching.popleft()
+                adm = self.cache.admit(req.table, req.state.kv_len, req.total, prefetch=True)
+                plan.before.extend(adm.copies)
+                req.admitted_once = True
+                req.stats.cached_tokens = adm.cached_tokens
+                req.stats.swapped_in_tokens = adm.swapped_in_tokens
+                req.stats.recomputed_tokens = adm.recompute_tokens
+                req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
+                req.status = RUNNING
+                self.running.append(req)
+                budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+        finally:
+            self.prefetching.extendleft(reversed(skipped))
+        return budget
+
+    def _swap_prefetch(self, plan: StepPlan) -> None:
+        """Swap in the CPU chunks of conversations whose user is typing, where there is room."""
+        for table in list(self.swap_prefetch):
+            if self.cache.tables.get(table.id) is not table:  # forgotten meanwhile
+                del self.swap_prefetch[table]
+                continue
+            copies, done = self.cache.prefetch(table)
+            plan.before.extend(copies)
+            if done or time.time() > self.swap_prefetch[table]:
+                del self.swap_prefetch[table]
+
     # ---- after a step ----------------------------------------------------------------------
 
     def finish(self, req: Request, reason: str) -> None:
@@ -193,5 +272,7 @@ class Scheduler:
             self.cache.release(req.table, req.state.kv_len)
         elif req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)
+        elif req.status == WAITING and req in self.prefetching:
+            self.prefetching.remove(req)
         req.status = FINISHED
         req.finish_reason = reason

@@ -28,6 +28,7 @@ class EngineCounters:
     generated_tokens: int = 0
     steps: int = 0
     shared_tokens: int = 0  # prompt tokens of new conversations found in shared chunks
+    prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
     running: int = 0
     waiting: int = 0
 

@@ -109,6 +109,7 @@ class TurnStats:
     swapped_in_tokens: int = 0  # context brought back from the CPU tier
     recomputed_tokens: int = 0  # context recomputed from raw history
     shared_tokens: int = 0  # prompt tokens found in chunks shared with other conversations
+    prefetched_tokens: int = 0  # of the context on the GPU: what a prefetch brought back
     arrival_s: float = 0.0
     first_token_s: float = 0.0
     finish_s: float = 0.0

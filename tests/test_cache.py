@@ -235,3 +235,53 @@ def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, evict
             running[cid] = True
         m.swap_out_ahead()
         m.check()
+
+
+def test_prefetch_swaps_in_back_first_and_keeps_the_copies():
+    m, clock, now = manager(gpu=6, cpu=8)
+    turn(m, clock, "a", 16, when=1000.0)
+    now.t = 1010.0
+    turn(m, clock, "b", 16, when=1010.0)  # a's first two chunks go to the CPU
+    a, b = m.tables["a"], m.tables["b"]
+    assert a.tiers() == ["cpu", "cpu", "gpu", "gpu"]
+    cpu_blocks = [c.cpu for c in a.chunks[:2]]
+    now.t = 1030.0
+    clock.touch("a")  # typing: a is worth more than b, idle for 20 s
+    m.begin_step()
+    copies, done = m.prefetch(a)
+    assert done and a.tiers() == ["gpu"] * 4
+    # back of the CPU run first; b's lowest-value chunks made the room (swapped out)
+    assert [src for src, _ in copies.swap_in] == cpu_blocks[::-1]
+    assert len(copies.swap_out) == 2 and b.tiers()[:2] == ["cpu", "cpu"]
+    assert all(c.cpu is not None for c in a.chunks[:2])  # reclaimable for free
+    assert m.counters.prefetched_tokens == 8
+    m.check()
+    m.begin_step()
+    adm = m.admit(a, 16, 17)
+    assert (adm.cached_tokens, adm.swapped_in_tokens, adm.prefetched_tokens) == (16, 0, 8)
+    m.check()
+
+
+def test_prefetch_takes_no_running_blocks():
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 8, when=1000.0)
+    turn(m, clock, "b", 16, when=1001.0)  # a all on the CPU
+    m.begin_step()
+    m.admit(m.tables["b"], 16, 16)  # b runs: its blocks are pinned
+    before = m.tables["a"].tiers()
+    copies, done = m.prefetch(m.tables["a"])
+    assert not copies and not done and m.tables["a"].tiers() == before == ["cpu", "cpu"]
+    m.release(m.tables["b"], 16)
+    m.check()
+    # a prefetched conversation that does not send is evicted again like any idle one
+    now.t = 1100.0
+    clock.touch("a")
+    m.begin_step()
+    copies, done = m.prefetch(m.tables["a"])
+    assert done and m.tables["a"].tiers() == ["gpu", "gpu"]
+    now.t = 2000.0
+    clock.touch("b")
+    m.begin_step()
+    adm = m.admit(m.tables["b"], 16, 16)
+    assert m.tables["a"].tiers() == ["cpu", "cpu"] and not adm.copies.swap_out  # no cost
+    m.check()

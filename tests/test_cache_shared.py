@@ -121,6 +121,20 @@ class Sim:
         chain = self.chain.pop(cid, [])
         self.m.publish(t, chain[: self.kv_len[cid] // CS])
 
+    def prefetch(self, cid: str) -> None:
+        """The user is typing: swap the CPU chunks in, or recompute a dropped prefix."""
+        t, kv = self.m.tables[cid], self.kv_len[cid]
+        self.clock.touch(cid)
+        if t.n_dropped:
+            if self.m.can_admit(t, kv):
+                adm = self.m.admit(t, kv, kv, prefetch=True)
+                self.copy(adm.copies)
+                self.write(cid, 0, adm.recompute_tokens)
+                self.m.release(t, kv)
+            return
+        copies, _ = self.m.prefetch(t)
+        self.copy(copies)
+
     def truncate(self, cid: str, length: int) -> None:
         self.m.truncate(self.m.tables[cid], length)
         del self.streams[cid][length:]
@@ -238,7 +252,7 @@ def test_baselines_do_not_share():
 
 
 OPS = st.tuples(
-    st.sampled_from(["go"] * 8 + ["end", "truncate", "forget", "restart", "suspend"]),
+    st.sampled_from(["go"] * 8 + ["end", "truncate", "forget", "restart", "suspend", "prefetch"]),
     st.integers(0, 7),  # conversation
     st.integers(0, 30),  # a size, a choice, seconds that pass
 )
@@ -288,5 +302,7 @@ def test_random_workload_keeps_refcounts_tiers_and_contents(ops, gpu, cpu, evict
             sim.forget(cid)
         elif kind == "restart" and state == "idle" and cid in sim.streams:
             sim.restart(cid)
+        elif kind == "prefetch" and state == "idle" and cid in sim.streams:
+            sim.prefetch(cid)
         sim.copy(sim.m.swap_out_ahead(), after=True)
         sim.verify()

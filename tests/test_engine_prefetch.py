@@ -1,0 +1,97 @@
+"""Typing-aware prefetch in the engine: a conversation pushed to the CPU tier and one whose
+prefix was dropped are brought back before their next turn, which then finds its context
+on the GPU tier (prefetched_tokens > 0) and answers exactly as without prefetch and as
+Hugging Face transformers; a turn that arrives while the prefetch runs takes it over."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams, Turn
+from tests.oracle import hf_greedy, hf_model
+
+SP = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    return [[rng.randrange(5, 5000) for _ in range(n)] for n in (150, 300, 10)]
+
+
+def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048):
+    """a's first turn, then b's pushes a off the GPU tier (to the CPU, or dropped when
+    there is no CPU tier); b is deleted (room for a recompute); a's second turn, after a
+    prefetch run to completion ("full"), after one step of it ("step"), or none."""
+    a1, b1, a2 = prompts
+    engine = Engine(
+        EngineConfig(
+            model="dummy:tiny",
+            device="cpu",
+            gpu_cache_chunks=12,
+            cpu_cache_chunks=cpu,
+            max_batch_tokens=max_batch_tokens,
+        )
+    )
+    first = engine.run([Turn("a", a1, SP)])[0]
+    engine.run([Turn("b", b1, SP)])
+    time.sleep(0.02)  # b idle for a moment: worth less than a once a's user types
+    before = engine.cache.tables["a"].tiers()
+    if cpu == 0:
+        engine.free("b")
+    if prefetch:
+        engine.prefetch("a")
+        engine.prefetch("a")  # repeated typing frames are one prefetch
+        engine.step()
+        while prefetch == "full" and engine.has_work():
+            engine.step()
+        engine.cache.check()
+    after = engine.cache.tables["a"].tiers()
+    second = engine.run([Turn("a", a2, SP)])[0]
+    engine.cache.check()
+    context = a1 + first.token_ids + a2
+    return before, after, second, context, engine
+
+
+@pytest.mark.parametrize("cpu", [32, 0], ids=["cpu-tier", "dropped"])
+def test_prefetched_context_is_found_on_the_gpu(prompts, cpu):
+    before, _, plain, _, _ = replay(prompts, cpu, None)
+    assert ("cpu" if cpu else "dropped") in before
+    assert plain.stats.prefetched_tokens == 0
+    _, after, got, context, engine = replay(prompts, cpu, "full")
+    assert after == ["gpu"] * len(after)
+    s = got.stats
+    assert s.prefetched_tokens > 0 and s.swapped_in_tokens == s.recomputed_tokens == 0
+    assert s.cached_tokens == len(context) - len(prompts[2]) - 1  # the last reply token
+    assert engine.snapshot().counters.prefetched_tokens >= s.prefetched_tokens
+    assert got.token_ids == plain.token_ids
+    if cpu == 0:  # the recomputed KV is right: Hugging Face on the whole context
+        assert got.token_ids == hf_greedy(hf_model(engine), context, 4, set())
+
+
+def test_a_turn_takes_over_a_running_prefetch(prompts):
+    _, _, plain, _, _ = replay(prompts, 0, None, max_batch_tokens=64)
+    _, _, got, _, engine = replay(prompts, 0, "step", max_batch_tokens=64)
+    s = got.stats  # 64 of the 128 dropped positions were recomputed when the turn came
+    assert s.prefetched_tokens == 64 and s.recomputed_tokens == 128 - 64
+    assert got.token_ids == plain.token_ids
+    assert not engine.has_work()
+
+
+def test_no_op_cases(prompts):
+    engine = Engine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=12))
+    engine.prefetch("unknown")
+    req = engine.submit(Turn("a", prompts[2], SP))
+    engine.prefetch("a")  # busy: its own turn brings the context
+    assert not engine.scheduler.prefetching and not engine.scheduler.swap_prefetch
+    while req.status != "finished":
+        engine.step()
+    engine.prefetch("a")  # all on the GPU already
+    assert not engine.has_work()
+    gpu = Engine(EngineConfig(model="dummy:tiny", device="cpu", cache_mode="gpu"))
+    gpu.run([Turn("a", prompts[2], SP)])
+    gpu.prefetch("a")
+    assert not gpu.has_work()
