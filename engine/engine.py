@@ -403,8 +403,7 @@ class Engine:
                 tokens = self.runner.step(plan.pieces, plan.before)
             else:
                 self.pool.begin_step(plan.before)
-                for layer in range(len(self.pool.layers)):  # no forward: copy it all in now
-                    self.pool.before_attention(layer)
+                self.pool.swap_in_now()  # no forward to pipeline it with
                 tokens = []
             now = time.time()
             sampled = iter(tokens)

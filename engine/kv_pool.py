@@ -143,6 +143,11 @@ class KVPool:
         elif self._pending_swap_in:
             self._copy_in(self._pending_swap_in, layer)
 
+    def swap_in_now(self) -> None:
+        """No forward follows this step's copies: bring every layer's swap-in in now."""
+        for layer in range(len(self.layers)):
+            self.before_attention(layer)
+
     def end_step(self, plan: CopyPlan) -> None:
         """After the forward: start the ahead-of-time swap-outs in the background."""
         self._pending_swap_in = []

@@ -377,8 +377,13 @@ def _serve(config, rank, world, device, dtype, control) -> None:
     dist.all_reduce(got, op=dist.ReduceOp.MIN, group=control)
     runner = _WorkerRunner(model, pool, config.chunk_size, setup.backend)
     while (msg := _recv(control)) is not None:
-        for kind, plan in msg.ops:
-            (pool.begin_step if kind == "begin" else pool.end_step)(plan)
+        for i, (kind, plan) in enumerate(msg.ops):
+            if kind == "end":
+                pool.end_step(plan)
+                continue
+            pool.begin_step(plan)
+            if msg.inputs is None or i < len(msg.ops) - 1:
+                pool.swap_in_now()  # rank 0 ran this step without a forward: no pipelining
         if msg.inputs is not None:
             runner.forward(msg.inputs, msg.ops[-1][1])
 
