@@ -22,7 +22,7 @@ def prompts():
     return [[rng.randrange(5, 5000) for _ in range(n)] for n in (150, 300, 10)]
 
 
-def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048):
+def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048, tp: int = 1):
     """a's first turn, then b's pushes a off the GPU tier (to the CPU, or dropped when
     there is no CPU tier); b is deleted (room for a recompute); a's second turn, after a
     prefetch run to completion ("full"), after one step of it ("step"), or none."""
@@ -34,6 +34,7 @@ def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048
             gpu_cache_chunks=12,
             cpu_cache_chunks=cpu,
             max_batch_tokens=max_batch_tokens,
+            tensor_parallel=tp,
         )
     )
     first = engine.run([Turn("a", a1, SP)])[0]
@@ -70,6 +71,20 @@ def test_prefetched_context_is_found_on_the_gpu(prompts, cpu):
     assert got.token_ids == plain.token_ids
     if cpu == 0:  # the recomputed KV is right: Hugging Face on the whole context
         assert got.token_ids == hf_greedy(hf_model(engine), context, 4, set())
+
+
+@pytest.mark.timeout(300)
+def test_prefetch_under_tensor_parallelism(prompts):
+    """A swap-in prefetch runs as a step without a forward: the other rank must bring its
+    share of the KV in too, or the next turn reads stale blocks there."""
+    _, _, plain, _, _ = replay(prompts, 32, None)
+    _, after, got, _, engine = replay(prompts, 32, "full", tp=2)
+    try:
+        assert after == ["gpu"] * len(after)
+        assert got.stats.prefetched_tokens > 0
+        assert got.token_ids == plain.token_ids
+    finally:
+        engine.close()
 
 
 def test_a_turn_takes_over_a_running_prefetch(prompts):
