@@ -31,6 +31,7 @@ from bench.common import RESULTS, environment
 from bench.presets import MODES, PRESETS
 from bench.serve import (
     EngineDriver,
+    cache_use,
     counters_delta,
     engine_config,
     fit_pools,
@@ -106,17 +107,12 @@ def returning(records: list[wl.TurnRecord]) -> dict[str, Any]:
     """TTFT of the turns that come back to an existing context."""
     ok = [r for r in records if r.index > 0 and r.error is None]
     ttft = [r.ttft_s for r in ok]
-    tot = lambda k: int(sum(r.stats.get(k, 0) for r in ok))  # noqa: E731
     return {
         "turns": len(ok),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
         "ttft_p50_s": wl.percentile(ttft, 50),
         "ttft_p90_s": wl.percentile(ttft, 90),
-        "context_tokens": sum(r.context_tokens for r in ok),
-        "cached_tokens": tot("cached_tokens"),
-        "swapped_in_tokens": tot("swapped_in_tokens"),
-        "recomputed_tokens": tot("recomputed_tokens"),
-        "prefetched_tokens": tot("prefetched_tokens"),
+        **cache_use(ok, ("prefetched_tokens",)),
     }
 
 

@@ -233,10 +233,6 @@ def metrics(records: list[wl.TurnRecord], wall_s: float) -> dict[str, Any]:
     norm = [r.latency_s / r.output_tokens for r in ok]
     ttft = [r.ttft_s for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
-
-    def tot(key: str) -> int:
-        return int(sum(r.stats.get(key, 0) for r in ok))
-
     return {
         "turns": len(ok),
         "errors": len(records) - len(ok),
@@ -252,12 +248,16 @@ def metrics(records: list[wl.TurnRecord], wall_s: float) -> dict[str, Any]:
         "latency_mean_s": statistics.fmean(r.latency_s for r in ok) if ok else float("nan"),
         "ttft_p50_s": wl.percentile(ttft, 50),
         "ttft_p90_s": wl.percentile(ttft, 90),
-        "context_tokens": sum(r.context_tokens for r in ok),
-        "cached_tokens": tot("cached_tokens"),
-        "swapped_in_tokens": tot("swapped_in_tokens"),
-        "recomputed_tokens": tot("recomputed_tokens"),
-        "suspensions": tot("suspensions"),
+        **cache_use(ok, ("suspensions",)),
     }
+
+
+def cache_use(ok: list[wl.TurnRecord], extra: tuple[str, ...] = ()) -> dict[str, int]:
+    """Context tokens of the turns, and how much of it each way of keeping KV supplied."""
+    keys = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", *extra)
+    out = {"context_tokens": sum(r.context_tokens for r in ok)}
+    out.update({k: int(sum(r.stats.get(k, 0) for r in ok)) for k in keys})
+    return out
 
 
 def counters_delta(before, after) -> dict[str, int]:
