@@ -10,7 +10,7 @@ dropped silently; only buffers that are not weights (`_NOT_WEIGHTS`) are skipped
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -292,11 +292,21 @@ def _shown(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + more
 
 
-def to_own(args: ModelArgs, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_own(args: ModelArgs, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The decoder's own tensors from a checkpoint in transformers' naming; refuses a
     checkpoint with missing tensors or with tensors the model would not use."""
+    return dict(iter_own(args, state))
+
+
+def iter_own(
+    args: ModelArgs, state: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`to_own` one tensor at a time: with a lazy `state` (tensors read when looked up), a
+    caller that keeps only a slice of each never holds the whole checkpoint. The names are
+    checked before the first tensor is read."""
     if not any(k.startswith("model.") for k in state):  # saved from the base model (OPTModel)
-        state = {(k if k == "lm_head.weight" else "model." + k): v for k, v in state.items()}
+        base = state
+        state = _Renamed({(k if k == "lm_head.weight" else "model." + k): k for k in base}, base)
     wmap = args.spec.names(args)
     wanted = {name for parts in wmap.values() for name, _ in parts}
     missing = sorted(wanted - state.keys())
@@ -315,16 +325,30 @@ def to_own(args: ModelArgs, state: dict[str, torch.Tensor]) -> dict[str, torch.T
             f"{args.family} checkpoint has tensors this model does not use (refused rather than "
             f"dropped): {_shown(unused)}"
         )
-    own = {}
     for name, parts in wmap.items():
-        for hf, rows in parts:
-            if state[hf].shape[0] != rows:
-                raise UnsupportedModel(
-                    f"{hf} has shape {tuple(state[hf].shape)}, the config implies {rows} rows"
-                )
         tensors = [state[hf] for hf, _ in parts]
-        own[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-    return own
+        for (hf, rows), t in zip(parts, tensors, strict=True):
+            if t.shape[0] != rows:
+                raise UnsupportedModel(
+                    f"{hf} has shape {tuple(t.shape)}, the config implies {rows} rows"
+                )
+        yield name, tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+class _Renamed(Mapping):
+    """A checkpoint seen under other names (new name -> old name), read through."""
+
+    def __init__(self, names: dict[str, str], base: Mapping[str, torch.Tensor]) -> None:
+        self.names, self.base = names, base
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.base[self.names[key]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def to_hf(args: ModelArgs, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -10,11 +10,13 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.families import iter_own
 from engine.model import Decoder
 from engine.shapes import DUMMY_SHAPES, ModelArgs
 
@@ -89,16 +91,28 @@ def convert_bundled(cache_dir: str | None) -> Path:
     return out
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class Checkpoint(Mapping):
+    """A safetensors model dir's tensors by name, each read from its file when looked up."""
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        self.where = {}
+        for f in files:
+            handle = safe_open(str(f), "pt")
+            self.where.update((name, handle) for name in handle.keys())  # noqa: SIM118
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 def _stop_ids(tokenizer, config: dict) -> frozenset[int]:
@@ -128,16 +142,22 @@ def _bundled_tokenizer(cache_dir: str | None):
         return None
 
 
+def _fill(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    """Dummy values: N(0, 1/fan_in) for matrices, embeddings and biases; norms at 1 (their
+    biases at 0)."""
+    if "norm." in name:
+        p.fill_(1.0 if name.endswith(".weight") else 0.0)
+    else:
+        p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+
+
 def init_dummy(model: Decoder, seed: int) -> Decoder:
-    """Random weights scaled so activations stay well-conditioned: N(0, 1/fan_in) for
-    matrices, embeddings and biases; norms at 1 (their biases at 0). Seeded per device."""
+    """Random weights scaled so activations stay well-conditioned (`_fill`). Seeded per
+    device."""
     g = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm." in name:
-                p.fill_(1.0 if name.endswith(".weight") else 0.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+            _fill(name, p, g)
     return model
 
 
@@ -146,16 +166,45 @@ def dummy_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     return init_dummy(Decoder(args), seed).hf_state()
 
 
+def _on_device(name: str, device: torch.device) -> bool:
+    """Large dummy shapes are built directly on the GPU, in their dtype, to spare host
+    memory: a float32 copy of a 13B model first would take 52 GB of an 80 GB GPU."""
+    return device.type == "cuda" and name != "dummy:tiny"
+
+
 def _dummy_on_device(
     args: ModelArgs, seed: int, device: torch.device, dtype: torch.dtype
 ) -> Decoder:
-    """Large dummy shapes are built directly on the device, to spare host memory, and in
-    their dtype: a float32 copy of a 13B model first would take 52 GB of an 80 GB GPU."""
     with torch.device("meta"):
         model = Decoder(args).to(dtype)
     model = model.to_empty(device=device)
     model.tie()  # to_empty made the tied head a copy
     return init_dummy(model, seed)
+
+
+def own_tensors(
+    name: str, device: torch.device, dtype: torch.dtype, cache_dir: str | None = None, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's own tensors one at a time, on `device` in `dtype`, the same values `load`
+    gives (a tied LM head is not repeated): what a tensor-parallel rank slices its share
+    from without ever holding the whole model."""
+    if name.startswith("dummy:"):
+        args = _dummy_shape(name)
+        here = _on_device(name, device)
+        make = device if here else torch.device("cpu")
+        g = torch.Generator(device=make).manual_seed(seed)
+        with torch.device("meta"):
+            shapes = Decoder(args)
+        with torch.no_grad():
+            for pname, p in shapes.named_parameters():  # init_dummy's order and draws
+                t = torch.empty(p.shape, dtype=dtype if here else torch.float32, device=make)
+                _fill(pname, t, g)
+                yield pname, t.to(device=device, dtype=dtype)
+        return
+    path = model_dir(name, cache_dir)
+    args = ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
+    for own, t in iter_own(args, Checkpoint(path)):
+        yield own, t.to(device=device, dtype=dtype)
 
 
 def hub_snapshot(repo_id: str) -> Path:
@@ -218,14 +267,18 @@ def _dummy_shape(name: str) -> ModelArgs:
 
 
 def load(
-    name: str, device: torch.device, dtype: torch.dtype, cache_dir: str | None = None, seed: int = 0
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: str | None = None,
+    seed: int = 0,
+    weights: bool = True,
 ) -> Loaded:
+    """The model on `device` in `dtype` with its tokenizer; `weights=False`: the tokenizer
+    and shape only, the model left on the meta device (a tensor-parallel rank loads its
+    share with `own_tensors`)."""
     if name.startswith("dummy:"):
         args = _dummy_shape(name)
-        if device.type == "cuda" and name != "dummy:tiny":
-            model = _dummy_on_device(args, seed, device, dtype)
-        else:
-            model = init_dummy(Decoder(args), seed)
         tokenizer = _bundled_tokenizer(cache_dir)
         config: dict = {}
     else:
@@ -235,8 +288,17 @@ def load(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
+    stops = _stop_ids(tokenizer, config)
+    if not weights:
+        with torch.device("meta"):
+            return Loaded(args, Decoder(args), tokenizer, stops, name)
+    if not name.startswith("dummy:"):
         model = Decoder(args)
-        model.load_hf_state(_read_safetensors(path))
+        model.load_hf_state(Checkpoint(model_dir(name, cache_dir)))
+    elif _on_device(name, device):
+        model = _dummy_on_device(args, seed, device, dtype)
+    else:
+        model = init_dummy(Decoder(args), seed)
     model = model.to(device=device, dtype=dtype).eval()
     model.tie()
-    return Loaded(args, model, tokenizer, _stop_ids(tokenizer, config), name)
+    return Loaded(args, model, tokenizer, stops, name)

@@ -12,7 +12,6 @@ naming the rank; the workers end when the engine closes, or when rank 0 goes awa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -26,12 +25,12 @@ import torch.multiprocessing as mp
 
 from engine.cache import CopyPlan
 from engine.kv_pool import KVPool
-from engine.loader import Loaded, _dummy_shape, _read_safetensors, init_dummy, load, model_dir
+from engine.loader import Loaded, load, own_tensors
 from engine.model import Decoder
 from engine.packed import pack_linears
 from engine.runner import Runner, StepInputs
 from engine.shapes import ModelArgs
-from engine.shard import check_divisible, set_group, shard_args, shard_model
+from engine.shard import build_shard, check_divisible, set_group, shard_args
 from engine.types import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -73,17 +72,11 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def full_model(config: EngineConfig, dtype: torch.dtype) -> Decoder:
-    """The whole model on the CPU, without a tokenizer (what a worker shards)."""
-    name = config.model
-    if name.startswith("dummy:"):
-        model = init_dummy(Decoder(_dummy_shape(name)), config.seed)
-    else:
-        path = model_dir(name, config.cache_dir)
-        args = ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
-        model = Decoder(args)
-        model.load_hf_state(_read_safetensors(path))
-    return model.to(dtype=dtype).eval()
+def load_shard(config: EngineConfig, rank: int, world: int, device, dtype, group) -> Decoder:
+    """Rank `rank`'s share, read (or, for dummy weights, drawn) one full tensor at a time on
+    its own device: no rank ever holds the whole model, on the host or the GPU."""
+    tensors = own_tensors(config.model, device, dtype, config.cache_dir, config.seed)
+    return build_shard(model_args_of(config), tensors, rank, world, group).to(device)
 
 
 def _init(rank: int, world: int, store: dist.Store, device: torch.device):
@@ -185,14 +178,9 @@ class TensorParallel:
     def load(self) -> Loaded:
         """Rank 0's shard (collectives off until `runner`), with the tokenizer and the full
         model's args."""
-        loaded = load(
-            self.config.model,
-            torch.device("cpu"),
-            self.dtype,
-            self.config.cache_dir,
-            self.config.seed,
-        )
-        shard = shard_model(loaded.model, 0, self.world, None).to(self.device)
+        c = self.config
+        loaded = load(c.model, self.device, self.dtype, c.cache_dir, c.seed, weights=False)
+        shard = load_shard(c, 0, self.world, self.device, self.dtype, None)
         return replace(loaded, model=shard)
 
     def pool(self, gpu_blocks: int, cpu_blocks: int, backend: str) -> ParallelPool:
@@ -357,7 +345,7 @@ def _recv(control):
 
 
 def _serve(config, rank, world, device, dtype, control) -> None:
-    model = shard_model(full_model(config, dtype), rank, world, dist.group.WORLD).to(device)
+    model = load_shard(config, rank, world, device, dtype, dist.group.WORLD)
     if config.pack_cpu_weights:
         pack_linears(model)
     setup: Setup | None = _recv(control)

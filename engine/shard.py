@@ -10,6 +10,7 @@ a row-parallel bias is added once, after the all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -89,38 +90,44 @@ def _rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return w.chunk(world, dim=0)[rank].clone()
 
 
-def _shard_state(args: ModelArgs, state: dict, rank: int, world: int) -> dict:
-    """This rank's slices of a full state dict in the engine's own naming."""
+def shard_tensor(args: ModelArgs, name: str, w: torch.Tensor, rank: int, world: int):
+    """This rank's slice of one of the full model's tensors, in the engine's own naming
+    (a copy: the full tensor can be freed)."""
     hd = args.head_dim
     q, k = args.n_heads * hd, args.n_kv_heads * hd
-    out = {}
-    for name, w in state.items():
-        part = name.rsplit(".", 2)
-        module = part[-2] if len(part) >= 2 else ""
-        if module == "wqkv":  # rows: [q | k | v], each split by heads
-            wq, wk, wv = w.split([q, k, k], dim=0)
-            w = torch.cat([_rows(t, rank, world) for t in (wq, wk, wv)], dim=0)
-        elif module == "w13":  # rows: [gate | up]
-            gate, up = w.chunk(2, dim=0)
-            w = torch.cat([_rows(gate, rank, world), _rows(up, rank, world)], dim=0)
-        elif module == "w1":
-            w = _rows(w, rank, world)
-        elif module in ("wo", "w2") and name.endswith(".weight"):
-            w = w.chunk(world, dim=1)[rank].clone()
-        elif module in ("wo", "w2"):  # the bias: added once, after the all-reduce
-            w = w.clone()
-        elif name == "lm_head.weight":
-            w = _rows(w, rank, world)
-        out[name] = w
-    return out
+    part = name.rsplit(".", 2)
+    module = part[-2] if len(part) >= 2 else ""
+    if module == "wqkv":  # rows: [q | k | v], each split by heads
+        wq, wk, wv = w.split([q, k, k], dim=0)
+        return torch.cat([_rows(t, rank, world) for t in (wq, wk, wv)], dim=0)
+    if module == "w13":  # rows: [gate | up]
+        gate, up = w.chunk(2, dim=0)
+        return torch.cat([_rows(gate, rank, world), _rows(up, rank, world)], dim=0)
+    if module == "w1" or name == "lm_head.weight":
+        return _rows(w, rank, world)
+    if module in ("wo", "w2") and name.endswith(".weight"):
+        return w.chunk(world, dim=1)[rank].clone()
+    return w.clone()  # replicated (a row-parallel bias is added once, after the all-reduce)
 
 
 def shard_model(full: Decoder, rank: int, world: int, group) -> Decoder:
     """Rank `rank`'s share of `full` (on full's device and dtype), its collectives on
     `group` (None: local only, until `set_group`)."""
-    args = full.args
+    return build_shard(full.args, full.state_dict().items(), rank, world, group)
+
+
+def build_shard(
+    args: ModelArgs, tensors: Iterable[tuple[str, torch.Tensor]], rank: int, world: int, group
+) -> Decoder:
+    """Rank `rank`'s share of the model whose own tensors `tensors` yields (one at a time:
+    only this rank's slices are kept), on their device and dtype."""
     local = shard_args(args, world)
-    state = _shard_state(args, full.state_dict(), rank, world)
+    state = {}
+    for name, w in tensors:
+        state[name] = shard_tensor(args, name, w, rank, world)
+        if name == "embed.weight" and args.tie_embeddings:  # the tied head: its vocab rows
+            state["lm_head.weight"] = shard_tensor(args, "lm_head.weight", w, rank, world)
+        del w
     with torch.device("meta"):
         model = Decoder(replace(local, tie_embeddings=False))
     vocab = args.vocab_size

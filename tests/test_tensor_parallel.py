@@ -9,12 +9,14 @@ import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from engine import AsyncEngine, Engine, EngineConfig, SamplingParams, Turn
 from engine.parallel import TensorParallelError
 from engine.shapes import DUMMY_SHAPES
-from engine.shard import shard_args
+from engine.loader import BUNDLED, load, own_tensors
+from engine.shard import build_shard, shard_args, shard_model
 from tests.oracle import hf_greedy, hf_model
 from tests.test_engine_equality import prompts
 
@@ -54,6 +56,22 @@ def test_shapes_split_where_they_divide():
     assert shard_args(DUMMY_SHAPES["llama-2-13b-gqa10"], 2).n_kv_heads == 5
     with pytest.raises(ValueError, match="does not divide the model's 10 KV heads"):
         shard_args(DUMMY_SHAPES["llama-2-13b-gqa10"], 4)
+
+
+@pytest.mark.parametrize("name,world", [("dummy:tiny", 2), (BUNDLED, 3)])
+def test_a_rank_loads_its_share_tensor_by_tensor(name, world):
+    # What a rank builds from the checkpoint (or the dummy draws) one tensor at a time is
+    # exactly its slice of the whole model: the same weights as before, never all of them.
+    cpu = torch.device("cpu")
+    full = load(name, cpu, torch.float32).model
+    for rank in range(world):
+        want = shard_model(full, rank, world, None).state_dict()
+        got = build_shard(full.args, own_tensors(name, cpu, torch.float32), rank, world, None)
+        got = got.state_dict()
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
+        assert got["lm_head.linear.weight"].shape[0] < full.args.vocab_size
 
 
 def test_bundled_model_is_refused_at_two_ranks():
