@@ -121,8 +121,6 @@ class TensorParallel:
         self.full_args = model_args(config.model, config.cache_dir)
         check_divisible(self.full_args, n)
         self.args = shard_args(self.full_args, n)  # what each rank computes and caches
-        if config.kv_dtype != "auto":
-            raise ValueError("tensor_parallel > 1 supports kv_dtype='auto' only, for now")
         if device.type == "cuda" and torch.cuda.device_count() < n:
             raise ValueError(
                 f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} are visible"

@@ -86,8 +86,29 @@ def test_bundled_model_is_refused_at_two_ranks():
 def test_refusals_before_any_worker():
     with pytest.raises(ValueError, match="tensor_parallel must be a positive integer"):
         make(0)
-    with pytest.raises(ValueError, match="kv_dtype='auto' only"):
-        make(2, kv_dtype="int8")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_8bit_kv_equal_one_rank():
+    # Codes and scales are per token per KV head: each rank quantizes its own heads exactly
+    # as one rank would, through swaps and recomputes. Runs before the module's engine
+    # starts (one tensor-parallel engine per process).
+    pools = dict(gpu_cache_chunks=6, cpu_cache_chunks=3, max_batch_tokens=64, kv_dtype="int8")
+    two, one = make(2, **pools), make(1, **pools)
+    try:
+        plan = prompts(one, 3, 3, seed=2, min_len=40, max_len=64)
+        sp = SamplingParams(max_tokens=16, ignore_eos=True)
+        for t in range(3):
+            turns = [Turn(f"c{i}", plan[i][t], sp) for i in range(len(plan))]
+            for g, w in zip(two.run(turns), one.run(turns), strict=True):
+                assert g.token_ids == w.token_ids, t
+        c = two.snapshot().counters
+        assert c.swapped_in_tokens + c.recomputed_tokens > 0, c
+        assert c == one.snapshot().counters
+    finally:
+        two.close()
+        one.close()
     assert not dist.is_initialized()
 
 
