@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from engine import AsyncEngine, Engine, EngineConfig, SamplingParams, Turn
+from engine.loader import BUNDLED, load, own_tensors
 from engine.parallel import TensorParallelError
 from engine.shapes import DUMMY_SHAPES
-from engine.loader import BUNDLED, load, own_tensors
 from engine.shard import build_shard, shard_args, shard_model
 from tests.oracle import hf_greedy, hf_model
 from tests.test_engine_equality import prompts
