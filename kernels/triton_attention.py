@@ -275,10 +275,10 @@ def _num_sms(device: torch.device) -> int:
 
 # Split-KV policy. Decode streams K/V and is bound by memory latency: each SM wants several
 # programs in flight. Segments are added while the grid stays under PROGRAMS_PER_SM x SMs and
-# every segment keeps MIN_TILES key tiles, so the partials (one fp32 row per query row and
-# segment) stay a few percent of the K/V bytes read.
+# every segment keeps MIN_KEYS_PER_ROW keys per row of its program: a segment's partial (one
+# fp32 row of head_dim per program row) then costs at most 1/16 of the 16-bit K/V it read.
 PROGRAMS_PER_SM = 4
-MIN_TILES = 4
+MIN_KEYS_PER_ROW = 16
 MAX_SEGS = 64
 
 
@@ -316,12 +316,11 @@ def pick_config(
         tile_n = 32 if avg_q >= 64 and head_dim > 64 else 64
         warps, stages = (4 if block_m <= 64 else 8), 3
     programs = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
-    tiles = -(-max_context // tile_n)
     segs = 1
     while (
         segs * 2 <= MAX_SEGS
         and programs * segs * 2 <= PROGRAMS_PER_SM * sms
-        and tiles >= MIN_TILES * segs * 2
+        and max_context >= MIN_KEYS_PER_ROW * block_m * segs * 2
     ):
         segs *= 2
     return LaunchConfig(block_m, block_q, tile_n, segs, warps, stages)

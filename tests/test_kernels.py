@@ -362,21 +362,45 @@ def test_gpu_triton_matches_reference(dtype, heads, kv_heads, head_dim, block_si
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("batch,max_ctx", [(1, 16000), (64, 4000), (256, 1000)])
-def test_gpu_decode_batch(batch, max_ctx):
-    # Sized for the fp32 reference, which expands the KV heads in memory.
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (40, 4)])
+@pytest.mark.parametrize("batch,max_ctx", [(1, 16000), (8, 8000), (64, 4000), (256, 1000)])
+def test_gpu_decode_batch(batch, max_ctx, heads, kv_heads):
+    # Sized for the fp32 reference, which expands the KV heads in memory. Small batches of
+    # group 4 and 10 take the split path.
     rng = random.Random(batch)
     subs = [(1, rng.randint(1, max_ctx)) for _ in range(batch)]
     q, k, v, meta = make_case(
         subs,
-        heads=32,
-        kv_heads=8,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=128,
         block_size=32,
         dtype=torch.bfloat16,
         device="cuda",
     )
     check(run_triton(q, k, v, meta, 0.088), q, k, v, meta, 0.088)
+
+
+@gpu
+@needs_cuda
+def test_gpu_split_decode_in_a_cuda_graph():
+    # The plan and its segment buffers are made at the first (eager) call and reused by the
+    # captured ones: a graph-captured decode step replays to the eager result.
+    from kernels.triton_attention import paged_attention_triton
+
+    subs = [(1, 3000), (1, 1200), (1, 40)]
+    q, k, v, meta = make_case(
+        subs, heads=40, kv_heads=4, head_dim=128, block_size=32, dtype=torch.float16, device="cuda"
+    )
+    eager = paged_attention_triton(q, k, v, meta, 0.088)
+    assert triton_plan(meta).cfg.num_segs > 1
+    out = torch.zeros_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_triton(q, k, v, meta, 0.088, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @gpu
@@ -432,7 +456,7 @@ def test_triton_random_batches(seed):
 
 
 def test_pick_config_splits_small_grids_only():
-    from kernels.triton_attention import MIN_TILES, PROGRAMS_PER_SM, pick_config
+    from kernels.triton_attention import MIN_KEYS_PER_ROW, PROGRAMS_PER_SM, pick_config
 
     sms = 132
     # Decode, 8 sequences of a 40-head model over 4 KV heads (group 10): 32 programs alone.
@@ -442,14 +466,17 @@ def test_pick_config_splits_small_grids_only():
     assert 1 < short.num_segs < long.num_segs
     for cfg, ctx in ((short, 1056), (long, 16416)):
         assert 32 * cfg.num_segs <= PROGRAMS_PER_SM * sms
-        assert -(-ctx // cfg.tile_n) >= MIN_TILES * cfg.num_segs
+        assert ctx >= MIN_KEYS_PER_ROW * cfg.block_m * cfg.num_segs
     assert pick_config(1, 1, 4, 10, 128, 16416, sms).num_segs > long.num_segs
     # Enough programs already: no split, no merge.
     assert pick_config(256, 256, 4, 10, 128, 4096, sms).num_segs == 1
     assert pick_config(8, 8, 40, 1, 128, 4096, sms).num_segs == 1
     assert pick_config(4096, 1, 8, 4, 128, 4096, sms).num_segs == 1
-    # Short contexts are not split into slivers.
+    # Short contexts are not split into slivers, nor 64-row tiles of 8-token queries at 1k
+    # (their partials would cost a third of the K/V read); at 16k they are.
     assert pick_config(1, 1, 1, 8, 128, 64, sms).num_segs == 1
+    assert pick_config(256, 32, 4, 10, 128, 1056, sms).num_segs == 1
+    assert pick_config(256, 32, 4, 10, 128, 16416, sms).num_segs == 2
 
 
 @pytest.mark.parametrize("group,block_q", [(1, 64), (3, 21), (5, 12), (8, 8), (10, 6), (64, 1)])
