@@ -1,17 +1,26 @@
 """Multi-token paged attention in Triton: causal attention of every sub-request over the paged pool.
 
-One program handles one tile of query rows of one sub-request against one KV head. A tile's rows
-are `BLOCK_Q` query tokens x the `GROUP` query heads sharing that KV head, so each K/V tile is
-loaded once per group. Keys are streamed in tiles of `TILE_N` positions, each position looked up
-through the block table, with an online softmax (scores never leave registers).
+Work is cut into programs along three axes:
+
+- query tiles x KV heads: one program computes `BLOCK_Q` query tokens of one sub-request times
+  the `GROUP` query heads that share one KV head, packed densely into `BLOCK_M` rows (a power
+  of two; rows past `BLOCK_Q * GROUP` are masked). Every K/V tile is thus loaded once per KV
+  head, not once per query head, and a decode token's whole group rides in one program;
+- key segments (split-K, flash-decoding): when those programs are too few to fill the GPU
+  (decode at small batch, GQA), the keys of each tile are split into `NUM_SEGS` segments run by
+  separate programs, and `_merge_segments_kernel` merges their partial results with a
+  log-sum-exp merge.
+
+Keys are streamed in tiles of `TILE_N` positions, each position looked up through the block
+table, with an online softmax (scores never leave registers).
 
 The grid needs no host sync: sub-request s owns program ids starting at
 `query_start[s] // BLOCK_Q + s`, an upper bound on its number of query tiles, and each program finds
 its sub-request by binary search over that. Programs past the end of their sub-request exit.
 
-When the grid is too small to fill the GPU (decode batches), the keys of each tile are split into
-`NUM_SEGS` segments handled by separate programs (flash-decoding); a second kernel merges their
-partial results.
+The launch shape (`LaunchConfig`: rows, key tile, segments, warps, stages) depends only on sizes
+the host knows (tokens, sub-requests, heads, the block table's width), so it is picked once per
+step and cached, with the segment buffers, in `meta.derived`: every layer reuses it.
 
 An 8-bit pool (`kernels.quant.QuantizedKV`) is dequantized tile by tile as it is loaded:
 codes times the key's scale, rounded to q's dtype, exactly as the PyTorch reference does
@@ -93,9 +102,9 @@ def _paged_attention_kernel(
     stride_table,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * GROUP, padded to a power of two
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SEGS: tl.constexpr,
@@ -103,7 +112,6 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -116,10 +124,12 @@ def _paged_attention_kernel(
         return
     pos0 = tl.load(query_pos_ptr + seq)
 
+    # Row r is query token r // GROUP of the tile, head r % GROUP of the group: dense, so a
+    # group of 3, 5 or 10 heads wastes only the rows past BLOCK_Q * GROUP.
     rows = tl.arange(0, BLOCK_M)
-    qi = tile * BLOCK_Q + rows // GROUP_PAD  # query index within the sub-request
-    hg = rows % GROUP_PAD  # head within the group
-    row_ok = (qi < q_len) & (hg < GROUP)
+    qi = tile * BLOCK_Q + rows // GROUP  # query index within the sub-request
+    hg = rows % GROUP  # head within the group
+    row_ok = (qi < q_len) & (rows < BLOCK_Q * GROUP)
     head = kvh * GROUP + hg
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
@@ -138,6 +148,8 @@ def _paged_attention_kernel(
     kv_len = pos0 + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_len, TILE_N)
     if NUM_SEGS > 1:
+        # This sub-request's own tiles split evenly: a short context leaves late segments
+        # empty (they store an empty partial, which the merge weighs 0).
         per_seg = tl.cdiv(num_tiles, NUM_SEGS)
         t_lo = seg * per_seg
         t_hi = tl.minimum(t_lo + per_seg, num_tiles)
@@ -257,31 +269,113 @@ def _interpreting() -> bool:
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4
+        return 4  # the interpreter: small, so that tests reach the split path
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Split-KV policy. Decode streams K/V and is bound by memory latency: each SM wants several
+# programs in flight. Segments are added while the grid stays under PROGRAMS_PER_SM x SMs and
+# every segment keeps MIN_KEYS_PER_ROW keys per row of its program: a segment's partial (one
+# fp32 row of head_dim per program row) then costs at most 1/16 of the 16-bit K/V it read.
+PROGRAMS_PER_SM = 4
+MIN_KEYS_PER_ROW = 16
+MAX_SEGS = 64
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    block_q: int  # query tokens per tile (rows = block_q x padded group)
+    block_m: int  # rows per program: block_q query tokens x group heads, padded to a power of 2
+    block_q: int  # query tokens per program
     tile_n: int  # keys per step of the online softmax
-    max_segs: int  # cap on split-KV segments
+    num_segs: int  # split-KV segments (a power of two; 1: no split, no merge)
     num_warps: int
     num_stages: int
 
 
-def pick_config(num_tokens: int, num_seqs: int, group_pad: int, head_dim: int) -> LaunchConfig:
-    """Tile shapes from host-known sizes only (no sync on the metadata)."""
+def pick_config(
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_context: int,
+    sms: int,
+) -> LaunchConfig:
+    """The launch shape from host-known sizes only (no sync on the metadata).
+
+    `max_context` bounds every sub-request's keys (the block table's width x block size)."""
     avg_q = num_tokens / max(num_seqs, 1)
     # Decode-like batches: 16 rows (the smallest tensor-core tile). Longer queries: 64 rows.
-    target_rows = 64 if avg_q * group_pad >= 48 else 16
-    block_q = max(1, target_rows // group_pad)
-    rows = block_q * group_pad
-    if rows <= 16:
-        return LaunchConfig(block_q, 64, 32, 4, 2)
-    # Long prompts are compute-bound: narrower key tiles keep the accumulators in registers.
-    tile_n = 32 if avg_q >= 64 and head_dim > 64 else 64
-    return LaunchConfig(block_q, tile_n, 32, 4 if rows <= 64 else 8, 3)
+    target = 64 if avg_q * group >= 48 else 16
+    block_m = max(target, triton.next_power_of_2(group))
+    block_q = block_m // group
+    if block_m <= 16:
+        tile_n, warps, stages = 64, 4, 2
+    else:
+        # Long prompts are compute-bound: narrower key tiles keep the accumulators in registers.
+        tile_n = 32 if avg_q >= 64 and head_dim > 64 else 64
+        warps, stages = (4 if block_m <= 64 else 8), 3
+    programs = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
+    segs = 1
+    while (
+        segs * 2 <= MAX_SEGS
+        and programs * segs * 2 <= PROGRAMS_PER_SM * sms
+        and max_context >= MIN_KEYS_PER_ROW * block_m * segs * 2
+    ):
+        segs *= 2
+    return LaunchConfig(block_m, block_q, tile_n, segs, warps, stages)
+
+
+@dataclass
+class _Plan:
+    """What every layer of a step shares: the launch shape and the segment buffers."""
+
+    cfg: LaunchConfig
+    part_acc: torch.Tensor | None  # [num_tokens, num_heads, num_segs, head_pad] fp32
+    part_ml: torch.Tensor | None  # [num_tokens, num_heads, num_segs, 2] fp32
+
+
+def _plan(
+    q: torch.Tensor,
+    num_kv_heads: int,
+    block_size: int,
+    meta: AttentionMetadata,
+    num_segs: int | None,
+    config: LaunchConfig | None,
+) -> _Plan:
+    num_tokens, num_heads, head_dim = q.shape
+    key = ("triton_plan", num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_segs)
+    key += (config, q.device)
+    plan = meta.derived.get(key)
+    if plan is not None:
+        return plan
+    if config is None:
+        config = pick_config(
+            num_tokens,
+            meta.num_seqs,
+            num_kv_heads,
+            num_heads // num_kv_heads,
+            head_dim,
+            meta.block_tables.shape[1] * block_size,
+            _num_sms(q.device),
+        )
+        if num_segs is not None:
+            config = LaunchConfig(**{**config.__dict__, "num_segs": num_segs})
+    segs = config.num_segs
+    if segs < 1 or segs & (segs - 1):
+        raise ValueError("num_segs must be a power of two")
+    bm = config.block_m
+    if bm < 16 or bm & (bm - 1) or config.block_q * (num_heads // num_kv_heads) > bm:
+        raise ValueError("block_m must be a power of two >= 16 holding block_q x group rows")
+    part_acc = part_ml = None
+    if segs > 1:
+        # Shared by the layers of the step: they run one after another on one stream.
+        head_pad = max(16, triton.next_power_of_2(head_dim))
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((num_tokens, num_heads, segs, head_pad), **f32)
+        part_ml = torch.empty((num_tokens, num_heads, segs, 2), **f32)
+    plan = meta.derived[key] = _Plan(config, part_acc, part_ml)
+    return plan
 
 
 def paged_attention_triton(
@@ -292,11 +386,13 @@ def paged_attention_triton(
     scale: float,
     num_segs: int | None = None,
     out: torch.Tensor | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim].
 
-    `num_segs` forces the number of split-KV segments (a power of two); None picks from the shapes.
-    `out` (shaped like q) receives the result if given. Rows past query_start[-1] are left unwritten.
+    `num_segs` forces the number of split-KV segments (a power of two); `config` forces the whole
+    launch shape (benchmarks); None picks from the shapes. `out` (shaped like q) receives the
+    result if given. Rows past query_start[-1] are left unwritten.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -327,41 +423,15 @@ def paged_attention_triton(
     num_seqs = meta.num_seqs
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    plan = _plan(q, num_kv_heads, block_size, meta, num_segs, config)
+    cfg = plan.cfg
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    cfg = pick_config(num_tokens, num_seqs, group_pad, head_dim)
-    block_q, tile_n = cfg.block_q, cfg.tile_n
-    grid_q = num_tokens // block_q + num_seqs
-
-    if num_segs is None:
-        # Split the keys only when the grid is too small for the GPU and contexts are long.
-        programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
-        max_tiles = triton.cdiv(meta.block_tables.shape[1] * block_size, tile_n)
-        sms = _num_sms(q.device)
-        num_segs = 1
-        if programs < sms:
-            while (
-                num_segs < cfg.max_segs
-                and programs * num_segs < 2 * sms
-                and max_tiles >= 8 * num_segs
-            ):
-                num_segs *= 2
-    if num_segs < 1 or num_segs & (num_segs - 1):
-        raise ValueError("num_segs must be a power of two")
-
-    if num_segs > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_segs, head_pad), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (num_tokens, num_heads, num_segs, 2), dtype=torch.float32, device=q.device
-        )
-    else:
-        part_acc = part_ml = out  # unused
+    grid_q = num_tokens // cfg.block_q + num_seqs
+    part_acc = plan.part_acc if plan.part_acc is not None else out  # unused when not split
+    part_ml = plan.part_ml if plan.part_ml is not None else out
     # The CPU interpreter multiplies bf16 tiles wrongly: do those dots in fp32 there.
     upcast = _interpreting() and q.dtype == torch.bfloat16
-    _paged_attention_kernel[(grid_q, num_kv_heads, num_segs)](
+    _paged_attention_kernel[(grid_q, num_kv_heads, cfg.num_segs)](
         out,
         q,
         k_cache,
@@ -393,19 +463,19 @@ def paged_attention_triton(
         meta.block_tables.stride(0),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        TILE_N=tile_n,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n,
         BLOCK_SIZE=block_size,
-        NUM_SEGS=num_segs,
+        NUM_SEGS=cfg.num_segs,
         QUANT=quant,
         UPCAST=upcast,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if num_segs > 1:
+    if cfg.num_segs > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out,
             part_acc,
@@ -417,6 +487,6 @@ def paged_attention_triton(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
-            NUM_SEGS=num_segs,
+            NUM_SEGS=cfg.num_segs,
         )
     return out

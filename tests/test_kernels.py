@@ -362,21 +362,45 @@ def test_gpu_triton_matches_reference(dtype, heads, kv_heads, head_dim, block_si
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("batch,max_ctx", [(1, 16000), (64, 4000), (256, 1000)])
-def test_gpu_decode_batch(batch, max_ctx):
-    # Sized for the fp32 reference, which expands the KV heads in memory.
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (40, 4)])
+@pytest.mark.parametrize("batch,max_ctx", [(1, 16000), (8, 8000), (64, 4000), (256, 1000)])
+def test_gpu_decode_batch(batch, max_ctx, heads, kv_heads):
+    # Sized for the fp32 reference, which expands the KV heads in memory. Small batches of
+    # group 4 and 10 take the split path.
     rng = random.Random(batch)
     subs = [(1, rng.randint(1, max_ctx)) for _ in range(batch)]
     q, k, v, meta = make_case(
         subs,
-        heads=32,
-        kv_heads=8,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=128,
         block_size=32,
         dtype=torch.bfloat16,
         device="cuda",
     )
     check(run_triton(q, k, v, meta, 0.088), q, k, v, meta, 0.088)
+
+
+@gpu
+@needs_cuda
+def test_gpu_split_decode_in_a_cuda_graph():
+    # The plan and its segment buffers are made at the first (eager) call and reused by the
+    # captured ones: a graph-captured decode step replays to the eager result.
+    from kernels.triton_attention import paged_attention_triton
+
+    subs = [(1, 3000), (1, 1200), (1, 40)]
+    q, k, v, meta = make_case(
+        subs, heads=40, kv_heads=4, head_dim=128, block_size=32, dtype=torch.float16, device="cuda"
+    )
+    eager = paged_attention_triton(q, k, v, meta, 0.088)
+    assert triton_plan(meta).cfg.num_segs > 1
+    out = torch.zeros_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_triton(q, k, v, meta, 0.088, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @gpu
@@ -426,3 +450,98 @@ def test_triton_random_batches(seed):
     )
     scale = 1 / math.sqrt(head_dim)
     check(run_triton(q, k, v, meta, scale), q, k, v, meta, scale)
+
+
+# ---------------------------------------------------------------- launch policy
+
+
+def test_pick_config_splits_small_grids_only():
+    from kernels.triton_attention import MIN_KEYS_PER_ROW, PROGRAMS_PER_SM, pick_config
+
+    sms = 132
+    # Decode, 8 sequences of a 40-head model over 4 KV heads (group 10): 32 programs alone.
+    short = pick_config(8, 8, 4, 10, 128, 1056, sms)
+    long = pick_config(8, 8, 4, 10, 128, 16416, sms)
+    assert (short.block_m, short.block_q) == (16, 1)
+    assert 1 < short.num_segs < long.num_segs
+    for cfg, ctx in ((short, 1056), (long, 16416)):
+        assert 32 * cfg.num_segs <= PROGRAMS_PER_SM * sms
+        assert ctx >= MIN_KEYS_PER_ROW * cfg.block_m * cfg.num_segs
+    assert pick_config(1, 1, 4, 10, 128, 16416, sms).num_segs > long.num_segs
+    # Enough programs already: no split, no merge.
+    assert pick_config(256, 256, 4, 10, 128, 4096, sms).num_segs == 1
+    assert pick_config(8, 8, 40, 1, 128, 4096, sms).num_segs == 1
+    assert pick_config(4096, 1, 8, 4, 128, 4096, sms).num_segs == 1
+    # Short contexts are not split into slivers, nor 64-row tiles of 8-token queries at 1k
+    # (their partials would cost a third of the K/V read); at 16k they are.
+    assert pick_config(1, 1, 1, 8, 128, 64, sms).num_segs == 1
+    assert pick_config(256, 32, 4, 10, 128, 1056, sms).num_segs == 1
+    assert pick_config(256, 32, 4, 10, 128, 16416, sms).num_segs == 2
+
+
+@pytest.mark.parametrize("group,block_q", [(1, 64), (3, 21), (5, 12), (8, 8), (10, 6), (64, 1)])
+def test_pick_config_packs_query_heads_densely(group, block_q):
+    from kernels.triton_attention import pick_config
+
+    prompt = pick_config(512, 1, 2, group, 128, 512, 132)
+    assert prompt.block_q == block_q
+    assert prompt.block_m >= prompt.block_q * group > prompt.block_m - group
+    decode = pick_config(4, 4, 2, group, 128, 512, 132)
+    assert decode.block_m == max(16, 1 << (group - 1).bit_length())
+
+
+# ---------------------------------------------------------------- Triton: GQA, decode, splits
+
+
+def triton_plan(meta):
+    plans = [p for k, p in meta.derived.items() if k[0] == "triton_plan"]
+    assert len(plans) == 1, "one launch plan per step, reused by every layer"
+    return plans[0]
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("group", [1, 3, 5, 8])
+def test_triton_decode_long_contexts_split_by_policy(group):
+    # Decode-only: a grid far smaller than the (interpreter's 4) SMs x 4, contexts of many key
+    # tiles, so the policy splits them; one context is short enough to leave segments empty.
+    subs = [(1, 700), (1, 333), (1, 20)]
+    q, k, v, meta = make_case(
+        subs, heads=group, kv_heads=1, head_dim=64, block_size=16, seed=10 + group
+    )
+    out = run_triton(q, k, v, meta, 0.125)
+    assert triton_plan(meta).cfg.num_segs > 1
+    check(out, q, k, v, meta, 0.125)
+    # A second layer of the same step reuses the plan and its buffers, and agrees.
+    again = run_triton(q, k, v, meta, 0.125)
+    assert torch.equal(out, again)
+    triton_plan(meta)
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (10, 2), (16, 2)])
+def test_triton_mixed_batch_gqa(heads, kv_heads):
+    # Groups 3, 5 and 8 over a mixed batch (prompts, decodes, a recompute sharing a table).
+    q, k, v, meta = make_case(
+        MIXED, heads=heads, kv_heads=kv_heads, head_dim=64, block_size=16, seed=heads
+    )
+    check(run_triton(q, k, v, meta, 0.125), q, k, v, meta, 0.125)
+
+
+@needs_triton_cpu
+def test_triton_forced_launch_config():
+    # The benchmark's override: another row packing, key tile and split on a mixed batch.
+    from kernels.triton_attention import LaunchConfig
+
+    subs = [(1, 200), (7, 30), (1, 5)]
+    q, k, v, meta = make_case(subs, heads=6, kv_heads=2, head_dim=64, block_size=16, seed=11)
+    cfg = LaunchConfig(block_m=32, block_q=10, tile_n=16, num_segs=4, num_warps=4, num_stages=2)
+    from kernels.triton_attention import paged_attention_triton
+
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, k, v, meta, 0.125, out=out, config=cfg)
+    check(out, q, k, v, meta, 0.125)
+    with pytest.raises(ValueError):
+        bad = LaunchConfig(block_m=16, block_q=8, tile_n=16, num_segs=1, num_warps=4, num_stages=2)
+        paged_attention_triton(
+            q, k, v, AttentionMetadata.build([1], [0], [[0]], "cpu"), 1, config=bad
+        )

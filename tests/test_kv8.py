@@ -97,10 +97,10 @@ CASES = [
 ]
 
 
-def quantized_case(fmt, heads, kv_heads, head_dim, block_size, dtype, backend):
-    """A mixed prefill/decode batch whose pool is written through `write_kv` (8-bit)."""
+def quantized_case(fmt, heads, kv_heads, head_dim, block_size, dtype, backend, subs=MIXED):
+    """A batch (mixed prefill/decode by default) whose pool is written through `write_kv` (8-bit)."""
     q, k, v, meta = make_case(
-        MIXED, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+        subs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
     )
     kq, vq = empty_pool(k, fmt), empty_pool(v, fmt)
     slots = torch.arange(k.shape[0] * block_size)
@@ -156,6 +156,24 @@ def test_triton_attention_over_8bit_pool(fmt, case, segs):
     # ... and attention over the unquantized K/V.
     ref = paged_attention_torch(q.float(), k.float(), v.float(), meta, scale)
     assert rel_err(out.float(), ref) < QUANT_TOL[fmt]
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("fmt,heads", [("int8", 5), ("fp8", 8)])
+def test_triton_8bit_decode_split_by_policy(fmt, heads):
+    # Decode-only over long contexts, group 5 and 8 on one KV head: the policy splits the keys
+    # and the segments dequantize their own tiles.
+    from kernels.triton_attention import paged_attention_triton
+
+    subs = [(1, 600), (1, 250)]
+    q, k, v, kq, vq, meta = quantized_case(fmt, heads, 1, 64, 16, torch.float32, "torch", subs)
+    out = paged_attention_triton(q, kq, vq, meta, 0.125)
+    plans = [p for key, p in meta.derived.items() if key[0] == "triton_plan"]
+    assert plans[0].cfg.num_segs > 1
+    deq = (dequantize(c.codes, c.scales, fmt, torch.float32) for c in (kq, vq))
+    assert rel_err(out, paged_attention_torch(q, *deq, meta, 0.125)) < TOL[torch.float32]
+    ref = paged_attention_torch(q, k, v, meta, 0.125)
+    assert rel_err(out, ref) < QUANT_TOL[fmt]
 
 
 def test_kernels_refuse_mixed_pools():
