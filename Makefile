@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-fast test-gpu lint bench bench-kernel browser haproxy vendor
+.PHONY: install serve test test-fast test-gpu lint bench bench-kernel gpu-report browser haproxy vendor
 
 install: $(VENV)/.installed
 
@@ -72,6 +72,11 @@ test-gpu: install
 
 bench: install
 	$(BIN)/python -m bench.serve --preset cpu
+
+# On a CUDA machine, no network: prefill MFU, decode roofline, serving capacity (~23 min);
+# parts: python -m bench.gpu_report --part mfu,decode | serve | extra (see bench/README.md).
+gpu-report: install
+	$(BIN)/python -m bench.gpu_report
 
 bench-kernel: install
 	$(BIN)/python -m bench.kernel

@@ -45,7 +45,7 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
                 color, marker = STYLE.get(mode, (None, "o"))
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, [y * 1e3 for y in ys], marker=marker, color=color, label=mode)
-            if bound and row == 1:
+            if bound:
                 ax.axhline(bound * 1e3, ls="--", lw=1, color="black", label="bound")
             ax.set_yscale("log")
             ax.set_ylabel(f"{label} normalized latency (ms/token)")

@@ -51,8 +51,11 @@ class Preset:
     cpu_cache_gb: float | None = None
     max_batch_tokens: int = 2048
     max_running: int = 256
-    latency_bound: float = 0.5  # p90 normalized latency (s / output token) a mode must keep
-    stop_past_bound: float = 3.0  # stop a mode's sweep once its p90 passes bound x this
+    # Capacity: the throughput where a mode's MEAN normalized latency (s / output token)
+    # reaches this bound, interpolated between the runs either side (p90: a second figure).
+    latency_bound: float = 0.5
+    stop_past_bound: float = 1.0  # stop a mode's sweep once its mean passes bound x this
+    max_rate: float | None = None  # past the listed rates, double the rate up to this until crossed
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None: torch's default
     note: str = ""
@@ -79,24 +82,27 @@ GPU = Preset(
     gpu_cache_gb=40.0,
     cpu_cache_gb=200.0,
     latency_bound=0.18,
+    max_rate=32.0,
     note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
 )
 
 
 PRESETS: dict[str, Preset] = {
     # SmolLM2-135M in float32 on a 2-core CPU, one torch thread (two spin against any other
-    # load). To fit every mode's sweep in under 15 minutes: 12 ShareGPT conversations with at
-    # least 600 tokens of context, 3-4 turns, contexts capped at 1024 tokens and replies at
-    # 16; think time 60 s replayed as 3 s (x0.05). The first tier holds half the history.
+    # load). 24 ShareGPT conversations with at least 600 tokens of context, 3-4 turns,
+    # contexts capped at 1024 tokens and replies at 16; think time 60 s replayed as 3 s
+    # (x0.05). The first tier holds half the history. Each mode's sweep goes on (doubling the
+    # rate) until its mean normalized latency crosses the bound.
     "cpu": Preset(
         name="cpu",
         model="smollm2-135m-instruct",
         device="cpu",
         dtype="float32",
-        conversations=12,
-        # Capacity needs a rate that saturates each mode: at 1/s pensieve was still ~25% idle
-        # (its p90 a quarter of the bound), so the sweep goes to 2/s.
-        rates=[0.5, 1.0, 2.0],
+        # 24 conversations: with 12, every rate from 0.5/s on had all of them active at
+        # once, so a higher rate added no load and no mode ever reached the bound.
+        conversations=24,
+        rates=[0.25, 0.5, 1.0, 2.0],
+        max_rate=8.0,
         think_s=[60.0],
         time_scale=0.05,
         context_cap=1024,
@@ -107,8 +113,9 @@ PRESETS: dict[str, Preset] = {
         modes=["pensieve", "gpu", "stateless", "pensieve-separate"],
         gpu_fraction=0.5,
         max_batch_tokens=512,
-        latency_bound=2.5,  # p90 s/token, set on the first runs (a busy machine): stateless
-        # at its lowest rate just fitted under it
+        # Mean s/token, set before the capacity sweep: the earlier p90 bound of 2.5 s/token
+        # was never reached (means 0.36-0.9 at every rate), so it measured no capacity.
+        latency_bound=1.0,
         threads=1,
         note="think time 60 s replayed as 3 s (x0.05); context cap 1024, reply cap 16 tokens",
     ),

@@ -457,11 +457,13 @@ async def replay(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     on_turn: Callable[[TurnRecord], None] | None = None,
+    stop_s: float | None = None,
 ) -> list[TurnRecord]:
     """Replay the plans: one task per conversation, each turn sent only after the last reply.
 
     `send(conversation_id, turn_index, spec, context_len)` must return when the reply is
     complete. Planned times are multiplied by `time_scale` (a CPU preset compresses them).
+    `stop_s`: no turn is sent later than this (seconds of replay): a run of bounded length.
     """
     start = clock()
     records: list[TurnRecord] = []
@@ -473,11 +475,16 @@ async def replay(
 
     async def run(p: Plan) -> None:
         conv = p.conversation
+        if stop_s is not None and p.arrival_s * time_scale > stop_s:
+            return
         await wait_until(p.arrival_s * time_scale)
         context = 0
         for i, spec in enumerate(conv.turns):
             if i:
-                await sleep(p.think_s[i - 1] * time_scale)
+                think = p.think_s[i - 1] * time_scale
+                if stop_s is not None and clock() - start + think > stop_s:
+                    return  # its next turn would come after the end of the run
+                await sleep(think)
             sent = clock() - start
             reply = await send(conv.id, i, spec, context)
             rec = TurnRecord(

@@ -32,28 +32,65 @@ def test_metrics_of_a_run() -> None:
     assert m["suspensions"] == 1
 
 
-def _run(mode: str, rate: float, rps: float, p90: float, think: float = 60.0) -> dict:
-    m = {"turns": 10, "errors": 0, "throughput_rps": rps, "norm_latency_p90": p90}
+def _run(mode: str, rate: float, rps: float, mean: float, think: float = 60.0, **m) -> dict:
+    m = {"turns": 10, "errors": 0, "throughput_rps": rps, "norm_latency_mean": mean,
+         "norm_latency_p90": 2 * mean, **m}  # fmt: skip
     return {"mode": mode, "rate": rate, "think_s": think, "metrics": m}
 
 
-def test_capacity_and_claims_at_the_bound() -> None:
+def test_capacity_is_interpolated_where_the_mean_crosses_the_bound() -> None:
     runs = [
-        _run("stateless", 1, 0.9, 0.1),
-        _run("stateless", 2, 1.0, 0.9),  # past the bound: does not count
+        _run("pensieve", 4, 2.5, 0.6),  # out of rate order on purpose
+        _run("pensieve", 1, 0.9, 0.1),
+        _run("pensieve", 2, 1.8, 0.4),
+    ]
+    c = serve.crossing(runs, bound=0.5)
+    # Between rate 2 (1.8 req/s at 0.4) and rate 4 (2.5 req/s at 0.6): halfway in latency.
+    assert c == {"crossed": True, "under_rate": 2, "over_rate": 4, "capacity_rps": 2.15}
+    # p90 (twice the mean here) crosses between rates 1 and 2: 0.2 -> 0.8 reaches 0.5 halfway.
+    p90 = serve.crossing(runs, bound=0.5, key="norm_latency_p90")
+    assert p90["capacity_rps"] == pytest.approx(0.9 + 0.5 * 0.9) and p90["over_rate"] == 2
+
+
+def test_capacity_of_sweeps_that_do_not_cross_or_cross_at_once() -> None:
+    never = serve.crossing([_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.5, 0.3)], bound=0.5)
+    assert never == {"crossed": False, "under_rate": 2, "over_rate": None, "capacity_rps": 1.5}
+    at_once = serve.crossing([_run("gpu", 1, 0.9, 0.7), _run("gpu", 2, 1.0, 0.9)], bound=0.5)
+    assert at_once["crossed"] and at_once["capacity_rps"] is None
+    # A run that refused turns is past the bound whatever its latency: no slope to follow.
+    refused = [_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.2, 0.2, errors=3)]
+    assert serve.crossing(refused, bound=0.5)["capacity_rps"] == 0.9
+
+
+def test_claims_compare_capacities_only_where_both_crossed() -> None:
+    runs = [
+        _run("stateless", 1, 0.9, 0.3),
+        _run("stateless", 2, 1.1, 0.7),  # crosses at 0.9 + 0.5 * 0.2 = 1.0
         _run("gpu", 1, 0.9, 0.1),
-        _run("gpu", 2, 1.5, 0.3),
+        _run("gpu", 2, 1.5, 0.3),  # never crosses
         _run("pensieve", 1, 0.9, 0.1),
         _run("pensieve", 2, 1.8, 0.2),
-        _run("pensieve", 4, 2.5, 0.5),
+        _run("pensieve", 4, 2.4, 0.8),  # crosses at 1.8 + 0.5 * 0.6 = 2.1
     ]
-    cap = serve.capacity(runs, bound=0.5)
-    assert cap == {"stateless": 0.9, "gpu": 1.5, "pensieve": 2.5}
     c = serve.claims(runs, bound=0.5)["think_60s"]
-    assert c["pensieve_over_stateless"] == pytest.approx(2.5 / 0.9)
-    assert c["pensieve_2x_stateless"] and c["pensieve_beats_gpu"]
-    c = serve.claims(runs, bound=0.15)["think_60s"]
-    assert c["pensieve_over_stateless"] == pytest.approx(1.0) and not c["pensieve_2x_stateless"]
+    assert c["capacity_rps"] == pytest.approx({"stateless": 1.0, "gpu": 1.5, "pensieve": 2.1})
+    assert c["crossed"] == {"stateless": True, "gpu": False, "pensieve": True}
+    assert c["pensieve_over_stateless"] == pytest.approx(2.1) and c["pensieve_2x_stateless"]
+    assert c["pensieve_over_gpu"] is None and c["pensieve_beats_gpu"] is None
+    assert c["peak_rps"]["pensieve"] == 2.4
+    # p90 (twice the mean): pensieve 0.4 -> 1.6 between rates 2 and 4; stateless over at once.
+    assert c["capacity_p90"]["pensieve"]["capacity_rps"] == pytest.approx(1.8 + 0.6 / 12)
+    assert c["capacity_p90"]["stateless"]["capacity_rps"] is None
+    c = serve.claims(runs, bound=0.25)["think_60s"]
+    assert c["capacity"]["stateless"]["capacity_rps"] is None  # over at its lowest rate
+    assert c["pensieve_over_stateless"] is None
+
+
+def test_a_sweep_goes_on_past_its_rates_until_it_crosses() -> None:
+    assert serve.next_rate([0.5, 1.0], 0.5, 8.0) is None  # not the last listed rate
+    assert serve.next_rate([0.5, 1.0], 1.0, 8.0) == 2.0
+    assert serve.next_rate([0.5, 1.0, 2.0, 4.0, 8.0], 8.0, 8.0) is None
+    assert serve.next_rate([0.5, 1.0], 1.0, None) is None
 
 
 def test_plot_serve_writes_a_png(tmp_path) -> None:

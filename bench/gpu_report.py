@@ -1,0 +1,730 @@
+"""The GPU report: prefill MFU, the decode roofline and serving capacity, in one command.
+
+    python -m bench.gpu_report                        # every part, about 23 min on an H100
+    python -m bench.gpu_report --part mfu,decode      # about 5 min
+    python -m bench.gpu_report --part serve           # at most 9 min: the capacity sweep
+    python -m bench.gpu_report --part extra           # at most 9 min: unscaled check, oracle, lru
+    python -m bench.gpu_report --device cpu --model dummy:tiny   # dry run of every part
+
+Everything runs in this process on the engine (no server, no web stack), on dummy weights
+of the 13B-GQA10 shape, replaying the committed ShareGPT sample, so a bare GPU machine
+without network needs only the tree. Parts run separately merge into the same
+`bench/results/gpu-report-<device>.json`; each part stops starting runs that would not
+finish within its budget (`--budget`) and records what it skipped.
+
+- mfu: `bench.mfu` at 512, 2k and 8k prompt tokens.
+- decode: the step time of decode-only batches (CUDA events, median of repeats) against
+  the time to read the weights and the batch's KV once at the HBM bandwidth measured by a
+  large device copy.
+- serve: pensieve, gpu-only and stateless; Poisson arrivals, exponential think time (mean
+  60 s) replayed scaled: think time / k and both tiers / k. Each run sends turns for
+  `--window` seconds, then waits at most `--drain` seconds and cancels what still runs
+  (counted with its latency so far: a lower bound). Capacity = the throughput where the
+  mean normalized latency reaches 180 ms/token (`bench.serve.crossing`).
+- extra: one rate both unscaled (k = 1, a longer window) and scaled, the oracle (tiers that
+  never evict) and pensieve's eviction against lru on the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench import serve
+from bench import workload as wl
+from bench.common import RESULTS, ROOT, environment
+from bench.presets import MODES, Preset
+
+PARTS = ("mfu", "decode", "serve", "extra")
+SAMPLE = ROOT / "bench" / "samples" / "gpu.json"
+
+
+@dataclass
+class Settings:
+    model: str = "dummy:llama-2-13b-gqa10"
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    budget_s: float = 510.0  # per part: no run starts that would end later than this
+    # mfu
+    prompts: list[int] = field(default_factory=lambda: [512, 2048, 8192])
+    mfu_requests: int = 4
+    mfu_repeats: int = 3
+    matmul_sizes: list[int] = field(default_factory=lambda: [4096, 8192])
+    # decode
+    batches: list[int] = field(default_factory=lambda: [1, 16, 64, 256])
+    contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    decode_steps: int = 20
+    copy_mib: int = 4096
+    # serve
+    sample: str = str(SAMPLE)
+    conversations: int = 200
+    think_s: float = 60.0
+    scale: float = 4.0  # k: think time / k, both tiers / k
+    gpu_cache_gb: float = 40.0  # unscaled tiers, as in the paper
+    cpu_cache_gb: float = 200.0
+    bound: float = 0.18  # mean normalized latency, s / output token
+    rates: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+    start_rate: float = 1.0  # the first mode's sweep starts here
+    window_s: float = 45.0
+    drain_s: float = 25.0
+    unscaled_window_s: float = 180.0
+    unscaled_drain_s: float = 60.0
+    max_batch_tokens: int = 2048
+    dry: bool = False  # a CPU dry run: turns cut short, tiny tiers
+
+
+def dry_settings(model: str) -> Settings:
+    """Every part's plumbing on the CPU in a minute or two (numbers mean nothing)."""
+    return Settings(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        budget_s=120.0,
+        prompts=[64, 128],
+        mfu_requests=1,
+        mfu_repeats=1,
+        matmul_sizes=[128, 256],
+        batches=[1, 4],
+        contexts=[64, 128],
+        decode_steps=3,
+        copy_mib=16,
+        conversations=6,
+        scale=30.0,  # think 2 s: returning turns within the short windows
+        gpu_cache_gb=0.12,  # / k: ~32 chunks of dummy:tiny
+        cpu_cache_gb=0.6,
+        bound=0.1,
+        rates=[0.5, 2.0, 8.0],
+        start_rate=0.5,
+        window_s=6.0,
+        drain_s=4.0,
+        unscaled_window_s=6.0,
+        unscaled_drain_s=4.0,
+        max_batch_tokens=256,
+        dry=True,
+    )
+
+
+def _log(*a) -> None:
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------- mfu
+
+
+def part_mfu(s: Settings, budget: float) -> dict[str, Any]:
+    from bench import mfu
+
+    args = argparse.Namespace(
+        model=s.model,
+        device=s.device,
+        dtype=s.dtype,
+        prompts=s.prompts,
+        requests=s.mfu_requests,
+        repeats=s.mfu_repeats,
+        batch_tokens=s.max_batch_tokens,
+        sizes=s.matmul_sizes,
+        threads=None,
+    )
+    r = mfu.run(args)
+    return {
+        "matmul_flops_per_s": r["matmul_flops_per_s"]["best"],
+        "prefill": r["prefill"],
+        "goal_mfu": r["goal_mfu"],
+    }
+
+
+# ---------------------------------------------------------------- decode
+
+
+def hbm_bandwidth(device, mib: int) -> dict[str, float]:
+    """Bytes per second of a large device-to-device copy (each byte read once, written once)."""
+    import torch
+
+    from engine.profile import timed
+
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    t = timed(lambda a=src, b=dst: b.copy_(a), torch.device(device), repeats=10)
+    del src, dst
+    return {"bytes": 2 * (mib << 20), "seconds": t, "bytes_per_s": 2 * (mib << 20) / t}
+
+
+def weight_bytes(a, element_size: int) -> int:
+    """Bytes a decode step reads of the weights: every layer's projections and MLP and the
+    LM head (of the embedding table only a few rows are gathered; norms are negligible)."""
+    from bench.mfu import linear_flops_per_token
+
+    return (linear_flops_per_token(a) // 2 + a.dim * a.vocab_size) * element_size
+
+
+def _step_time(engine, steps: int) -> list[float]:
+    import torch
+
+    times = []
+    for _ in range(steps):
+        if engine.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def decode_point(engine, batch: int, context: int, steps: int, tag: str) -> dict[str, Any]:
+    """Median step time of `batch` turns decoding at `context` tokens (after a warm-up)."""
+    import torch
+
+    from engine import SamplingParams, Turn
+
+    vocab = engine.args.vocab_size
+    gen = torch.Generator().manual_seed(batch * 7919 + context)
+    warm = 3
+    sampling = SamplingParams(max_tokens=warm + steps + 4, ignore_eos=True)
+    reqs, ids = [], []
+    for i in range(batch):
+        cid = f"{tag}-{i}"
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        reqs.append(engine.submit(Turn(cid, prompt, sampling)))
+        ids.append(cid)
+    while not all(r.output for r in reqs):  # prefill until every turn decodes
+        engine.step()
+    _step_time(engine, warm)
+    times = _step_time(engine, steps)
+    for r in reqs:
+        engine.cancel(r)
+    while engine.has_work():
+        engine.step()
+    for cid in ids:
+        engine.free(cid)
+    return {"seconds": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def part_decode(s: Settings, budget: float) -> dict[str, Any]:
+    from engine import Engine, EngineConfig
+    from engine.kv_pool import KVPool
+
+    engine = Engine(
+        EngineConfig(
+            model=s.model,
+            device=s.device,
+            dtype=s.dtype,
+            cache_mode="gpu",
+            gpu_cache_chunks=None if not s.dry else 64,
+            cpu_cache_chunks=0,
+            max_batch_tokens=s.max_batch_tokens,
+            max_running=max(s.batches),
+        )
+    )
+    try:
+        chunk = engine.config.chunk_size
+        kv_token = KVPool.bytes_per_block(engine.args, chunk, engine.dtype) / chunk
+        blocks = engine.pool.gpu.shape[2]
+        usable = int(blocks * (1 - engine.config.admit_reserve)) - 1
+        bw = hbm_bandwidth(engine.device, s.copy_mib)
+        wbytes = weight_bytes(engine.args, engine.dtype.itemsize)
+        _log(f"HBM copy {bw['bytes_per_s'] / 1e9:.0f} GB/s; weights {wbytes / 1e9:.2f} GB")
+        rows = []
+        for context in s.contexts:
+            for batch in s.batches:
+                need = batch * -(-(context + s.decode_steps + 8) // chunk)
+                row: dict[str, Any] = {"batch": batch, "context": context, "kv_blocks": need}
+                if need > usable:
+                    row["skipped"] = f"KV needs {need} blocks, the pool has {usable}"
+                elif time.monotonic() > budget:
+                    row["skipped"] = "part budget spent"
+                else:
+                    row.update(decode_point(engine, batch, context, s.decode_steps, f"d{batch}"))
+                    kv = batch * (context + s.decode_steps // 2) * kv_token
+                    roof = (wbytes + kv) / bw["bytes_per_s"]
+                    row.update(
+                        roofline_s=roof,
+                        ratio=row["seconds"] / roof,
+                        tokens_per_s=batch / row["seconds"],
+                        kv_bytes=kv,
+                    )
+                rows.append(row)
+                _log(_decode_line(row))
+    finally:
+        engine.close()
+    return {
+        "hbm": bw,
+        "weight_bytes": wbytes,
+        "kv_bytes_per_token": kv_token,
+        "pool_blocks": blocks,
+        "points": rows,
+        "goal_ratio_at_64": 1.3,
+    }
+
+
+def _decode_line(r: dict[str, Any]) -> str:
+    head = f"decode batch {r['batch']:>4} context {r['context']:>5}: "
+    if "skipped" in r:
+        return head + "skipped (" + r["skipped"] + ")"
+    return head + (
+        f"{r['seconds'] * 1e3:8.2f} ms/step, roofline {r['roofline_s'] * 1e3:7.2f} ms, "
+        f"x{r['ratio']:.2f}"
+    )
+
+
+# ---------------------------------------------------------------- serve
+
+
+def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
+    """The committed sample; the dry run keeps short pieces of a few conversations that fit."""
+    from engine.loader import model_args
+
+    convs, info = serve.read_sample(Path(s.sample))
+    limit = model_args(s.model).max_context
+    if s.dry:
+        convs = [
+            wl.Conversation(c.id, [wl.TurnSpec(t.prompt[:40], min(t.output_len, 6), t.text)
+                                   for t in c.turns[:3]])
+            for c in convs
+        ]  # fmt: skip
+    convs = [c for c in convs if c.context_lens()[-1] <= limit][: s.conversations]
+    return convs, {**info, "summary": wl.summarize(convs)}
+
+
+def _chunks(gb: float, per: int) -> int:
+    return max(2, int(gb * 2**30 // per))
+
+
+def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Preset:
+    """The engine settings of one scale: tiers / k (the oracle: tiers that hold everything)."""
+    per = serve.kv_bytes_per_chunk(s.model, s.dtype)
+    gpu, cpu = _chunks(s.gpu_cache_gb / k, per), _chunks(s.cpu_cache_gb / k, per)
+    if oracle_chunks is not None:
+        gpu, cpu = max(gpu, oracle_chunks), max(cpu, oracle_chunks)
+    return Preset(
+        name="gpu-report",
+        model=s.model,
+        device=s.device,
+        dtype=s.dtype,
+        gpu_cache_chunks=gpu,
+        cpu_cache_chunks=cpu,
+        max_batch_tokens=s.max_batch_tokens,
+        latency_bound=s.bound,
+    )
+
+
+class WindowDriver(serve.EngineDriver):
+    """EngineDriver whose turns still running at `deadline` are cancelled and recorded with
+    their latency so far over their planned length (a lower bound on their latency)."""
+
+    deadline: float = math.inf  # time.monotonic()
+
+    async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
+        from engine import SamplingParams, Turn
+
+        conv = f"{self.tag}/{cid}"
+        self.ids.add(conv)
+        sampling = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+        stream = self.engine.submit(Turn(conv, list(spec.prompt), sampling))
+        first, n = None, 0
+        try:
+            async with asyncio.timeout(max(0.0, self.deadline - time.monotonic())):
+                async for _ in stream:
+                    first = first or time.monotonic()
+                    n += 1
+        except TimeoutError:
+            stream.cancel()
+            now = time.monotonic()
+            async for _ in stream:  # it ends within a step
+                pass
+            stats = {"censored": 1, "completed_tokens": n}
+            return wl.Reply(first or now, now, spec.output_len, stats)
+        except Exception as e:
+            now = time.monotonic()
+            return wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}")
+        done = time.monotonic()
+        res = stream.result
+        return wl.Reply(first or done, done, len(res.token_ids), serve._stats(res.stats))
+
+
+def window_metrics(records: list[wl.TurnRecord], wall: float) -> dict[str, Any]:
+    """`serve.metrics` of the completed turns; normalized latency over the cancelled ones
+    too, each counted at its lower bound, so an overloaded run is not made to look faster."""
+    done = [r for r in records if not r.stats.get("censored")]
+    cut = [r for r in records if r.stats.get("censored")]
+    m = serve.metrics(done, wall)
+    norm = [
+        r.latency_s / r.output_tokens for r in done + cut if r.error is None and r.output_tokens
+    ]
+    m["norm_latency_mean_completed"] = m["norm_latency_mean"]
+    m["norm_latency_mean"] = statistics.fmean(norm) if norm else float("nan")
+    m["norm_latency_p90"] = wl.percentile(norm, 90)
+    m["cancelled_at_drain"] = len(cut)
+    return m
+
+
+class Runner:
+    """One AsyncEngine per (mode, scale, tiers); runs windows of the replay on it."""
+
+    def __init__(self, s: Settings, convs: list[wl.Conversation], budget: float) -> None:
+        self.s, self.convs, self.budget = s, convs, budget
+        self.engines: dict[tuple, Any] = {}
+        self.skipped: list[str] = []
+
+    def fits(self, window: float, drain: float) -> bool:
+        return time.monotonic() + window + drain + 15 < self.budget
+
+    async def run(
+        self, mode: str, rate: float, k: float, oracle: int | None = None, label: str = ""
+    ) -> dict[str, Any] | None:
+        s = self.s
+        window, drain = (s.unscaled_window_s, s.unscaled_drain_s) if k == 1 else (
+            s.window_s, s.drain_s)  # fmt: skip
+        name = label or mode
+        if not self.fits(window, drain):
+            self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): part budget")
+            _log(f"skip {name} at {rate:g}/s: it would not finish within the part's budget")
+            return None
+        preset = preset_for(s, k, oracle)
+        engine = await self._engine(name, MODES[mode], preset)
+        driver = WindowDriver(engine, f"{name}-{k:g}-{rate:g}")
+        plans = wl.plan(self.convs, rate, s.think_s / k, 0)
+        t0 = time.monotonic()
+        driver.deadline = t0 + window + drain
+        before = engine.snapshot().counters
+        records = await wl.replay(plans, driver.send, stop_s=window)
+        wall = time.monotonic() - t0
+        await asyncio.sleep(0.6)  # the loop refreshes its snapshot once idle
+        counters = serve.counters_delta(before, engine.snapshot().counters)
+        await driver.free()
+        run = {
+            "mode": name,
+            "engine_mode": mode,
+            "rate": rate,
+            "scale": k,
+            "think_s": s.think_s,
+            "think_replayed_s": s.think_s / k,
+            "gpu_cache_chunks": preset.gpu_cache_chunks,
+            "cpu_cache_chunks": preset.cpu_cache_chunks,
+            "window_s": window,
+            "wall_s": wall,
+            "metrics": window_metrics(records, wall),
+            "counters": counters,
+        }
+        _log(serve._line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
+        return run
+
+    async def _engine(self, name: str, mode, preset: Preset):
+        from engine import AsyncEngine
+
+        key = (name, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
+        if key not in self.engines:
+            await self.close()  # one engine at a time: each holds the weights and its pool
+            engine = AsyncEngine(serve.engine_config(preset, mode))
+            await engine.start()
+            self.engines[key] = engine
+        return self.engines[key]
+
+    async def close(self) -> None:
+        for e in self.engines.values():
+            await e.stop()
+        self.engines.clear()
+
+
+def _over(run: dict[str, Any], bound: float) -> bool:
+    m = run["metrics"]
+    return bool(m["errors"]) or not m["norm_latency_mean"] <= bound
+
+
+async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
+    """Runs at ladder rates from `start`, up while under the bound, down while over, until
+    an adjacent pair under/over is known (or the ladder or the budget ends)."""
+    ladder, runs, seen = r.s.rates, [], {}
+    i = start
+    while 0 <= i < len(ladder):
+        run = await r.run(mode, ladder[i], k, oracle, label)
+        if run is None:
+            break
+        runs.append(run)
+        seen[i] = _over(run, r.s.bound)
+        step = -1 if seen[i] else 1
+        if i + step in seen:
+            break
+        i += step
+    return runs
+
+
+def _start_index(ladder: list[float], rate: float) -> int:
+    return max([i for i, x in enumerate(ladder) if x <= rate], default=0)
+
+
+async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
+    convs, info = load_sample(s)
+    r = Runner(s, convs, budget)
+    runs: list[dict[str, Any]] = []
+    start = _start_index(s.rates, s.start_rate)
+    try:
+        for mode in ("stateless", "gpu", "pensieve"):  # each next mode should serve more
+            got = await sweep(r, mode, start, s.scale)
+            runs += got
+            under = [x["rate"] for x in got if not _over(x, s.bound)]
+            if under:
+                start = _start_index(s.rates, max(under))
+    finally:
+        await r.close()
+    return _serve_result(s, info, runs, r.skipped, convs)
+
+
+def _serve_result(s, info, runs, skipped, convs) -> dict[str, Any]:
+    per = serve.kv_bytes_per_chunk(s.model, s.dtype)
+    return {
+        "workload": {k: v for k, v in info.items() if k != "parse"},
+        "history_chunks": serve.history_chunks(convs),
+        "bytes_per_chunk": per,
+        "runs": runs,
+        "skipped": skipped,
+        "capacity": {
+            m: serve.crossing([x for x in runs if x["mode"] == m], s.bound)
+            for m in dict.fromkeys(x["mode"] for x in runs)
+        },
+        "capacity_p90": {
+            m: serve.crossing([x for x in runs if x["mode"] == m], s.bound, "norm_latency_p90")
+            for m in dict.fromkeys(x["mode"] for x in runs)
+        },
+    }
+
+
+async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
+    """At pensieve's last rate under the bound (from the serve part): the same run unscaled,
+    with lru eviction, and the oracle's sweep from there."""
+    convs, info = load_sample(s)
+    serve_runs = (previous or {}).get("serve", {}).get("runs", [])
+    cap = serve.crossing([x for x in serve_runs if x["mode"] == "pensieve"], s.bound)
+    rate = cap.get("under_rate") or s.start_rate
+    oracle = int(serve.history_chunks(convs) * 1.1) + 64
+    r = Runner(s, convs, budget)
+    runs: list[dict[str, Any]] = []
+    try:
+        for label, k in (("pensieve", s.scale), ("pensieve-lru", s.scale)):
+            mode = "pensieve-lru" if label == "pensieve-lru" else "pensieve"
+            if label == "pensieve" and any(
+                x["mode"] == "pensieve" and x["rate"] == rate for x in serve_runs
+            ):
+                runs.append(
+                    next(x for x in serve_runs if x["mode"] == "pensieve" and x["rate"] == rate)
+                )
+                continue  # the serve part's run at this rate is the scaled one
+            got = await r.run(mode, rate, k, label=label)
+            runs += [got] if got else []
+        got = await r.run("pensieve", rate, 1.0, label="pensieve-unscaled")
+        runs += [got] if got else []
+        runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
+                            s.scale, label="oracle", oracle=oracle)  # fmt: skip
+    finally:
+        await r.close()
+    out = _serve_result(s, info, runs, r.skipped, convs)
+    out["rate"] = rate
+    out["oracle_chunks"] = oracle
+    by = {x["mode"]: x["metrics"] for x in runs if x["rate"] == rate}
+    p, lru, un = by.get("pensieve"), by.get("pensieve-lru"), by.get("pensieve-unscaled")
+    if p and lru:
+        out["eviction"] = {
+            "pensieve_recomputed": p["recomputed_tokens"],
+            "lru_recomputed": lru["recomputed_tokens"],
+            "fewer_recomputed": 1 - p["recomputed_tokens"] / lru["recomputed_tokens"]
+            if lru["recomputed_tokens"]
+            else None,
+        }
+    if p and un:
+        out["scaled_vs_unscaled"] = {
+            key: {
+                "scaled": p[key],
+                "unscaled": un[key],
+                "ratio": p[key] / un[key] if un[key] else None,
+            }
+            for key in ("norm_latency_mean", "norm_latency_p90", "throughput_rps")
+        }
+    return out
+
+
+# ---------------------------------------------------------------- the report
+
+
+def device_slug(device: str) -> str:
+    return device.split(" (")[0].replace(" ", "-").lower()
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The table printed at the end (and kept in the JSON)."""
+    lines = [
+        f"GPU report: {report['environment']['device']} at {report['environment']['git_commit']}"
+    ]
+    mfu = report.get("mfu")
+    if mfu:
+        for r in mfu["prefill"]:
+            lines.append(
+                f"  prefill {r['prompt_tokens']:>6} tokens   MFU {r['mfu']:.2f}   (goal 0.5)"
+            )
+    dec = report.get("decode")
+    if dec:
+        lines.append(f"  HBM copy {dec['hbm']['bytes_per_s'] / 1e9:.0f} GB/s")
+        lines += ["  " + _decode_line(r) for r in dec["points"]]
+    for part in ("serve", "extra"):
+        res = report.get(part)
+        if not res:
+            continue
+        for m, c in res["capacity"].items():
+            p90 = res["capacity_p90"][m]
+            lines.append(
+                f"  {part} {m:<18} capacity {_fmt(c['capacity_rps'])} req/s "
+                f"({'crossed' if c['crossed'] else 'NOT crossed'} {report['settings']['bound'] * 1e3:g} ms/token mean), "
+                f"p90 {_fmt(p90['capacity_rps'])}"
+            )
+        for line in res.get("skipped", []):
+            lines.append(f"  {part} skipped: {line}")
+    c = report.get("claims", {})
+    for key, val in c.items():
+        lines.append(f"  {key}: {_fmt(val) if isinstance(val, float) else val}")
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def claims(report: dict[str, Any]) -> dict[str, Any]:
+    cap = report.get("serve", {}).get("capacity", {})
+    extra = report.get("extra", {})
+    val = lambda c: c["capacity_rps"] if c and c["crossed"] else None  # noqa: E731
+    p, st, g = (val(cap.get(m)) for m in ("pensieve", "stateless", "gpu"))
+    o = val(extra.get("capacity", {}).get("oracle"))
+    return {
+        "pensieve_over_stateless": p / st if p and st else None,
+        "pensieve_over_gpu": p / g if p and g else None,
+        "pensieve_over_oracle": p / o if p and o else None,
+        "lru_recomputes_more_by": (extra.get("eviction") or {}).get("fewer_recomputed"),
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> list[Path]:
+    """Decode step vs roofline per point, and the serving curves of both serving parts."""
+    from bench.plots import plot_bars, plot_serve
+
+    out = []
+    dec = report.get("decode")
+    if dec and any("seconds" in r for r in dec["points"]):
+        rows = []
+        for r in dec["points"]:
+            if "seconds" in r:
+                rows.append({"name": f"b{r['batch']} c{r['context']}", "x": r["ratio"]})
+        title = f"decode step / roofline ({report['environment']['device']})"
+        out.append(
+            plot_bars(
+                rows,
+                "x",
+                "step time / roofline",
+                title,
+                path.with_name(path.stem + "-decode.png"),
+                "%.2f",
+            )
+        )
+    runs = report.get("serve", {}).get("runs", []) + [
+        x for x in report.get("extra", {}).get("runs", []) if x["mode"] != "pensieve"
+    ]
+    if runs:
+        # One think time column: the scaled replay (the unscaled run is drawn with it).
+        flat = [{**x, "think_s": report["settings"]["think_s"]} for x in runs]
+        res = {
+            "runs": flat,
+            "preset": {"latency_bound": report["settings"]["bound"], "model": report["settings"]["model"],
+                       "conversations": report["settings"]["conversations"],
+                       "note": f"think time / {report['settings']['scale']:g}, tiers / {report['settings']['scale']:g}"},
+            "environment": report["environment"],
+        }  # fmt: skip
+        out.append(plot_serve(res, path.with_name(path.stem + "-serve.png")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gpu_report", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--part", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", help="default: dummy:llama-2-13b-gqa10 (dummy:tiny on the CPU)")
+    ap.add_argument("--budget", type=float, help="seconds per part")
+    ap.add_argument("--rates", help="comma-separated ladder of new conversations per second")
+    ap.add_argument("--start-rate", type=float, help="where the first mode's sweep starts")
+    ap.add_argument("--scale", type=float, help="k: think time / k and tiers / k")
+    ap.add_argument("--window", type=float, help="seconds each serving run sends turns")
+    ap.add_argument("--out", type=Path, help="default bench/results/gpu-report-<device>.json")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.part.split(",") if p]
+    if bad := [p for p in parts if p not in PARTS]:
+        ap.error(f"unknown parts {bad}; choose from {PARTS}")
+    if args.device == "cpu":
+        s = dry_settings(args.model or "dummy:tiny")
+    else:
+        s = Settings(device=args.device, model=args.model or Settings.model)
+    for key, val in (("budget_s", args.budget), ("start_rate", args.start_rate),
+                     ("scale", args.scale), ("window_s", args.window)):  # fmt: skip
+        if val is not None:
+            s = replace(s, **{key: val})
+    if args.rates:
+        s = replace(s, rates=[float(x) for x in args.rates.split(",")])
+
+    import torch
+
+    if s.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: use --device cpu for the dry run")
+    env = environment(s.device)
+    out = args.out or RESULTS / f"gpu-report-{device_slug(env['device'])}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    if report.get("settings", {}).get("model") not in (None, s.model):
+        ap.error(f"{out} holds a report of another model; pass --out")
+    for part in parts:
+        t0 = time.monotonic()
+        budget = t0 + s.budget_s
+        _log(f"== {part} (budget {s.budget_s:.0f} s)")
+        if part == "mfu":
+            res = part_mfu(s, budget)
+        elif part == "decode":
+            res = part_decode(s, budget)
+        elif part == "serve":
+            res = asyncio.run(part_serve(s, budget, report))
+        else:
+            res = asyncio.run(part_extra(s, budget, report))
+        res["elapsed_s"] = time.monotonic() - t0
+        res["git_commit"] = env["git_commit"]
+        report[part] = res
+        report.setdefault("parts_environment", {})[part] = env
+        report.update(benchmark="gpu_report", environment=env, settings=asdict(s))
+        report["claims"] = claims(report)
+        out.write_text(json.dumps(report, indent=1, default=float) + "\n")  # each part kept at once
+    report["table"] = summary(report)
+    out.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    print(report["table"])
+    print(f"wrote {out}")
+    if not args.no_plot:
+        try:
+            for p in plot(report, out.with_suffix(".png")):
+                print(f"wrote {p}")
+        except ImportError as e:  # a bare GPU machine: plot later where matplotlib is
+            print(f"no plot ({e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The GPU report's plumbing: every part as a dry run on the CPU (dummy:tiny), and its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import gpu_report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dry_run_of_every_part_writes_one_report(tmp_path) -> None:
+    out = tmp_path / "gpu-report-cpu.json"
+    argv = ["--device", "cpu", "--model", "dummy:tiny", "--out", str(out)]
+    assert gpu_report.main([*argv, "--part", "mfu,decode"]) == 0
+    assert gpu_report.main([*argv, "--part", "serve,extra"]) == 0  # merged into the same file
+    r = json.loads(out.read_text())
+    assert set(gpu_report.PARTS) <= set(r) and r["benchmark"] == "gpu_report"
+    assert r["environment"]["git_commit"] and r["settings"]["model"] == "dummy:tiny"
+    assert all(r[p]["git_commit"] for p in gpu_report.PARTS)
+
+    assert [x["prompt_tokens"] for x in r["mfu"]["prefill"]] == [64, 128]
+    assert all(x["mfu"] > 0 for x in r["mfu"]["prefill"])
+
+    dec = r["decode"]
+    assert dec["hbm"]["bytes_per_s"] > 0 and dec["weight_bytes"] > 0
+    assert [(p["batch"], p["context"]) for p in dec["points"]] == [
+        (1, 64),
+        (4, 64),
+        (1, 128),
+        (4, 128),
+    ]
+    for p in dec["points"]:
+        assert p["ratio"] == pytest.approx(p["seconds"] / p["roofline_s"])
+        kv = p["batch"] * (p["context"] + 1) * dec["kv_bytes_per_token"]  # steps // 2 = 1
+        assert p["roofline_s"] == pytest.approx(
+            (dec["weight_bytes"] + kv) / dec["hbm"]["bytes_per_s"]
+        )
+
+    sv = r["serve"]
+    assert {x["mode"] for x in sv["runs"]} == {"stateless", "gpu", "pensieve"}
+    for x in sv["runs"]:
+        m = x["metrics"]
+        assert m["errors"] == 0 and m["turns"] > 0 and x["scale"] == 30.0
+        assert x["think_replayed_s"] == pytest.approx(2.0)
+    assert set(sv["capacity"]) == set(sv["capacity_p90"]) == {"stateless", "gpu", "pensieve"}
+    for c in sv["capacity"].values():
+        assert set(c) == {"crossed", "under_rate", "over_rate", "capacity_rps"}
+    # Pensieve keeps the context of returning turns; stateless recomputes it.
+    kept = [x["metrics"] for x in sv["runs"] if x["mode"] == "pensieve"]
+    assert sum(m["cached_tokens"] + m["swapped_in_tokens"] for m in kept) > 0
+    assert all(x["metrics"]["cached_tokens"] == 0 for x in sv["runs"] if x["mode"] == "stateless")
+
+    ex = r["extra"]
+    modes = {x["mode"] for x in ex["runs"]}
+    assert {"pensieve", "pensieve-lru", "pensieve-unscaled", "oracle"} <= modes
+    unscaled = next(x for x in ex["runs"] if x["mode"] == "pensieve-unscaled")
+    assert unscaled["scale"] == 1.0 and unscaled["think_replayed_s"] == 60.0
+    assert set(ex["scaled_vs_unscaled"]) == {
+        "norm_latency_mean",
+        "norm_latency_p90",
+        "throughput_rps",
+    }
+    assert "lru_recomputed" in ex["eviction"] and "oracle" in ex["capacity"]
+    oracle = next(x for x in ex["runs"] if x["mode"] == "oracle")
+    assert oracle["gpu_cache_chunks"] >= ex["history_chunks"]  # never evicts
+    assert "MFU" in r["table"] and set(r["claims"]) >= {"pensieve_over_stateless"}
+    assert out.with_name(out.stem + "-serve.png").stat().st_size > 5_000
+    assert out.with_name(out.stem + "-decode.png").stat().st_size > 5_000
