@@ -66,17 +66,20 @@ test: install browser haproxy
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
 
-# On a CUDA machine: the kernels compiled (no interpreter), the engine on the GPU.
-test-gpu: install
-	$(BIN)/python -m pytest -q -m gpu
+# On a CUDA machine: the kernels compiled (no interpreter), the engine on the GPU. These two
+# need no install step: a GPU box often has no network, but has torch, triton, transformers
+# and pytest; the venv's python is used where `make install` made one.
+GPU_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+test-gpu:
+	$(GPU_PY) -m pytest -q -m gpu
 
 bench: install
 	$(BIN)/python -m bench.serve --preset cpu
 
 # On a CUDA machine, no network: prefill MFU, decode roofline, serving capacity (~23 min);
 # parts: python -m bench.gpu_report --part mfu,decode | serve | extra (see bench/README.md).
-gpu-report: install
-	$(BIN)/python -m bench.gpu_report
+gpu-report:
+	$(GPU_PY) -m bench.gpu_report
 
 bench-kernel: install
 	$(BIN)/python -m bench.kernel
