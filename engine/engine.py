@@ -228,7 +228,7 @@ class Engine:
                 base=state.kv_len,
                 tokens=state.tail + prompt[shared:],
                 stats=TurnStats(prompt_tokens=len(prompt), shared_tokens=shared, arrival_s=now),
-                generator=make_generator(turn.sampling),
+                generator=make_generator(turn.sampling, self.device),
                 on_token=on_token,
                 chain=chain,
             )

@@ -9,7 +9,7 @@ import torch
 from engine.cache import CopyPlan
 from engine.kv_pool import KVPool
 from engine.model import Decoder
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.scheduler import Piece
 from kernels import AttentionMetadata
 
@@ -35,6 +35,7 @@ class Runner:
         self.chunk_size = chunk_size
         self.backend = backend
         self.device = pool.device
+        self.sampler = Sampler(self.device)
 
     def step(self, pieces: list[Piece], plan: CopyPlan) -> list[int]:
         """One forward over the unified batch; returns the sampled token of each sampling piece."""
@@ -54,7 +55,7 @@ class Runner:
                 params.append(p.req.turn.sampling)
                 gens.append(p.req.generator)
         logits = self.forward(x, plan)
-        return sample(logits, params, gens) if x.rows else []
+        return self.sampler(logits, params, gens) if x.rows else []
 
     def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
         """Start the step's copies, run the model over `x`; the logits of `x.rows`."""
