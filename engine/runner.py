@@ -6,6 +6,7 @@ import torch
 
 from engine.batch import Batch, StepInputs, Uploader, build
 from engine.cache import CopyPlan
+from engine.graphs import DecodeGraphs
 from engine.kv_pool import KVPool
 from engine.model import Decoder
 from engine.sampler import Sampler
@@ -23,6 +24,7 @@ class Runner:
         self.device = pool.device
         self.sampler = Sampler(self.device)
         self.upload = Uploader(self.device)
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
 
     def step(self, pieces: list[Piece], plan: CopyPlan) -> list[int]:
         """One forward over the unified batch; returns the sampled token of each sampling piece."""
@@ -43,6 +45,11 @@ class Runner:
 
     def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
         """Start the step's copies, run the model over `x`; the logits of its sampling pieces."""
+        g = self.graphs
+        if g is not None and g.fits(x, plan):
+            b = build(x, self.chunk_size, g.width)
+            self.begin(x, plan)
+            return g.run(b)
         b = self.upload(build(x, self.chunk_size))
         self.begin(x, plan)
         return self.run(b)
