@@ -40,6 +40,8 @@ ENGINE_HELP: dict[str, str] = {
     "pack_cpu_weights": "float32 on the CPU: oneDNN-packed linears",
     "share_prefixes": "pensieve mode: store chunks of first prompts equal across conversations "
     "(a system prompt) once, and link them instead of computing them",
+    "cuda_graphs": "replay decode-only steps from CUDA graphs captured per batch size "
+    "(CUDA with the triton backend, one rank)",
     "tensor_parallel": "split the model across this many ranks (GPUs on CUDA): worker processes "
     "over torch.distributed; heads must divide by it",
 }

@@ -14,6 +14,7 @@ import torch
 from engine.cache import KVCacheManager, chain_hashes
 from engine.conversation import StreamState
 from engine.errors import ConversationBusy
+from engine.graphs import DecodeGraphs, bucket_sizes
 from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.kv_pool import KVPool
 from engine.loader import cache_root, load
@@ -153,12 +154,32 @@ class Engine:
             self.runner = Runner(self.model, self.pool, cs, self.backend)
         else:
             self.runner = self.tp.runner(self.model, self.pool, self.backend)
+        if self.graphs_enabled:
+            self.runner.graphs = DecodeGraphs(
+                self.model,
+                self.pool,
+                self.backend,
+                bucket_sizes(min(config.max_running, config.max_batch_tokens)),
+                width=min(-(-self.max_context // cs), gpu),
+                vocab=self.args.vocab_size,
+            )
+            self.runner.graphs.capture()
         self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self._prefetching: dict[str, Request] = {}  # recompute prefetches in flight
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """Decode steps from CUDA graphs: asked for, on CUDA, with the triton backend, one rank."""
+        return (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and self.backend == "triton"
+            and self.tp is None
+        )
 
     # ---- turns in ----------------------------------------------------------------------------
 
@@ -228,7 +249,7 @@ class Engine:
                 base=state.kv_len,
                 tokens=state.tail + prompt[shared:],
                 stats=TurnStats(prompt_tokens=len(prompt), shared_tokens=shared, arrival_s=now),
-                generator=make_generator(turn.sampling),
+                generator=make_generator(turn.sampling, self.device),
                 on_token=on_token,
                 chain=chain,
             )

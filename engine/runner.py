@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from engine.batch import Batch, StepInputs, Uploader, build
 from engine.cache import CopyPlan
+from engine.graphs import DecodeGraphs
 from engine.kv_pool import KVPool
 from engine.model import Decoder
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.scheduler import Piece
-from kernels import AttentionMetadata
 
-
-@dataclass
-class StepInputs:
-    """A step's batch as plain lists: what the model needs, nothing of the requests (a
-    tensor-parallel engine sends it to every rank)."""
-
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # flat KV slot of each token
-    q_lens: list[int] = field(default_factory=list)
-    q_pos: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)  # GPU blocks of each piece
-    rows: list[int] = field(default_factory=list)  # tokens whose next-token logits are wanted
+__all__ = ["Runner", "StepInputs"]
 
 
 class Runner:
@@ -35,39 +22,46 @@ class Runner:
         self.chunk_size = chunk_size
         self.backend = backend
         self.device = pool.device
+        self.sampler = Sampler(self.device)
+        self.upload = Uploader(self.device)
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
 
     def step(self, pieces: list[Piece], plan: CopyPlan) -> list[int]:
         """One forward over the unified batch; returns the sampled token of each sampling piece."""
         cs = self.chunk_size
         x = StepInputs()
         params, gens = [], []
-        for p in pieces:
-            blocks = p.req.table.gpu_blocks(-(-p.end // cs))
+        for i, p in enumerate(pieces):
             x.ids += p.req.token_range(p.start, p.end)
-            x.positions += range(p.start, p.end)
-            x.slots += [blocks[i // cs] * cs + i % cs for i in range(p.start, p.end)]
-            x.q_lens.append(p.end - p.start)
-            x.q_pos.append(p.start)
-            x.tables.append(blocks)
+            x.starts.append(p.start)
+            x.ends.append(p.end)
+            x.tables.append(p.req.table.gpu_blocks(-(-p.end // cs)))
             if p.sample:
-                x.rows.append(len(x.ids) - 1)
+                x.sample.append(i)
                 params.append(p.req.turn.sampling)
                 gens.append(p.req.generator)
         logits = self.forward(x, plan)
-        return sample(logits, params, gens) if x.rows else []
+        return self.sampler(logits, params, gens) if x.sample else []
 
     def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
-        """Start the step's copies, run the model over `x`; the logits of `x.rows`."""
-        dev = self.device
-        meta = AttentionMetadata.build(x.q_lens, x.q_pos, x.tables, dev)
+        """Start the step's copies, run the model over `x`; the logits of its sampling pieces."""
+        g = self.graphs
+        if g is not None and g.fits(x, plan):
+            b = build(x, self.chunk_size, g.width)
+            self.begin(x, plan)
+            return g.run(b)
+        b = self.upload(build(x, self.chunk_size))
         self.begin(x, plan)
+        return self.run(b)
+
+    def run(self, b: Batch) -> torch.Tensor:
         return self.model(
-            torch.tensor(x.ids, dtype=torch.long, device=dev),
-            torch.tensor(x.positions, dtype=torch.long, device=dev),
+            b.ids,
+            b.positions,
             self.pool.layers,
-            meta,
-            torch.tensor(x.slots, dtype=torch.long, device=dev),
-            torch.tensor(x.rows, dtype=torch.long, device=dev),
+            b.meta,
+            b.slots,
+            b.rows,
             before_attention=self.pool.before_attention,
             backend=self.backend,
         )

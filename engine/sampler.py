@@ -1,38 +1,87 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with a per-turn seeded generator."""
+"""Next-token sampling for a whole step at once, on the logits' device.
+
+Greedy rows take the argmax. Sampled rows are divided by their temperature, cut to their
+top-k (every token tied with the k-th stays) and to their top-p (the smallest prefix of the
+sorted probabilities whose mass reaches top_p; the first token always stays), and drawn by an
+exponential race: argmax(p / E) with E ~ Exp(1) per token picks token i with probability
+p_i / sum(p), so no normalisation, cumulative sum or host round trip is needed to draw.
+
+The noise of a seeded turn comes from its own generator on the device (the same seed gives the
+same tokens whatever else is in the batch); unseeded rows share the sampler's generator and
+are drawn in one call. The step's tokens come back to the host in one copy.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from engine.types import SamplingParams
 
+TINY = torch.finfo(torch.float32).tiny  # noise floor: a zero draw would divide by zero
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    if params.temperature == 0.0:
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu"):
+    """A seeded turn's own generator on `device`; None for greedy or unseeded turns."""
+    if params.temperature == 0.0 or params.seed is None:
         return None
-    g = torch.Generator()
-    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed)
     return g
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
-) -> list[int]:
-    """logits [R, vocab] float32 on any device; one token per row."""
-    out = logits.argmax(dim=-1).tolist()
-    for r, p in enumerate(params):
-        if p.temperature == 0.0:
-            continue
-        row = logits[r].float().cpu() / p.temperature
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-            sorted_p[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[r] = int(torch.multinomial(probs, 1, generator=gens[r]).item())
-    return out
+class Sampler:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device)  # unseeded turns
+        self.gen.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        gens: list[torch.Generator | None],
+    ) -> list[int]:
+        """logits [R, vocab] (any float dtype); one token per row."""
+        out = logits.argmax(dim=-1)
+        hot = [r for r, p in enumerate(params) if p.temperature > 0.0]
+        if hot:
+            idx = None if len(hot) == len(params) else torch.tensor(hot, device=logits.device)
+            rows = logits if idx is None else logits.index_select(0, idx)
+            drawn = self.draw(rows, [params[r] for r in hot], [gens[r] for r in hot])
+            out = drawn if idx is None else out.index_copy(0, idx, drawn)
+        return out.tolist()
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        gens: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Rows that all sample (temperature > 0): one token id per row, on the device."""
+        dev = logits.device
+        n, vocab = logits.shape
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        x = logits.float() / temp.to(dev, non_blocking=True)[:, None]
+        order = None
+        if any(p.top_k or p.top_p < 1.0 for p in params):
+            x, order = x.sort(dim=-1, descending=True)
+            if any(p.top_k for p in params):
+                k = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
+                kth = x.gather(1, torch.tensor(k, device=dev)[:, None] - 1)
+                x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if order is not None and any(p.top_p < 1.0 for p in params):
+            # rows without top-p get a bound no mass reaches (float sums can pass 1.0)
+            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params])
+            before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+            probs = probs.masked_fill(before >= top_p.to(dev, non_blocking=True)[:, None], 0.0)
+        noise = torch.empty_like(probs)
+        if any(g is None for g in gens):
+            noise.exponential_(generator=self.gen)
+        for r, g in enumerate(gens):
+            if g is not None:
+                noise[r].exponential_(generator=g)
+        pick = probs.div_(noise.clamp_min_(TINY)).argmax(dim=-1)
+        return pick if order is None else order.gather(1, pick[:, None]).squeeze(1)

@@ -36,6 +36,9 @@ class EngineConfig:
     # Ranks the model is split across (heads, KV heads, MLP, vocabulary): worker processes
     # over torch.distributed, one GPU each on CUDA; 1: no workers, one process as before
     tensor_parallel: int = 1
+    # Decode-only steps replay CUDA graphs captured per batch-size bucket (engine/graphs.py);
+    # effective on CUDA with the triton backend and one rank only
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:

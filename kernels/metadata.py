@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -31,17 +32,35 @@ class AttentionMetadata:
     def build(
         q_lens: list[int], query_pos: list[int], block_tables: list[list[int]], device
     ) -> AttentionMetadata:
-        """From plain lists (the engine's scheduler output)."""
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        width = max((len(t) for t in block_tables), default=1) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            if t:
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        """From plain lists (tests, benchmarks, the cost profile)."""
+        starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=starts[1:])
         return AttentionMetadata(
-            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            query_start=starts.to(device),
             query_pos=torch.tensor(query_pos, dtype=torch.int32, device=device),
-            block_tables=table.to(device),
+            block_tables=padded_tables(block_tables).to(device),
         )
+
+
+def padded_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """Block tables as one int32 [len(tables), width] tensor, rows padded with block 0 (a
+    valid block: padding is never read as a key). `width` defaults to the longest table."""
+    lens = [len(t) for t in tables]
+    longest = max(lens, default=0)
+    if width is None:
+        width = max(longest, 1)
+    elif width < longest:
+        raise ValueError(f"a block table of {longest} blocks does not fit width {width}")
+    if not tables:
+        return torch.zeros((0, width), dtype=torch.int32)
+    flat = array.array("i")
+    for t in tables:
+        flat.extend(t)
+    if len(flat) == len(tables) * width:  # no padding (every table as long as the width)
+        return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
+    out = torch.zeros((len(tables), width), dtype=torch.int32)
+    if flat:
+        out[torch.arange(width) < torch.tensor(lens)[:, None]] = torch.frombuffer(
+            flat, dtype=torch.int32
+        )
+    return out
