@@ -25,8 +25,8 @@ def _round(x, DT: tl.constexpr):
     is rounded on the bits first (then the cast is exact): the interpreter's own cast to
     bfloat16 truncates."""
     if tl.bfloat16 == DT:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = x.to(tl.int32, bitcast=True)  # int32, as _round_e4m3: no unsigned promotion
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits
         x = bits.to(tl.float32, bitcast=True)
     return x.to(DT)
 
@@ -299,6 +299,6 @@ def rope_write_kv_triton(
         QUANT=quant,
         QMAX_=qmax,
         MIN_SCALE_=MIN_SCALE,
-        num_warps=4,
+        num_warps=4 if triton.next_power_of_2(num_heads) * head_dim <= 4096 else 8,
     )
     return q
