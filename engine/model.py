@@ -61,6 +61,16 @@ def make_norm(args: ModelArgs) -> nn.Module:
     return RMSNorm(args.dim, args.norm_eps)
 
 
+def add_norm(
+    norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual x + delta and its norm (fused path): one Triton kernel for an RMSNorm."""
+    if isinstance(norm, RMSNorm):
+        return kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+    h = x if delta is None else x + delta
+    return h, norm(h)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -110,6 +120,28 @@ class Block(nn.Module):
         h = x + self.wo(o.reshape(t, a.n_heads * a.head_dim))
         return h + self.mlp(self.mlp_norm(h))
 
+    def forward_fused(self, x, delta, rope, kv, meta, slots, backend) -> tuple[torch.Tensor, ...]:
+        """`forward` with fused elementwise kernels (the Triton backend on CUDA). The residual
+        stream comes and goes as (x, delta), delta the last MLP output not yet added, so that
+        each residual add is fused with the norm after it; RoPE is fused with the KV write."""
+        a = self.args
+        t = x.shape[0]
+        k_cache, v_cache = kv
+        x, n = add_norm(self.attn_norm, x, delta)
+        if rope is None:
+            q, k, v = self.qkv(n, None)
+            kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
+        else:
+            cos, sin = rope
+            q = kernels.rope_write_kv(
+                self.wqkv(n), cos, sin, k_cache, v_cache, slots, a.n_heads, a.n_kv_heads, a.head_dim
+            )
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend)
+        h, n = add_norm(self.mlp_norm, x, self.wo(o.reshape(t, a.n_heads * a.head_dim)))
+        if self.gated and a.hidden_act == "silu":
+            return h, self.w2(kernels.silu_mul(self.w13(n)))
+        return h, self.mlp(n)
+
 
 class Decoder(nn.Module):
     """A pre-norm decoder-only transformer; `args.family` picks norms, positions and MLP."""
@@ -127,6 +159,8 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie()
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 always, whatever the dtype
+        # Fused elementwise kernels: None = for the Triton backend on CUDA only (tests force it).
+        self.fused: bool | None = None
 
     def tie(self) -> None:
         """Share the embedding with the LM head where the config ties them (again after a
@@ -162,11 +196,22 @@ class Decoder(nn.Module):
         else:
             rope = None
             x = x + self.pos_embed(positions + self.args.spec.position_offset)
+        fused = self.fused
+        if fused is None:
+            fused = x.is_cuda and kernels.pick_backend(x.device, backend) == "triton"
+        delta = None  # fused path: the last MLP output, added in the next norm's kernel
         for i, layer in enumerate(self.layers):
             if before_attention is not None:
                 before_attention(i)  # e.g. wait for this layer's swap-in
-            x = layer(x, rope, kv_caches[i], meta, slots, backend)
-        x = self.norm(x.index_select(0, logit_rows))
+            if fused:
+                x, delta = layer.forward_fused(x, delta, rope, kv_caches[i], meta, slots, backend)
+            else:
+                x = layer(x, rope, kv_caches[i], meta, slots, backend)
+        if fused:
+            rows = delta.index_select(0, logit_rows)
+            _, x = add_norm(self.norm, x.index_select(0, logit_rows), rows)
+        else:
+            x = self.norm(x.index_select(0, logit_rows))
         return self.lm_head(x).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,7 @@
-"""Paged attention kernels: Triton on CUDA, the PyTorch reference elsewhere. One call for both."""
+"""Paged attention kernels: Triton on CUDA, the PyTorch reference elsewhere. One call for both.
+
+The fused elementwise kernels (`add_rms_norm`, `silu_mul`, `rope_write_kv`) are Triton only:
+the model calls them on its Triton path and keeps its PyTorch code elsewhere."""
 
 from __future__ import annotations
 
@@ -8,7 +11,16 @@ from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedKV
 from kernels.reference import paged_attention_torch, write_kv_torch
 
-__all__ = ["AttentionMetadata", "QuantizedKV", "paged_attention", "write_kv", "pick_backend"]
+__all__ = [
+    "AttentionMetadata",
+    "QuantizedKV",
+    "add_rms_norm",
+    "paged_attention",
+    "pick_backend",
+    "rope_write_kv",
+    "silu_mul",
+    "write_kv",
+]
 
 
 def pick_backend(device: torch.device | str, backend: str | None = None) -> str:
@@ -36,3 +48,27 @@ def write_kv(k_cache, v_cache, k, v, slots, backend=None) -> None:
 
         return write_kv_triton(k_cache, v_cache, k, v, slots)
     return write_kv_torch(k_cache, v_cache, k, v, slots)
+
+
+def add_rms_norm(x, delta, weight, eps: float):
+    """x, delta [T, dim] -> (x + delta, RMSNorm(x + delta)) in one pass; delta None: no add."""
+    from kernels.fused import add_rms_norm_triton
+
+    return add_rms_norm_triton(x, delta, weight, eps)
+
+
+def silu_mul(gate_up):
+    """[T, 2 * I] (gate, then up) -> SiLU(gate) * up [T, I]."""
+    from kernels.fused import silu_mul_triton
+
+    return silu_mul_triton(gate_up)
+
+
+def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim):
+    """Rotary positions on the q and k of `qkv` [T, (heads + 2 * kv_heads) * head_dim]; k and
+    v go to their slots of the pool (quantized for an 8-bit pool); returns q [T, heads, head_dim]."""
+    from kernels.fused import rope_write_kv_triton
+
+    return rope_write_kv_triton(
+        qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim
+    )

@@ -109,6 +109,23 @@ def _write_kv_kernel(
         )
 
 
+def pool_args(
+    k_cache: torch.Tensor | QuantizedKV, v_cache: torch.Tensor | QuantizedKV
+) -> tuple[int, float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a kernel writing the pool takes: (QUANT, QMAX, K and V data, K and V scales); the
+    scales are the data tensors (unused) for a 16-bit pool."""
+    if not (isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV)):
+        return QUANT_NONE, 1.0, k_cache, v_cache, k_cache, v_cache
+    if not (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
+        raise ValueError("K and V pools must both be 8-bit or neither")
+    if k_cache.fmt != v_cache.fmt:
+        raise ValueError("K and V pools must share their 8-bit format")
+    if k_cache.scales.stride(-1) != 1 or v_cache.scales.stride(-1) != 1:
+        raise ValueError("kv_heads must be the contiguous dimension of the scales")
+    quant, qmax = QUANT_KIND[k_cache.fmt], QMAX[k_cache.fmt]
+    return quant, qmax, k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales
+
+
 def write_kv_triton(
     k_cache: torch.Tensor | QuantizedKV,
     v_cache: torch.Tensor | QuantizedKV,
@@ -123,20 +140,7 @@ def write_kv_triton(
             f"shapes do not match: cache {tuple(k_cache.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}, slots {tuple(slots.shape)}"
         )
-    quant = QUANT_NONE
-    k_data, v_data = k_cache, v_cache
-    k_scale, v_scale = k_cache, v_cache  # unused unless 8-bit
-    qmax = 1.0
-    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
-        if not (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
-            raise ValueError("K and V pools must both be 8-bit or neither")
-        if k_cache.fmt != v_cache.fmt:
-            raise ValueError("K and V pools must share their 8-bit format")
-        quant, qmax = QUANT_KIND[k_cache.fmt], QMAX[k_cache.fmt]
-        k_data, v_data = k_cache.codes, v_cache.codes
-        k_scale, v_scale = k_cache.scales, v_cache.scales
-        if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1:
-            raise ValueError("kv_heads must be the contiguous dimension of the scales")
+    quant, qmax, k_data, v_data, k_scale, v_scale = pool_args(k_cache, v_cache)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_data.stride(-1) != 1 or v_data.stride(-1) != 1:
         raise ValueError("head_dim must be the contiguous dimension")
     if num_tokens == 0:
