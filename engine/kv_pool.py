@@ -62,7 +62,7 @@ class KVPool:
             ]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._layer_events: list | None = None
-        self._pending_swap_in: list[tuple[int, int]] = []
+        self._pending_swap_in: list[tuple[int, int, int]] = []  # runs: (cpu, gpu, length)
         self._background_done = None
 
     def _host_pool(self, layers: int, blocks: int, parts: list[tuple]) -> list[torch.Tensor]:
@@ -123,17 +123,19 @@ class KVPool:
                     freed = torch.cuda.Event()
                     freed.record(self.stream)
                     compute.wait_event(freed)
-                events = []
-                for layer in range(len(self.layers)):
-                    self._copy_in(plan.swap_in, layer)
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    events.append(ev)
-            self._layer_events = events if plan.swap_in else None
+                events = None
+                if plan.swap_in:  # no events at all for the usual step without a swap-in
+                    moves, events = runs(plan.swap_in), []
+                    for layer in range(len(self.layers)):
+                        self._copy_in(moves, layer)
+                        ev = torch.cuda.Event()
+                        ev.record(self.stream)
+                        events.append(ev)
+            self._layer_events = events
             self._background_done = None
         else:
             self._copy_out(plan.swap_out)
-            self._pending_swap_in = plan.swap_in
+            self._pending_swap_in = runs(plan.swap_in)
 
     def before_attention(self, layer: int) -> None:
         """Hook called by the model before layer `layer` reads its KV."""
@@ -182,8 +184,9 @@ class KVPool:
                             g[layer, kv, gpu : gpu + n], non_blocking=self.cuda
                         )
 
-    def _copy_in(self, pairs: list[tuple[int, int]], layer: int) -> None:
-        for cpu, gpu, n in runs(pairs):
+    def _copy_in(self, moves: list[tuple[int, int, int]], layer: int) -> None:
+        """One layer of a swap-in, as (cpu, gpu, length) runs (worked out once per step)."""
+        for cpu, gpu, n in moves:
             for g, c in self._tiers:
                 for kv in (0, 1):
                     g[layer, kv, gpu : gpu + n].copy_(
