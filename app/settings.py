@@ -44,6 +44,8 @@ ENGINE_HELP: dict[str, str] = {
     "(CUDA with the triton backend, one rank)",
     "tensor_parallel": "split the model across this many ranks (GPUs on CUDA): worker processes "
     "over torch.distributed; heads must divide by it",
+    "force_tensor_parallel": "run the tensor-parallel path even at tensor_parallel=1 (a one-rank "
+    "process group, collectives, step messages): to test it on one GPU",
 }
 
 

@@ -94,10 +94,11 @@ class Engine:
         else:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {config.dtype!r}")
         self.tp = None  # tensor parallelism: the other ranks (engine/parallel.py)
-        if config.tensor_parallel > 1:
+        if config.tensor_parallel > 1 or config.force_tensor_parallel:
             from engine.parallel import TensorParallel
 
             self.tp = TensorParallel(config, self.device, self.dtype)
+            self.device = self.tp.device  # rank 0's own GPU, with its index
             loaded = self.tp.load()  # rank 0's shard; args stay the full model's
         else:
             loaded = load(config.model, self.device, self.dtype, config.cache_dir, config.seed)

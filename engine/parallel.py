@@ -69,7 +69,11 @@ def _free_port() -> int:
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """Rank r's device: on CUDA the r-th GPU after the engine's own ("cuda" is cuda:0), always
+    with its index (NCCL binds each rank to one)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def load_shard(config: EngineConfig, rank: int, world: int, device, dtype, group) -> Decoder:
@@ -106,7 +110,7 @@ def _store(port: int, world: int, master: bool) -> dist.TCPStore:
 
 def _share_threads(device: torch.device, world: int) -> None:
     """On the CPU the ranks share the cores: one rank's threads should not starve another."""
-    if device.type == "cpu":
+    if device.type == "cpu" and world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
@@ -116,27 +120,32 @@ class TensorParallel:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         from engine.loader import model_args
 
-        self.config, self.device, self.dtype = config, device, dtype
+        self.config, self.dtype = config, dtype
         self.world = n = config.tensor_parallel
         self.full_args = model_args(config.model, config.cache_dir)
         check_divisible(self.full_args, n)
         self.args = shard_args(self.full_args, n)  # what each rank computes and caches
-        if device.type == "cuda" and torch.cuda.device_count() < n:
-            raise ValueError(
-                f"tensor_parallel={n} needs {n} GPUs; {torch.cuda.device_count()} are visible"
-            )
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"tensor parallelism runs on cpu or cuda, not {device.type}")
+        self.device = _rank_device(device, 0)  # rank r runs on the GPU r after this one
+        if device.type == "cuda" and torch.cuda.device_count() < self.device.index + n:
+            raise ValueError(
+                f"tensor_parallel={n} from {self.device} needs GPUs up to "
+                f"cuda:{self.device.index + n - 1}; {torch.cuda.device_count()} are visible"
+            )
         if dist.is_initialized():
             raise ValueError("another tensor-parallel engine already runs in this process")
         self.failed: TensorParallelError | None = None
         self.closed = False
+        if self.device.type == "cuda":
+            # This process's GPU: Triton, events and pinned registrations use the current one.
+            torch.cuda.set_device(self.device)
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(config, rank, n, port, device, dtype),
+                args=(config, rank, n, port, self.device, dtype),
                 name=f"pensieve-tp{rank}",
                 daemon=True,
             )
@@ -147,12 +156,12 @@ class TensorParallel:
         try:
             store = _store(port, n, master=True)
             self._wait_for_workers(store)
-            self.control = _init(0, n, store, device)
+            self.control = _init(0, n, store, self.device)
         except BaseException:
             self.close()
             raise
         self._threads = torch.get_num_threads()
-        _share_threads(device, n)
+        _share_threads(self.device, n)
 
     def _wait_for_workers(self, store: dist.TCPStore) -> None:
         """Until every worker has reached the store; a worker that died on the way (a bad
@@ -168,8 +177,8 @@ class TensorParallel:
 
     @property
     def profile_name(self) -> str:
-        """The cost profile times one rank's shard: its own key."""
-        return f"{self.config.model}-tp{self.world}"
+        """The cost profile times one rank's shard: its own key (one rank: the whole model's)."""
+        return self.config.model if self.world == 1 else f"{self.config.model}-tp{self.world}"
 
     # ---- building the engine's parts -------------------------------------------------------
 

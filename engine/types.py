@@ -36,6 +36,10 @@ class EngineConfig:
     # Ranks the model is split across (heads, KV heads, MLP, vocabulary): worker processes
     # over torch.distributed, one GPU each on CUDA; 1: no workers, one process as before
     tensor_parallel: int = 1
+    # Run the tensor-parallel path even at tensor_parallel=1: a process group of one rank (NCCL
+    # on CUDA), the sharded layers with their collectives, the step messages, ParallelPool.
+    # For testing and measuring that path where there is one GPU; off: one plain process.
+    force_tensor_parallel: bool = False
     # Decode-only steps replay CUDA graphs captured per batch-size bucket (engine/graphs.py);
     # effective on CUDA with the triton backend and one rank only
     cuda_graphs: bool = True

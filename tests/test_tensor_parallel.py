@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from engine import AsyncEngine, Engine, EngineConfig, SamplingParams, Turn
 from engine.loader import BUNDLED, load, own_tensors
-from engine.parallel import TensorParallelError
+from engine.parallel import ParallelPool, ParallelRunner, Step, TensorParallelError
 from engine.shapes import DUMMY_SHAPES
-from engine.shard import build_shard, shard_args, shard_model
+from engine.shard import RowParallel, VocabParallel, build_shard, shard_args, shard_model
 from tests.oracle import hf_greedy, hf_model
 from tests.test_engine_equality import prompts
 
@@ -108,6 +108,40 @@ def test_two_ranks_with_8bit_kv_equal_one_rank():
         assert c == one.snapshot().counters
     finally:
         two.close()
+        one.close()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_through_the_parallel_path_equals_the_plain_engine():
+    # force_tensor_parallel at 1 rank: the code a one-GPU machine runs for TP (a process group
+    # of one, the sharded layers with their collectives, a Step per forward, ParallelPool)
+    # gives the plain engine's tokens and cache decisions. Runs before the module's engine.
+    pools = dict(SMALL_POOLS, max_batch_tokens=48)
+    par, one = make(1, force_tensor_parallel=True, **pools), make(1, **pools)
+    try:
+        assert par.tp is not None and par.tp.world == 1 and not par.tp.procs
+        assert dist.get_world_size() == 1
+        assert isinstance(par.runner, ParallelRunner) and isinstance(par.pool, ParallelPool)
+        assert isinstance(par.model.layers[0].wo, RowParallel)
+        assert par.model.layers[0].wo.group is dist.group.WORLD
+        assert isinstance(par.model.lm_head, VocabParallel)
+        sent: list = []
+        send = par.tp.send
+        par.tp.send = lambda msg: (sent.append(msg), send(msg))[1]
+        plan = prompts(one, 4, 3, seed=3, min_len=40, max_len=64)
+        sp = SamplingParams(max_tokens=12, ignore_eos=True)
+        for t in range(3):
+            turns = [Turn(f"c{i}", plan[i][t], sp) for i in range(len(plan))]
+            for i, (g, w) in enumerate(zip(par.run(turns), one.run(turns), strict=True)):
+                assert g.token_ids == w.token_ids, (i, t)
+        c = par.snapshot().counters
+        assert c.swapped_in_tokens > 0 and c.recomputed_tokens > 0, c
+        assert c == one.snapshot().counters
+        forwards = [m for m in sent if isinstance(m, Step) and m.inputs is not None]
+        assert len(forwards) == c.steps  # every step here had a forward
+    finally:
+        par.close()
         one.close()
     assert not dist.is_initialized()
 
