@@ -209,7 +209,8 @@ def _pin(tensor: torch.Tensor) -> None:
     host allocator, which rounds every request up to a power of two: a 77 GB pool would ask
     for 128 GB."""
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+    portable = 1  # cudaHostRegisterPortable: pinned for every GPU, not only the current one
+    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, portable)
     if int(getattr(err, "value", err)) != 0:
         clear = getattr(cudart, "cudaGetLastError", None)
         if clear is not None:

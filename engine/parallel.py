@@ -68,6 +68,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _abort_nccl() -> None:
+    """A rank is gone: end this process's NCCL communicators now, so that a collective still
+    waiting for the lost peer exits and nothing later waits to flush towards it
+    (`destroy_process_group` would)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort()
+        else:
+            dist.destroy_process_group()
+    except Exception:
+        log.exception("could not abort the NCCL process groups")
+
+
 def _rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank r's device: on CUDA the r-th GPU after the engine's own ("cuda" is cuda:0), always
     with its index (NCCL binds each rank to one)."""
@@ -86,6 +102,10 @@ def load_shard(config: EngineConfig, rank: int, world: int, device, dtype, group
 def _init(rank: int, world: int, store: dist.Store, device: torch.device):
     """Join the default group (the model's collectives) and the control group (the steps)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and rank == 0:
+        # NCCL's watchdog would end the engine process at a timed-out collective: rank 0
+        # watches its workers itself (ParallelRunner._wait) and aborts the groups on a failure.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(
         backend,
         store=store,
@@ -240,6 +260,8 @@ class TensorParallel:
             what = "; ".join(dead) if dead else f"a collective failed: {error}"
             self.failed = TensorParallelError(f"tensor-parallel engine stopped: {what}")
             log.error("%s", self.failed)
+            if self.device.type == "cuda":
+                _abort_nccl()
         return self.failed
 
     def close(self) -> None:
@@ -257,7 +279,7 @@ class TensorParallel:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
-        if dist.is_initialized():
+        if dist.is_initialized():  # (after a failure on CUDA the groups are aborted already)
             dist.destroy_process_group()
         if hasattr(self, "_threads"):
             torch.set_num_threads(self._threads)
@@ -316,11 +338,26 @@ class ParallelRunner(Runner):
 
     def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
         try:
-            return super().forward(x, plan)
+            logits = super().forward(x, plan)
+            if logits.is_cuda and self.tp.procs:
+                self._wait()
+            return logits
         except TensorParallelError:
             raise
         except RuntimeError as e:  # a collective failed: a rank died or timed out
             raise self.tp.fail(e) from e
+
+    def _wait(self) -> None:
+        """Until the step's GPU work is done, watching the workers: an NCCL collective that
+        lost a peer spins on the GPU and never fails on its own (rank 0 turns NCCL's watchdog
+        off, which would end the whole engine process at the timeout)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while not done.query():
+            self.tp.check()  # a dead worker: TensorParallelError, and the groups are aborted
+            if time.monotonic() > deadline:
+                raise self.tp.fail(TimeoutError(f"a step took over {COLLECTIVE_TIMEOUT_S} s"))
 
 
 class _WorkerRunner(Runner):

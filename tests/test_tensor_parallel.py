@@ -5,6 +5,7 @@ refused; a killed worker fails turns with an error instead of a hang."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 
@@ -14,11 +15,18 @@ import torch.distributed as dist
 
 from engine import AsyncEngine, Engine, EngineConfig, SamplingParams, Turn
 from engine.loader import BUNDLED, load, own_tensors
-from engine.parallel import ParallelPool, ParallelRunner, Step, TensorParallelError
+from engine.parallel import (
+    ParallelPool,
+    ParallelRunner,
+    Step,
+    TensorParallelError,
+    _rank_device,
+)
 from engine.shapes import DUMMY_SHAPES
 from engine.shard import RowParallel, VocabParallel, build_shard, shard_args, shard_model
 from tests.oracle import hf_greedy, hf_model
 from tests.test_engine_equality import prompts
+from tests.test_gpu_engine import bundled_available
 
 # 9 chunks hold any one conversation (at most 3 x 64 + 3 x 24 tokens) but not two.
 SMALL_POOLS = dict(gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64)
@@ -236,3 +244,116 @@ def test_bundled_model_at_three_ranks_equals_hf():
         engine.cache.check()
     finally:
         engine.close()
+
+
+# ---- CUDA (NCCL): as many ranks as there are GPUs, up to 2 (one GPU: 1 rank, same code) ----
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA_MODELS = [
+    ("dummy:tiny", "auto"),
+    ("dummy:tiny", "int8"),
+    pytest.param(
+        BUNDLED,
+        "auto",
+        marks=pytest.mark.skipif(
+            not bundled_available(), reason="the bundled model package is not installed"
+        ),
+    ),
+]
+
+
+def cuda_ranks(model: str) -> int:
+    """The most ranks, up to min(2, GPUs), that split the model (the bundled one: 1)."""
+    from engine.loader import model_args
+
+    args = model_args(model)
+    sizes = (args.n_heads, args.n_kv_heads, args.intermediate_size)
+    gpus = min(2, torch.cuda.device_count())
+    return max(n for n in range(1, gpus + 1) if all(size % n == 0 for size in sizes))
+
+
+def cuda_engines(model: str, **kw) -> tuple[Engine, Engine]:
+    """A tensor-parallel engine over NCCL (forced at 1 rank) and the plain one-GPU engine
+    (eager: CUDA graphs stay off under tensor parallelism), same weights and pools."""
+    close_open()  # one tensor-parallel engine per process
+    kw = dict(model=model, device="cuda", dtype="float32", **SMALL_POOLS, **kw)
+    n = cuda_ranks(model)
+    tp = Engine(EngineConfig(**kw, tensor_parallel=n, force_tensor_parallel=True))
+    _OPEN.append(tp)
+    return tp, Engine(EngineConfig(**kw, cuda_graphs=False))
+
+
+def id_prompts(n_convs: int, n_turns: int, seed: int, vocab: int) -> list[list[list[int]]]:
+    """Token-id prompts of 40 to 64 tokens (a bare GPU box may have no tokenizer)."""
+    rng = random.Random(seed)
+    return [
+        [[rng.randrange(100, vocab) for _ in range(rng.randint(40, 64))] for _ in range(n_turns)]
+        for _ in range(n_convs)
+    ]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("model,kv_dtype", CUDA_MODELS)
+@pytest.mark.timeout(300)
+def test_cuda_ranks_equal_one_gpu_and_hf(model, kv_dtype):
+    # float32: the same greedy tokens as the one-GPU engine (and, with a 16-bit KV, as
+    # transformers) over 3 turns of 4 conversations, through swaps and recomputes; the same
+    # cache decisions.
+    tp, one = cuda_engines(model, kv_dtype=kv_dtype)
+    try:
+        n = tp.tp.world
+        assert tp.device == torch.device("cuda", 0) and tp.pool.gpu.device == tp.device
+        assert dist.get_backend() == "nccl" and dist.get_world_size() == n
+        assert tp.runner.graphs is None and tp.pool.cpu.is_pinned()
+        hf = hf_model(one).to("cuda") if kv_dtype == "auto" else None
+        plan = id_prompts(4, 3, seed=1, vocab=one.args.vocab_size)
+        sp = SamplingParams(max_tokens=24, ignore_eos=True)
+        contexts: list[list[int]] = [[] for _ in plan]
+        for t in range(3):
+            turns = [Turn(f"c{i}", plan[i][t], sp) for i in range(len(plan))]
+            got, want = tp.run(turns), one.run(turns)
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                contexts[i] += plan[i][t]
+                assert g.token_ids == w.token_ids, f"conversation {i}, turn {t}: TP={n} != 1 GPU"
+                if hf is not None:
+                    want_hf = hf_greedy(hf, contexts[i], 24, set(), device="cuda")
+                    assert g.token_ids == want_hf, (i, t)
+                contexts[i] += g.token_ids
+            tp.cache.check()
+        c = tp.snapshot().counters
+        assert c.swapped_in_tokens > 0 and c.recomputed_tokens > 0, c
+        assert c == one.snapshot().counters
+    finally:
+        close_open()
+        one.close()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.timeout(180)
+def test_cuda_killed_worker_fails_turns():
+    tp, one = cuda_engines("dummy:tiny")
+    one.close()
+    try:
+        sp = SamplingParams(max_tokens=4, ignore_eos=True)
+        assert tp.run([Turn("a", [1, 2, 3], sp)])[0].finish_reason == "length"
+        os.kill(tp.tp.procs[0].pid, signal.SIGKILL)
+        tp.tp.procs[0].join(10)
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            tp.run([Turn("b", [1, 2, 3], sp)])
+        assert not dist.is_initialized()  # NCCL aborted at once: nothing left to time out
+        with pytest.raises(TensorParallelError, match="rank 1"):
+            tp.run([Turn("c", [4, 5, 6], sp)])
+    finally:
+        close_open()
+
+
+def test_rank_devices_are_indexed_gpus_after_the_engines():
+    # NCCL binds each rank to one GPU by index: "cuda" is cuda:0, rank r the r-th after it.
+    assert _rank_device(torch.device("cuda"), 0) == torch.device("cuda", 0)
+    assert _rank_device(torch.device("cuda"), 1) == torch.device("cuda", 1)
+    assert _rank_device(torch.device("cuda", 2), 1) == torch.device("cuda", 3)
+    assert _rank_device(torch.device("cpu"), 1) == torch.device("cpu")
