@@ -1,0 +1,281 @@
+"""Tensor parallelism's cost on this machine: step time per rank count, the all-reduce per
+layer, and the per-step message.
+
+    python -m bench.tp --device cuda   # bench/results/tp-<gpu>.json and .png, about a minute
+    python -m bench.tp --device cpu    # dummy:tiny at 1 and 2 ranks (gloo): a dry run
+
+Rows (same workload, same weights):
+- `plain`: the one-process engine (tensor_parallel=1);
+- `TP=1`: the same rank through the tensor-parallel path (`force_tensor_parallel`: a process
+  group of one, the sharded layers' collectives, a Step message per forward), its cost over
+  `plain` being the path's own;
+- `TP=N` for N = 2, 4 where there are N GPUs (on the CPU: 2 ranks) and the shape divides.
+
+Each row: rounds of `--convs` conversations (a prompt of `--prompt` tokens, then `--output`
+generated ones, ignoring EOS), ms per engine step (prefill and decode steps together), and for
+the tensor-parallel rows the time rank 0 spends sending its Step messages (and their pickled
+size), and an empty message alone. CUDA graphs are off in every row (they are off under
+tensor parallelism). Then, in separate processes, the all-reduce of a [tokens, dim] activation
+at each rank count: a layer does two (after the attention and after the MLP).
+`bench/tp_cpu.py` keeps the earlier CPU figure (tp_cpu.json) as it was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pickle
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.common import RESULTS, environment
+from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.loader import model_args
+from engine.shard import check_divisible
+
+DEFAULTS = {  # per device: model, convs, prompt, output, rounds, dtype
+    "cuda": ("dummy:llama-2-7b", 16, 256, 64, 2, "bfloat16"),
+    "cpu": ("dummy:tiny", 4, 64, 32, 3, "float32"),
+}
+ALL_REDUCE_TOKENS = (1, 16, 256, 2048)
+
+
+def rank_counts(model: str, device: str) -> list[int]:
+    """1, then 2 and 4 where there are that many GPUs (the CPU: 2) and the shape divides."""
+    most = torch.cuda.device_count() if device == "cuda" else 2
+    out = [1]
+    for n in (2, 4):
+        try:
+            check_divisible(model_args(model), n)
+        except ValueError:
+            continue
+        if n <= most:
+            out.append(n)
+    return out
+
+
+def run_engine(a, name: str, tp: int, force: bool) -> dict:
+    engine = Engine(
+        EngineConfig(
+            model=a.model,
+            device=a.device,
+            dtype=a.dtype,
+            gpu_cache_chunks=a.chunks,
+            cpu_cache_chunks=0,
+            eviction="lru",  # no cost profile to build: the workload fits the GPU tier
+            cuda_graphs=False,
+            tensor_parallel=tp,
+            force_tensor_parallel=force,
+        )
+    )
+    try:
+        sp = SamplingParams(max_tokens=a.output, ignore_eos=True)
+        ids = [100 + (7 * i) % 5000 for i in range(a.prompt)]
+        engine.run([Turn(f"warm{i}", ids, sp) for i in range(a.convs)])  # warm-up, compiles
+        sent = {"s": 0.0, "n": 0, "bytes": []}
+        if engine.tp is not None:
+            send = engine.tp.send
+
+            def timed_send(msg) -> None:
+                if len(sent["bytes"]) < 100:  # a sample of the sizes (pickling costs too)
+                    sent["bytes"].append(len(pickle.dumps(msg)))
+                t = time.perf_counter()
+                send(msg)
+                sent["s"] += time.perf_counter() - t
+                sent["n"] += 1
+
+            engine.tp.send = timed_send
+        sync(a.device)
+        steps0 = engine.counters["steps"]
+        t = time.perf_counter()
+        for r in range(a.rounds):
+            engine.run([Turn(f"c{r}-{i}", ids, sp) for i in range(a.convs)])
+        sync(a.device)
+        wall = time.perf_counter() - t
+        steps = engine.counters["steps"] - steps0
+        row = {
+            "name": name,
+            "tensor_parallel": tp,
+            "parallel_path": engine.tp is not None,
+            "wall_s": round(wall, 3),
+            "steps": steps,
+            "ms_per_step": round(1e3 * wall / steps, 3),
+            "tokens_per_s": round(a.rounds * a.convs * a.output / wall, 1),
+        }
+        if engine.tp is not None:
+            engine.tp.send = send
+            row["message_ms_per_step"] = round(1e3 * sent["s"] / max(1, steps), 3)
+            row["messages"] = sent["n"]
+            row["message_bytes_mean"] = round(statistics.mean(sent["bytes"]))
+            from engine.parallel import Step
+
+            n = 200
+            t = time.perf_counter()
+            for _ in range(n):
+                send(Step([], None))
+            row["empty_message_ms"] = round(1e3 * (time.perf_counter() - t) / n, 3)
+        return row
+    finally:
+        engine.close()
+        del engine
+        gc.collect()  # the engine's weights and pools go before the next row's come
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- the all-reduce alone, in processes of its own --------------------------------------------
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, device: str, dim: int, dtype, out) -> None:
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+        **({"device_id": dev} if device == "cuda" else {}),
+    )
+    try:
+        result = {}
+        for tokens in ALL_REDUCE_TOKENS:
+            x = torch.randn(tokens, dim, device=dev, dtype=dtype)
+            reps = 50 if device == "cuda" else 20
+            for _ in range(5):
+                dist.all_reduce(x)
+            sync(device)
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                dist.all_reduce(x)
+            sync(device)
+            result[tokens] = (time.perf_counter() - t) / reps
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def all_reduce_cost(world: int, device: str, dim: int, dtype) -> dict:
+    """Microseconds per all-reduce of [tokens, dim] (back to back, host time), and per layer."""
+    from engine.parallel import _free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_all_reduce_rank, args=(r, world, port, device, dim, dtype, out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    if out.empty():
+        return {"ranks": world, "error": "the all-reduce processes returned nothing"}
+    got = out.get()
+    return {
+        "ranks": world,
+        "us_per_all_reduce": {str(t): round(1e6 * s, 1) for t, s in got.items()},
+        "us_per_layer": {str(t): round(2e6 * s, 1) for t, s in got.items()},
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["name"] for r in rows]
+    bars = a.bar(names, [r["ms_per_step"] for r in rows], color="tab:green")
+    a.bar_label(bars, fmt="%.2f", fontsize=8)
+    msg = [r.get("message_ms_per_step", 0.0) for r in rows]
+    a.bar(names, msg, color="tab:orange", label="of which: Step message")
+    a.set_ylabel("ms per engine step")
+    a.legend(fontsize=8)
+    a.grid(True, axis="y", alpha=0.3)
+    for c in result["all_reduce"]:
+        if "us_per_layer" in c:
+            xs = [int(t) for t in c["us_per_layer"]]
+            b.plot(xs, list(c["us_per_layer"].values()), marker="o", label=f"{c['ranks']} ranks")
+    b.set_xscale("log")
+    b.set_yscale("log")
+    b.set_xlabel("tokens in the step")
+    b.set_ylabel("µs per layer (2 all-reduces)")
+    b.legend(fontsize=8)
+    b.grid(True, alpha=0.3)
+    env = result["environment"]
+    fig.suptitle(
+        f"{result['model']} {result['config']['dtype']} on {env['device']} "
+        f"({env['git_commit'][:10]})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--model")
+    p.add_argument("--convs", type=int)
+    p.add_argument("--prompt", type=int)
+    p.add_argument("--output", type=int)
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--dtype")
+    p.add_argument("--chunks", type=int, default=256, help="GPU-tier chunks of each rank")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here")
+    model, convs, prompt, output, rounds, dtype = DEFAULTS[a.device]
+    a.model, a.convs, a.prompt = a.model or model, a.convs or convs, a.prompt or prompt
+    a.output, a.rounds, a.dtype = a.output or output, a.rounds or rounds, a.dtype or dtype
+    env = environment(a.device)
+    tag = env["device"].split(" (")[0].lower().replace(" ", "-")
+    a.out = a.out or RESULTS / f"tp-{tag}.json"
+    counts = rank_counts(a.model, a.device)
+    rows = [run_engine(a, "plain", 1, False)]
+    rows += [run_engine(a, f"TP={n}", n, True) for n in counts]
+    torch_dtype = getattr(torch, a.dtype)
+    dim = model_args(a.model).dim
+    reduce = [all_reduce_cost(n, a.device, dim, torch_dtype) for n in counts]
+    result = {
+        "benchmark": "tp",
+        "model": a.model,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "environment": env,
+        "rows": rows,
+        "all_reduce": reduce,
+        "tp1_path_over_plain": round(rows[1]["ms_per_step"] / rows[0]["ms_per_step"], 3),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2))
+    plot(result, a.out.with_suffix(".png"))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
