@@ -21,8 +21,9 @@ finish within its budget (`--budget`) and records what it skipped.
   `--window` seconds, then waits at most `--drain` seconds and cancels what still runs
   (counted with its latency so far: a lower bound). Capacity = the throughput where the
   mean normalized latency reaches 180 ms/token (`bench.serve.crossing`).
-- extra: one rate both unscaled (k = 1, a longer window) and scaled, the oracle (tiers that
-  never evict) and pensieve's eviction against lru on the same run.
+- extra: one rate both unscaled (k = 1, a longer window) and scaled, the same run sampled at
+  temperature 1.0 (the goal: within 3% of greedy), the oracle (tiers that never evict) and
+  pensieve's eviction against lru on the same run.
 """
 
 from __future__ import annotations
@@ -328,13 +329,16 @@ class WindowDriver(serve.EngineDriver):
     their latency so far over their planned length (a lower bound on their latency)."""
 
     deadline: float = math.inf  # time.monotonic()
+    temperature: float = 0.0  # 1.0: sampled on the device, as OpenAI clients ask by default
 
     async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
         from engine import SamplingParams, Turn
 
         conv = f"{self.tag}/{cid}"
         self.ids.add(conv)
-        sampling = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+        sampling = SamplingParams(
+            max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=True
+        )
         stream = self.engine.submit(Turn(conv, list(spec.prompt), sampling))
         first, n = None, 0
         try:
@@ -385,7 +389,13 @@ class Runner:
         return time.monotonic() + window + drain + 15 < self.budget
 
     async def run(
-        self, mode: str, rate: float, k: float, oracle: int | None = None, label: str = ""
+        self,
+        mode: str,
+        rate: float,
+        k: float,
+        oracle: int | None = None,
+        label: str = "",
+        temperature: float = 0.0,
     ) -> dict[str, Any] | None:
         s = self.s
         window, drain = (s.unscaled_window_s, s.unscaled_drain_s) if k == 1 else (
@@ -396,8 +406,9 @@ class Runner:
             _log(f"skip {name} at {rate:g}/s: it would not finish within the part's budget")
             return None
         preset = preset_for(s, k, oracle)
-        engine = await self._engine(name, MODES[mode], preset)
+        engine = await self._engine(mode, preset)
         driver = WindowDriver(engine, f"{name}-{k:g}-{rate:g}")
+        driver.temperature = temperature
         plans = wl.plan(self.convs, rate, s.think_s / k, 0)
         t0 = time.monotonic()
         driver.deadline = t0 + window + drain
@@ -414,6 +425,7 @@ class Runner:
             "scale": k,
             "think_s": s.think_s,
             "think_replayed_s": s.think_s / k,
+            "temperature": temperature,
             "gpu_cache_chunks": preset.gpu_cache_chunks,
             "cpu_cache_chunks": preset.cpu_cache_chunks,
             "window_s": window,
@@ -424,13 +436,15 @@ class Runner:
         _log(serve._line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
         return run
 
-    async def _engine(self, name: str, mode, preset: Preset):
+    async def _engine(self, mode: str, preset: Preset):
+        """The engine of `mode` with these tiers; runs of other labels (a sampled run) reuse
+        it: each run frees its own conversations."""
         from engine import AsyncEngine
 
-        key = (name, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
+        key = (mode, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
         if key not in self.engines:
             await self.close()  # one engine at a time: each holds the weights and its pool
-            engine = AsyncEngine(serve.engine_config(preset, mode))
+            engine = AsyncEngine(serve.engine_config(preset, MODES[mode]))
             await engine.start()
             self.engines[key] = engine
         return self.engines[key]
@@ -526,6 +540,8 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
                 continue  # the serve part's run at this rate is the scaled one
             got = await r.run(mode, rate, k, label=label)
             runs += [got] if got else []
+        got = await r.run("pensieve", rate, s.scale, label="pensieve-sampled", temperature=1.0)
+        runs += [got] if got else []
         got = await r.run("pensieve", rate, 1.0, label="pensieve-unscaled")
         runs += [got] if got else []
         runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
@@ -537,6 +553,16 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     out["oracle_chunks"] = oracle
     by = {x["mode"]: x["metrics"] for x in runs if x["rate"] == rate}
     p, lru, un = by.get("pensieve"), by.get("pensieve-lru"), by.get("pensieve-unscaled")
+    sampled = by.get("pensieve-sampled")
+    if p and sampled:  # the goal: temperature 1.0 within 3% of greedy
+        out["sampled_vs_greedy"] = {
+            key: {
+                "greedy": p[key],
+                "sampled": sampled[key],
+                "ratio": sampled[key] / p[key] if p[key] else None,
+            }
+            for key in ("norm_latency_mean", "throughput_tps")
+        }
     if p and lru:
         out["eviction"] = {
             "pensieve_recomputed": p["recomputed_tokens"],
@@ -613,6 +639,9 @@ def claims(report: dict[str, Any]) -> dict[str, Any]:
         "pensieve_over_gpu": p / g if p and g else None,
         "pensieve_over_oracle": p / o if p and o else None,
         "lru_recomputes_more_by": (extra.get("eviction") or {}).get("fewer_recomputed"),
+        "sampled_over_greedy_tps": (
+            (extra.get("sampled_vs_greedy") or {}).get("throughput_tps", {}).get("ratio")
+        ),
     }
 
 

@@ -55,7 +55,10 @@ def test_dry_run_of_every_part_writes_one_report(tmp_path) -> None:
 
     ex = r["extra"]
     modes = {x["mode"] for x in ex["runs"]}
-    assert {"pensieve", "pensieve-lru", "pensieve-unscaled", "oracle"} <= modes
+    assert {"pensieve", "pensieve-lru", "pensieve-sampled", "pensieve-unscaled", "oracle"} <= modes
+    sampled = next(x for x in ex["runs"] if x["mode"] == "pensieve-sampled")
+    assert sampled["temperature"] == 1.0 and sampled["metrics"]["errors"] == 0
+    assert set(ex["sampled_vs_greedy"]) == {"norm_latency_mean", "throughput_tps"}
     unscaled = next(x for x in ex["runs"] if x["mode"] == "pensieve-unscaled")
     assert unscaled["scale"] == 1.0 and unscaled["think_replayed_s"] == 60.0
     assert set(ex["scaled_vs_unscaled"]) == {
