@@ -23,7 +23,8 @@ from app.frames import (
     parse_message,
     parse_regenerate,
 )
-from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
+from app.live import LiveTurn
+from app.turns import DB_ERRORS, ChatTurn
 
 log = logging.getLogger("pensieve.chat")
 
@@ -62,6 +63,7 @@ class Hub:
         # awaits it.
         self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.turns: set[asyncio.Task] = set()  # turns still committing after their socket went
+        self.running: dict[str, LiveTurn] = {}  # chat socket turns by conversation
         self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
 
     def lock(self, conversation_id: str) -> asyncio.Lock:
@@ -89,7 +91,7 @@ class Hub:
             await chat.close(REPLACED, "replaced by a newer connection")
             return False
         self.live[chat.conversation_id] = chat
-        if old is not None:
+        if old is not None:  # a running reply goes on on the newer connection
             await old.close(REPLACED, "replaced by a newer connection")
         return True
 
@@ -98,11 +100,16 @@ class Hub:
             del self.live[chat.conversation_id]
 
     async def close_chat(self, conversation_id: str, code: int, reason: str) -> None:
+        turn = self.running.get(conversation_id)
+        if turn is not None:  # no one will come back to it
+            turn.cancel()
         chat = self.live.pop(conversation_id, None)
         if chat is not None:
             await chat.close(code, reason)
 
     async def drain(self) -> None:
+        for turn in list(self.running.values()):
+            turn.cancel()
         for chat in list(self.live.values()):
             await chat.close(1001, "server shutting down")
         if self.turns:
@@ -118,9 +125,6 @@ class ChatSocket:
         self.sv = services
         self.conversation_id = conversation_id
         self.owner_id = owner_id
-        self.turn: asyncio.Task | None = None
-        self.stream = None  # the engine stream of the running turn
-        self.cancelled = False  # a cancel came for the current turn (maybe before its stream)
         self.open = True
         self._send_lock = asyncio.Lock()
 
@@ -137,11 +141,17 @@ class ChatSocket:
     async def error(self, code: str, message: str, **extra) -> None:
         await self.send({"type": "error", "code": code, "message": message, **extra})
 
+    @property
+    def turn(self) -> LiveTurn | None:
+        """The chat's running turn, whichever socket started it."""
+        return self.sv.hub.running.get(self.conversation_id)
+
     def _gone(self) -> None:
-        """The client went away: its running turn stops within a step."""
+        """The client went away: the chat's running turn waits a while for it to come back
+        (see app/live.py)."""
         self.open = False
-        if self.stream is not None:
-            self.stream.cancel()
+        if self.turn is not None:
+            self.turn.detach(self)
 
     async def close(self, code: int, reason: str) -> None:
         """Close the connection; never raises (the client may be leaving at the same time)."""
@@ -157,6 +167,8 @@ class ChatSocket:
         try:
             if not await hub.claim(self):
                 return
+            if self.turn is not None:  # a reconnect while the chat's reply runs: take it over
+                await self.turn.attach(self)
             while self.open:
                 msg = await self.ws.receive()
                 if msg["type"] == "websocket.disconnect":
@@ -181,9 +193,8 @@ class ChatSocket:
             self.sv.clock.touch(self.conversation_id)
             self._prefetch()
         elif kind == "cancel":
-            self.cancelled = True
-            if self.stream is not None:
-                self.stream.cancel()
+            if self.turn is not None:
+                self.turn.cancel()
         elif kind in ("message", "edit", "regenerate"):
             await self._start_turn(frame)
         else:
@@ -193,7 +204,7 @@ class ChatSocket:
         """A message is coming: the engine brings the chat's context back to the GPU tier
         meanwhile. A hint: nothing it does reaches the socket."""
         prefetch = getattr(self.sv.engine, "prefetch", None)
-        if prefetch is None or (self.turn is not None and not self.turn.done()):
+        if prefetch is None or self.turn is not None:
             return
         try:
             prefetch(self.conversation_id)
@@ -203,69 +214,47 @@ class ChatSocket:
     async def _start_turn(self, frame: dict) -> None:
         """A `message`, an `edit` (the chat cut back to before message `seq`, then the new
         content sent) or a `regenerate` (cut back to before the last question, asked again)."""
-        st, cid = self.sv.settings, self.conversation_id
+        st, cid, hub = self.sv.settings, self.conversation_id, self.sv.hub
+        live = LiveTurn(cid, self, st.resume_grace_s)
         before = None
         try:
             if frame["type"] == "edit":
                 seq, req = parse_edit(
                     frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
                 )
-                before = edits.edit(self.sv, cid, seq, self)
+                before = edits.edit(self.sv, cid, seq, live)
             elif frame["type"] == "regenerate":
                 req = parse_regenerate(frame, st.max_tokens_default, st.max_tokens_limit)
-                before = edits.regenerate(self.sv, cid, req, self)
+                before = edits.regenerate(self.sv, cid, req, live)
             else:
                 req = parse_message(
                     frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
                 )
         except BadFrame as e:
             return await self.error(e.code, str(e))
-        if self.turn is not None and not self.turn.done():
+        if self.turn is not None:
             return await self.error("busy", "a reply is still being generated; cancel it first")
-        wait = self.sv.hub.take_turn(self.owner_id, st.turns_per_minute)
+        wait = hub.take_turn(self.owner_id, st.turns_per_minute)
         if wait is not None:
             return await self.error(
                 "rate_limited",
                 f"at most {st.turns_per_minute} messages a minute; try again in {wait:.0f} s",
                 retry_after_s=wait,
             )
-        self.cancelled = False
-        self.turn = asyncio.create_task(self.run_turn(req, time.perf_counter(), before))
-        self.sv.hub.turns.add(self.turn)
-        self.turn.add_done_callback(self.sv.hub.turns.discard)
+        hub.running[cid] = live
+        task = asyncio.create_task(self.run_turn(live, req, time.perf_counter(), before))
+        hub.turns.add(task)
+        task.add_done_callback(hub.turns.discard)
 
-    # --- one turn: the shared pipeline, with this socket as its sink --------------------
-    async def run_turn(self, req: Request, t0: float, before_turn=None) -> None:
-        await ChatTurn(self.sv, self.conversation_id, self).run(req, t0, before_turn)
-
-    async def token(self, text: str) -> None:
-        await self.send({"type": "token", "text": text})
-
-    async def finish(self, out: Streamed) -> Streamed:
-        return out
-
-    async def done(self, done: Done) -> None:
-        out, s = done.out, done.out.stats
-        await self.send(
-            {
-                "type": "done",
-                "message_id": done.message_id,
-                "finish_reason": out.finish_reason,
-                "turns_left_out": done.plan.turns_left_out,
-                "usage": {
-                    "prompt_tokens": len(done.plan.prompt),
-                    "completion_tokens": len(out.token_ids),
-                    "cached_tokens": s.cached_tokens,
-                    "swapped_in_tokens": s.swapped_in_tokens,
-                    "recomputed_tokens": s.recomputed_tokens,
-                    "prefetched_tokens": s.prefetched_tokens,
-                },
-                "timing": {
-                    "ttft_ms": round(done.ttft_s * 1000, 1),
-                    "total_ms": round(done.total_s * 1000, 1),
-                },
-            }
-        )
+    # --- one turn: the shared pipeline, with the chat's live turn as its sink ------------
+    async def run_turn(self, live: LiveTurn, req: Request, t0: float, before_turn=None) -> None:
+        hub = self.sv.hub
+        try:
+            await ChatTurn(self.sv, self.conversation_id, live).run(req, t0, before_turn)
+        finally:
+            live.ended()
+            if hub.running.get(self.conversation_id) is live:
+                del hub.running[self.conversation_id]
 
 
 async def chat_endpoint(ws: WebSocket) -> None:

@@ -93,6 +93,9 @@ class ServerSettings(BaseSettings):
     # Browser owners made per client address and minute (each cookieless page visit makes one).
     new_users_per_minute: int = Field(10, ge=1)
     turns_per_minute: int = Field(30, ge=1)  # messages one owner may send a minute, all chats
+    # A chat socket that goes away mid-reply: the reply goes on this long for the client to
+    # reconnect and resume it; then it is cancelled (its partial reply kept). 0: at once.
+    resume_grace_s: float = Field(10.0, ge=0)
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

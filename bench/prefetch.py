@@ -41,7 +41,13 @@ from bench.serve import (
     model_args,
 )
 
-TURN_STATS = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", "prefetched_tokens")
+TURN_STATS = (
+    "cached_tokens",
+    "swapped_in_tokens",
+    "recomputed_tokens",
+    "prefetched_tokens",
+    "queued_s",
+)
 
 
 def schedule(
@@ -107,11 +113,22 @@ def returning(records: list[wl.TurnRecord]) -> dict[str, Any]:
     """TTFT of the turns that come back to an existing context."""
     ok = [r for r in records if r.index > 0 and r.error is None]
     ttft = [r.ttft_s for r in ok]
+    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
+    queued = [r.stats.get("queued_s", 0.0) for r in ok]
+    recomputing = [r.ttft_s for r in ok if r.stats.get("recomputed_tokens", 0)]
     return {
         "turns": len(ok),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_mean_s": mean(ttft),
         "ttft_p50_s": wl.percentile(ttft, 50),
         "ttft_p90_s": wl.percentile(ttft, 90),
+        # where TTFT goes: waiting to be scheduled, then computing (recompute, prompt, swap-in)
+        "queued_mean_s": mean(queued),
+        "computing_mean_s": mean([t - q for t, q in zip(ttft, queued, strict=True)]),
+        "recomputing_turns": len(recomputing),
+        "recomputing_ttft_mean_s": mean(recomputing),
+        "not_recomputing_ttft_mean_s": mean(
+            [r.ttft_s for r in ok if not r.stats.get("recomputed_tokens", 0)]
+        ),
         **cache_use(ok, ("prefetched_tokens",)),
     }
 
@@ -153,7 +170,7 @@ async def bench(args) -> dict[str, Any]:
             "counters": counters,
             "turns": [
                 [r.conversation, r.index, round(r.sent_s, 3), round(r.ttft_s, 3)]
-                + [r.stats.get(k, 0) for k in TURN_STATS]
+                + [round(r.stats.get(k, 0), 3) for k in TURN_STATS]
                 for r in records
             ],
         }
@@ -164,7 +181,10 @@ async def bench(args) -> dict[str, Any]:
             f"p50 {r['ttft_p50_s']:.3f}s p90 {r['ttft_p90_s']:.3f}s over {r['turns']} turns; "
             f"{m['throughput_tps']:.2f} tok/s {m['throughput_rps']:.3f} req/s; recomputed "
             f"{r['recomputed_tokens']} swapped {r['swapped_in_tokens']} prefetched "
-            f"{r['prefetched_tokens']}",
+            f"{r['prefetched_tokens']}; queued {r['queued_mean_s']:.3f}s computing "
+            f"{r['computing_mean_s']:.3f}s; {r['recomputing_turns']} turns recomputed "
+            f"(TTFT {r['recomputing_ttft_mean_s']:.3f}s, others "
+            f"{r['not_recomputing_ttft_mean_s']:.3f}s)",
             flush=True,
         )
     return {

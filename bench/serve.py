@@ -84,6 +84,8 @@ class EngineDriver:
 def _stats(stats) -> dict[str, Any]:
     out = {k: getattr(stats, k, 0) for k in _USAGE}
     out["suspensions"] = getattr(stats, "suspensions", 0)
+    if getattr(stats, "admitted_s", 0) and getattr(stats, "arrival_s", 0):
+        out["queued_s"] = stats.admitted_s - stats.arrival_s  # waiting to be scheduled
     return out
 
 

@@ -281,9 +281,12 @@ class Engine:
                 return
             if state.busy or table.pinned or state.kv_len == 0:
                 return
+            now = time.time()
+            # Its turn is coming: until it does (or a while passes), its chunks are the last
+            # idle ones to go, so that running turns do not evict what prefetch brings back.
+            self.cache.policy.expect(conversation_id, now + PREFETCH_WAIT_S)
             if conversation_id in self._prefetching or table in self.scheduler.swap_prefetch:
                 return  # typing frames come often: one prefetch at a time
-            now = time.time()
             if table.n_dropped:
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
                 req = Request(
@@ -305,6 +308,7 @@ class Engine:
     def _supersede(self, conversation_id: str, keep: bool) -> Request | None:
         """A real turn comes: the conversation's prefetch ends. A running one is left
         running if `keep` (the context stays as it is), for the turn to take over."""
+        self.cache.policy.unexpect(conversation_id)
         table = self.cache.tables.get(conversation_id)
         if table is not None:
             self.scheduler.swap_prefetch.pop(table, None)
@@ -326,6 +330,7 @@ class Engine:
         self.cache.counters.prefetched_tokens += done
         req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
         req.admitted_once = True
+        req.stats.admitted_s = time.time()
         req.pending = list(prefetch.pending)
         if req.state.kv_len < req.total:
             req.pending.append((req.state.kv_len, req.total))

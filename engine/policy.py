@@ -54,19 +54,31 @@ class Policy:
         self.cost = cost
         self.chunk_size = chunk_size
         self.clock = clock
+        # Conversations whose user is typing, until when: their next turn is expected, so
+        # their chunks are valued as if active now (kept over any other idle chunk, while
+        # running turns, whose chunks are pinned, can still take them when nothing else is left).
+        self.expected: dict[str, float] = {}
 
-    def last_active(self, conv: ChunkTable) -> float:
+    def expect(self, conversation_id: str, until: float) -> None:
+        self.expected[conversation_id] = until
+
+    def unexpect(self, conversation_id: str) -> None:
+        self.expected.pop(conversation_id, None)
+
+    def last_active(self, conv: ChunkTable, now: float | None = None) -> float:
+        if now is not None and self.expected.get(conv.id, 0.0) > now:
+            return now
         t = self.clock.last_active(conv.id)
         return 0.0 if t is None else t  # never seen active: as idle as can be
 
     def value(self, conv: ChunkTable, chunk: int, now: float) -> float:
         """Retention value of a chunk: recompute cost over idle time."""
-        idle = max(now - self.last_active(conv), MIN_IDLE_S)
+        idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
         return self.cost(chunk * self.chunk_size) / idle
 
     def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[float, int]:
         if self.kind == "lru":
-            return (self.last_active(conv), chunk)
+            return (self.last_active(conv, now), chunk)
         return (self.value(conv, chunk, now), chunk)
 
     def shared_key(
@@ -75,5 +87,5 @@ class Policy:
         """A chunk several conversations hold is worth the sum of what it is worth to each
         (LRU: it is as recent as its most recent holder)."""
         if self.kind == "lru":
-            return (max((self.last_active(c) for c in holders), default=0.0), chunk)
+            return (max((self.last_active(c, now) for c in holders), default=0.0), chunk)
         return (sum(self.value(c, chunk, now) for c in holders), chunk)

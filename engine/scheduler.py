@@ -202,6 +202,7 @@ class Scheduler:
                 plan.before.extend(adm.copies)
                 if not req.admitted_once:
                     req.admitted_once = True
+                    req.stats.admitted_s = time.time()
                     req.stats.cached_tokens = adm.cached_tokens
                     req.stats.swapped_in_tokens = adm.swapped_in_tokens
                     req.stats.prefetched_tokens = adm.prefetched_tokens

@@ -118,6 +118,7 @@ class TurnStats:
     shared_tokens: int = 0  # prompt tokens found in chunks shared with other conversations
     prefetched_tokens: int = 0  # of the context on the GPU: what a prefetch brought back
     arrival_s: float = 0.0
+    admitted_s: float = 0.0  # first scheduled: arrival_s to here is time spent queued
     first_token_s: float = 0.0
     finish_s: float = 0.0
     suspensions: int = 0

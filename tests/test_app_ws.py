@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def server(request, tmp_path_factory):
-    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000"}
+    # A dropped socket's turn waits 1 s for the client to come back (tests/test_app_resume.py).
+    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000", "PENSIEVE_RESUME_GRACE_S": "1"}
     with server_on(request.param, tmp_path_factory.mktemp("ws"), env) as srv:
         yield srv
 
@@ -114,7 +115,7 @@ async def test_cancel_keeps_partial_reply_and_chat_goes_on(server, token):
     ]
 
 
-async def test_disconnect_stops_the_turn(server, token):
+async def test_disconnect_stops_the_turn_when_no_one_comes_back(server, token):
     cid = server.new_chat(token)
     async with connect(server, cid, token) as ws:
         await ws.send(
@@ -122,7 +123,8 @@ async def test_disconnect_stops_the_turn(server, token):
         )
         assert (await recv(ws))["type"] == "token"
 
-    # The turn stops: the engine no longer runs it and its partial reply is committed.
+    # No reconnect within the grace: the turn stops, the engine no longer runs it and its
+    # partial reply is committed.
     def stopped():
         snap = server.cache()
         conv = [c for c in snap["conversations"] if c["id"] == cid]

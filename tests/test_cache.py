@@ -285,3 +285,33 @@ def test_prefetch_takes_no_running_blocks():
     adm = m.admit(m.tables["b"], 16, 16)
     assert m.tables["a"].tiers() == ["cpu", "cpu"] and not adm.copies.swap_out  # no cost
     m.check()
+
+
+def test_an_expected_turn_keeps_its_chunks_until_it_comes():
+    """A conversation whose user is typing (`policy.expect`) keeps its GPU chunks over idle
+    ones active more recently, until the expectation ends; a running turn still takes them
+    when nothing else is left."""
+
+    def run(expect: bool) -> tuple[list[str], list[str]]:
+        m, clock, now = manager(gpu=6, cpu=8)
+        turn(m, clock, "typist", 12, when=1000.0)  # typing started at 1000 s
+        turn(m, clock, "other", 12, when=1008.0)  # its turn ended later
+        if expect:
+            m.policy.expect("typist", 1015.0)
+        now.t = 1010.0
+        turn(m, clock, "third", 8, when=1010.0)  # needs 2 of the 6 blocks
+        return m.tables["typist"].tiers(), m.tables["other"].tiers()
+
+    assert run(False) == (["cpu", "cpu", "gpu"], ["gpu"] * 3)  # the typist paid
+    assert run(True) == (["gpu"] * 3, ["cpu", "cpu", "gpu"])  # the other one did
+
+    m, clock, now = manager(gpu=4, cpu=8)
+    turn(m, clock, "typist", 8, when=1000.0)
+    m.policy.expect("typist", 1015.0)
+    now.t = 1001.0
+    turn(m, clock, "big", 16, when=1001.0)  # needs every block: it takes the typist's
+    assert m.tables["typist"].tiers() == ["cpu", "cpu"]
+    # the expectation ends (the turn came, or the while passed): valued as before
+    m.policy.unexpect("typist")
+    assert m.policy.last_active(m.tables["typist"], 1001.0) == 1000.0
+    m.check()

@@ -110,3 +110,17 @@ def test_no_op_cases(prompts):
     gpu.run([Turn("a", prompts[2], SP)])
     gpu.prefetch("a")
     assert not gpu.has_work()
+
+
+def test_typing_protects_the_context_until_the_turn(prompts):
+    """A typing hint marks the conversation's turn as expected (its chunks are the last idle
+    ones to go), even when its context is all on the GPU already; the turn ends it."""
+    engine = Engine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=12))
+    engine.run([Turn("a", prompts[2], SP)])
+    engine.prefetch("a")
+    assert "a" in engine.cache.policy.expected and not engine.has_work()
+    engine.run([Turn("a", prompts[2], SP)])
+    assert "a" not in engine.cache.policy.expected
+    engine.prefetch("a")
+    engine.free("a")
+    assert not engine.cache.policy.expected

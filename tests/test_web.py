@@ -119,7 +119,7 @@ def new_page(browser, server, owner, **context_options):
     context = browser.new_context(**{"viewport": DESKTOP, **context_options})
     context.add_cookies([{"name": "pensieve_token", "value": owner, "url": server.url}])
     page = context.new_page()
-    page.errors, page.dialogs, page.sent = [], [], []
+    page.errors, page.dialogs, page.sent, page.received = [], [], [], []
     page.on("pageerror", lambda e: page.errors.append(str(e)))
     page.on("console", lambda m: m.type == "error" and page.errors.append(m.text))
 
@@ -129,6 +129,7 @@ def new_page(browser, server, owner, **context_options):
 
     page.on("dialog", dialog)
     page.on("websocket", lambda ws: ws.on("framesent", lambda f: page.sent.append(f)))
+    page.on("websocket", lambda ws: ws.on("framereceived", lambda f: page.received.append(f)))
     page.set_default_timeout(45_000)
     return page
 
@@ -390,22 +391,37 @@ def test_rename_search_and_delete(server, page):
     clean(page)
 
 
-def test_reconnect_shows_the_partial_reply(server, page):
-    """The socket drops mid-reply: the page reconnects by itself and shows what the server
-    kept of the reply, and the chat goes on."""
+def test_reconnect_resumes_the_reply(server, page):
+    """The socket drops mid-reply: the page reconnects by itself, the server hands the
+    running reply to the new socket (a `resume` frame, then the rest), and the reply goes
+    on in the same bubble to its end, as stored; the chat goes on."""
     owner, cid = page_owner(page), CHATS[-1]
+    page.sent.clear()
     send(page, "Write a long poem about autumn leaves.")
     page.wait_for_function("() => state.reply && state.reply.text.length > 20")
+    page.received.clear()
     page.evaluate("state.ws.close()")  # as a network drop: the page did not ask for it
     page.locator("#conn[data-state=live]").wait_for()
-    page.wait_for_function(
-        "() => document.querySelector('.msg.assistant:last-child .meta').textContent === 'stopped'"
-    )
+    wait_done(page)
     stored = server.chat(owner, cid)["messages"][-1]
-    assert stored["role"] == "assistant" and stored["finish_reason"] == "cancelled"
-    assert stored["content"]
-    shown = last(page, "assistant").locator(".bubble").text_content()
-    assert shown.split()[0] in stored["content"]
+    assert stored["role"] == "assistant" and stored["finish_reason"] != "cancelled"
+    # The page asked once; the new socket got the text so far, then the rest.
+    frames = [json.loads(f) for f in page.received]
+    kinds = [f["type"] for f in frames]
+    assert kinds.count("resume") == 1 and kinds[-1] == "done", kinds
+    after = frames[kinds.index("resume") :]
+    assert (
+        after[0]["text"] + "".join(f["text"] for f in after if f["type"] == "token")
+        == (stored["content"])
+    )
+    turns = [json.loads(f)["type"] for f in page.sent]
+    assert turns.count("message") == 1 and "regenerate" not in turns
+    # Shown whole, in one bubble, not marked as interrupted.
+    assert page.locator(".msg.assistant").count() == page.locator(".msg.user").count()
+    bubble = last(page, "assistant")
+    assert "interrupted" not in bubble.locator(".meta").text_content()
+    rendered = page.evaluate("(t) => renderMarkdown(t).textContent", stored["content"])
+    assert bubble.locator(".bubble").text_content() == rendered
     send(page, "Thanks.")
     wait_done(page)
     clean(page)

@@ -10,6 +10,7 @@ const state = {
   current: null, // conversation id
   ws: null,
   reply: null, // {row, bubble, meta, text} of the reply being streamed
+  interrupted: null, // the reply whose socket dropped: a `resume` frame carries it on
   retry: 0,
   dropped: false, // the socket went away unasked: resync the history when it is back
   lastTyping: 0,
@@ -260,6 +261,7 @@ async function openChat(id) {
   }
   state.current = id;
   state.reply = null;
+  state.interrupted = null;
   history.replaceState(null, "", `#${id}`);
   setTitle(conv.title || "Untitled chat");
   $("rename").hidden = false;
@@ -396,7 +398,9 @@ function onClose(ws, id, ev) {
   if (state.ws !== ws) return;
   state.ws = null;
   const streaming = state.reply !== null;
-  finishReply(streaming ? "interrupted: connection lost" : undefined);
+  // The server keeps the reply going for a while: a `resume` frame on the next connection
+  // carries it on in this same bubble.
+  state.interrupted = finishReply(streaming ? "interrupted: connection lost" : undefined);
   const reasons = {
     4401: "Not signed in: reload the page.",
     4403: "This chat belongs to someone else.",
@@ -423,6 +427,8 @@ function onFrame(frame) {
     state.reply.text += frame.text;
     state.reply.row.classList.remove("pending");
     scheduleRender();
+  } else if (frame.type === "resume") {
+    resumeReply(frame.text);
   } else if (frame.type === "done") {
     const r = state.reply || startReply();
     renderReply(r);
@@ -463,6 +469,23 @@ function startReply() {
   return { row, bubble, meta, text: "" };
 }
 
+// A reconnect while the reply was still generating: the server sends the text so far, then
+// the rest as tokens. The interrupted bubble goes on if the page still shows it (a resync
+// may have redrawn the chat meanwhile: then a new one).
+function resumeReply(text) {
+  const old = state.interrupted;
+  state.interrupted = null;
+  const r = old && old.row.isConnected ? old : startReply();
+  r.text = text;
+  r.meta.textContent = "";
+  r.row.classList.remove("failed", "pending");
+  r.row.classList.add("streaming");
+  state.reply = r;
+  renderReply(r);
+  setGenerating(true);
+  updateActions();
+}
+
 function beginReply(frame) {
   state.reply = startReply();
   state.reply.row.classList.add("streaming");
@@ -473,6 +496,7 @@ function beginReply(frame) {
 
 function finishReply(metaText, failed) {
   const r = state.reply;
+  state.interrupted = null;
   state.reply = null;
   clearTimeout(state.renderTimer);
   state.renderTimer = null;
@@ -484,6 +508,7 @@ function finishReply(metaText, failed) {
   }
   setGenerating(false);
   updateActions();
+  return r;
 }
 
 function setGenerating(on) {
