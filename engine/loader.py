@@ -235,7 +235,8 @@ def load(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = Decoder(args)
+        with torch.device("meta"):  # no random init: the checkpoint replaces every weight
+            model = Decoder(args)
         model.load_hf_state(_read_safetensors(path))
     model = model.to(device=device, dtype=dtype).eval()
     model.tie()
