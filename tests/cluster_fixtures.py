@@ -19,10 +19,8 @@ from tests import services
 from tests.app_fixtures import ADMIN, Local, Server, auth
 from tests.services import free_port, wait_port
 
-# Small, fast replicas: a random-weight tiny model, small pools, short replies, no quota;
-# one torch thread each, as three replicas share the test machine's cores.
+# Small, fast replicas: a random-weight tiny model, small pools, short replies, no quota.
 REPLICA_ENV = {
-    "OMP_NUM_THREADS": "1",
     "PENSIEVE_MODEL": "dummy:tiny",
     "PENSIEVE_GPU_CACHE_CHUNKS": "48",
     "PENSIEVE_CPU_CACHE_CHUNKS": "64",
