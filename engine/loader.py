@@ -293,7 +293,8 @@ def load(
         with torch.device("meta"):
             return Loaded(args, Decoder(args), tokenizer, stops, name)
     if not name.startswith("dummy:"):
-        model = Decoder(args)
+        with torch.device("meta"):  # no random init: the checkpoint replaces every weight
+            model = Decoder(args)
         model.load_hf_state(Checkpoint(model_dir(name, cache_dir)))
     elif _on_device(name, device):
         model = _dummy_on_device(args, seed, device, dtype)

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests import services
 
-# Redis databases 1..15 in turn, so a test's keys never meet another's (0 is left alone).
-_redis_dbs = itertools.cycle(range(1, 16))
+
+def _own_redis_dbs() -> list[int]:
+    """Redis databases 1..15 (0 is left alone), split between pytest-xdist workers when the
+    suite runs on several: a test's keys never meet another's, here or on another worker."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return [db for db in range(1, 16) if (db - 1) % workers == worker]
+
+
+# Taken in turn, each flushed before and after its test.
+_redis_dbs = itertools.cycle(_own_redis_dbs())
 
 
 def _service(start: Callable[[], None]) -> None:

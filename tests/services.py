@@ -55,6 +55,22 @@ def _run(cmd: list[str], what: str) -> None:
         ) from None
 
 
+def _start(cmd: list[str], what: str, host: str, port: int) -> None:
+    """Run a service's start command; when it fails because another test process (a
+    pytest-xdist worker) started the service meanwhile, the port answers: that will do."""
+    try:
+        _run(cmd, what)
+    except ServiceError:
+        try:
+            wait_port(host, port, timeout=10)
+        except ServiceError:
+            pass
+        else:
+            return
+        raise
+    wait_port(host, port)
+
+
 def ensure_postgres() -> None:
     if port_open(PG_HOST, PG_PORT):
         return
@@ -64,11 +80,12 @@ def ensure_postgres() -> None:
         raise ServiceError(
             "PostgreSQL is not running and no cluster is configured in /etc/postgresql"
         )
-    _run(
+    _start(
         ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1].name, "main", "start"],
         "PostgreSQL",
+        PG_HOST,
+        PG_PORT,
     )
-    wait_port(PG_HOST, PG_PORT)
 
 
 def ensure_redis() -> None:
@@ -77,15 +94,16 @@ def ensure_redis() -> None:
     for d in ("/var/lib/redis", "/var/log/redis"):
         os.makedirs(d, exist_ok=True)
     # Each argument on its own: "--bind" takes both addresses.
-    _run(
+    _start(
         [
             "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1",
             "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
             "--dir", "/var/lib/redis", "--logfile", "/var/log/redis/ci.log",
         ],
         "Redis",
+        REDIS_HOST,
+        REDIS_PORT,
     )  # fmt: skip
-    wait_port(REDIS_HOST, REDIS_PORT)
 
 
 def psql(sql: str, database: str = "postgres") -> str:
