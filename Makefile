@@ -59,9 +59,12 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers: most tests wait on a server subprocess, so one process leaves a core idle.
+# --dist loadfile keeps each file on one worker, in order (files share their servers); one
+# torch thread each keeps the two from oversubscribing the cores.
 test: install browser haproxy
 	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
