@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant import MIN_SCALE, QuantizedKV
-from kernels.triton_cache import _quantize_rows, pool_args
+from kernels.triton_cache import _store_kv, pool_args
 
 
 @triton.jit
@@ -217,19 +217,13 @@ def _rope_write_kv_kernel(
     v = tl.load(v_src + dims, mask=kv_mask, other=0.0)
     k_dst = k_cache_ptr + block * stride_kb + offset * stride_kt + kh * stride_kh + dims
     v_dst = v_cache_ptr + block * stride_vb + offset * stride_vt + kh * stride_vh + dims
-    if QUANT == 0:
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-    else:
-        k_codes, k_scale = _quantize_rows(k.to(tl.float32), QUANT, QMAX_, MIN_SCALE_)
-        v_codes, v_scale = _quantize_rows(v.to(tl.float32), QUANT, QMAX_, MIN_SCALE_)
-        tl.store(k_dst, k_codes, mask=kv_mask)
-        tl.store(v_dst, v_codes, mask=kv_mask)
-        head_ok = head_ids < NUM_KV_HEADS
-        k_scales = k_scale_ptr + block * stride_ksb + offset * stride_kst + head_ids
-        v_scales = v_scale_ptr + block * stride_vsb + offset * stride_vst + head_ids
-        tl.store(k_scales, k_scale, mask=head_ok)
-        tl.store(v_scales, v_scale, mask=head_ok)
+    head_ok = head_ids < NUM_KV_HEADS
+    k_scales = k_scale_ptr + block * stride_ksb + offset * stride_kst + head_ids
+    v_scales = v_scale_ptr + block * stride_vsb + offset * stride_vst + head_ids
+    _store_kv(
+        k, v, k_dst, v_dst, k_scales, v_scales, kv_mask, head_ok, k_cache_ptr, v_cache_ptr,
+        QUANT, QMAX_, MIN_SCALE_,
+    )  # fmt: skip
 
 
 def rope_write_kv_triton(

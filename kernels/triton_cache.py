@@ -47,6 +47,37 @@ def _quantize_rows(x, QUANT: tl.constexpr, QMAX_: tl.constexpr, MIN_SCALE_: tl.c
 
 
 @triton.jit
+def _store_kv(
+    k,
+    v,
+    k_dst,
+    v_dst,
+    k_scales,
+    v_scales,
+    mask,
+    head_ok,
+    k_cache_ptr,
+    v_cache_ptr,
+    QUANT: tl.constexpr,
+    QMAX_: tl.constexpr,
+    MIN_SCALE_: tl.constexpr,
+):
+    """One token's K and V rows [HEADS_PAD, DIM_PAD] into their pool addresses: cast to the
+    pool's dtype, or 8-bit codes plus a float16 scale per head (`k_scales`: the addresses of
+    the token's per-head scales, `head_ok` their mask)."""
+    if QUANT == 0:
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        k_codes, k_scale = _quantize_rows(k.to(tl.float32), QUANT, QMAX_, MIN_SCALE_)
+        v_codes, v_scale = _quantize_rows(v.to(tl.float32), QUANT, QMAX_, MIN_SCALE_)
+        tl.store(k_dst, k_codes, mask=mask)
+        tl.store(v_dst, v_codes, mask=mask)
+        tl.store(k_scales, k_scale, mask=head_ok)
+        tl.store(v_scales, v_scale, mask=head_ok)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
@@ -92,21 +123,13 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + dims, mask=mask, other=0.0)
     k_dst = k_cache_ptr + block * stride_kb + offset * stride_kt + heads * stride_kh + dims
     v_dst = v_cache_ptr + block * stride_vb + offset * stride_vt + heads * stride_vh + dims
-    if QUANT == 0:
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    else:
-        k_codes, k_scale = _quantize_rows(k.to(tl.float32), QUANT, QMAX_, MIN_SCALE_)
-        v_codes, v_scale = _quantize_rows(v.to(tl.float32), QUANT, QMAX_, MIN_SCALE_)
-        tl.store(k_dst, k_codes, mask=mask)
-        tl.store(v_dst, v_codes, mask=mask)
-        head_ok = head_ids < NUM_KV_HEADS
-        tl.store(
-            k_scale_ptr + block * stride_ksb + offset * stride_kst + head_ids, k_scale, mask=head_ok
-        )
-        tl.store(
-            v_scale_ptr + block * stride_vsb + offset * stride_vst + head_ids, v_scale, mask=head_ok
-        )
+    head_ok = head_ids < NUM_KV_HEADS
+    k_scales = k_scale_ptr + block * stride_ksb + offset * stride_kst + head_ids
+    v_scales = v_scale_ptr + block * stride_vsb + offset * stride_vst + head_ids
+    _store_kv(
+        k, v, k_dst, v_dst, k_scales, v_scales, mask, head_ok, k_cache_ptr, v_cache_ptr,
+        QUANT, QMAX_, MIN_SCALE_,
+    )  # fmt: skip
 
 
 def pool_args(
