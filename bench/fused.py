@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -32,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import environment, git_commit
+from bench.timing import GRAPH_REPS, eager_ms, graph_ms
 
 RESULTS = Path(__file__).parent / "results"
-GRAPH_REPS = 10
 
 
 @dataclass(frozen=True)
@@ -140,51 +139,6 @@ class Layer:
         kernels.silu_mul(self.gate_up)
 
 
-def time_ms(fn: Callable[[], object], iters: int, cuda: bool) -> float:
-    """Median milliseconds of one eager call (CUDA events on a GPU)."""
-    for _ in range(3):
-        fn()
-    runs = []
-    for _ in range(iters):
-        if not cuda:
-            t = time.perf_counter()
-            fn()
-            runs.append((time.perf_counter() - t) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end))
-    return statistics.median(runs)
-
-
-def graph_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median device milliseconds per call, replayed from a CUDA graph of GRAPH_REPS calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_REPS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) / GRAPH_REPS)
-    return statistics.median(runs)
-
-
 def launches(fn: Callable[[], object]) -> int:
     """CUDA kernels one call launches, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -206,7 +160,7 @@ def run(shapes, tokens, dtype, device, iters: int) -> list[Point]:
             nbytes = min_bytes(s, t, layer.x.element_size())
             for method, fn in (("unfused", layer.unfused), ("fused", layer.fused)):
                 with torch.inference_mode():
-                    ms = time_ms(fn, iters, cuda)
+                    ms = eager_ms(fn, iters, cuda)
                     g = graph_ms(fn, iters) if cuda else None
                     n = launches(fn) if cuda else None
                 p = Point(s.name, t, method, ms, g, n, nbytes / ((g or ms) * 1e-3) / 1e9)

@@ -34,7 +34,6 @@ import json
 import math
 import random
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import environment, git_commit
+from bench.timing import GRAPH_REPS, eager_ms
+from bench.timing import graph_ms as graph_device_ms
 from kernels import AttentionMetadata, QuantizedKV, paged_attention
 from kernels.quant import quantize
 
@@ -66,7 +67,6 @@ CONFIGS = [
     HeadConfig("llama-3-8b", 32, 8, 128),  # GQA 4
 ]
 DECODE_BATCHES = (1, 8, 16, 64, 256)
-GRAPH_REPS = 10  # calls per captured graph
 
 
 @dataclass
@@ -100,52 +100,7 @@ class Bench:
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         """Median milliseconds of fn over self.iters runs after warm-up."""
-        for _ in range(2 if self.dry else 5):
-            fn()
-        if self.device.type != "cuda":
-            runs = []
-            for _ in range(self.iters):
-                t = time.perf_counter()
-                fn()
-                runs.append((time.perf_counter() - t) * 1e3)
-            return statistics.median(runs)
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(self.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end))
-        return statistics.median(runs)
-
-    def graph_ms(self, fn: Callable[[], object]) -> float:
-        """Median device milliseconds per call of fn, replayed from a CUDA graph holding
-        GRAPH_REPS calls: no host launch cost, only the kernels and the gaps between them.
-        fn must allocate little (every call's allocations stay alive with the graph)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (compiles, caches) outside the capture
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_REPS):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(self.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / GRAPH_REPS)
-        del graph
-        return statistics.median(runs)
+        return eager_ms(fn, self.iters, self.device.type == "cuda", 2 if self.dry else 5)
 
     def record(
         self,
@@ -162,7 +117,7 @@ class Bench:
         try:
             ms = self.time_ms(fn)
             if graph and self.graphs and self.device.type == "cuda":
-                graph_ms = self.graph_ms(fn)
+                graph_ms = graph_device_ms(fn, self.iters)
         except (RuntimeError, torch.OutOfMemoryError) as e:  # a method may not support a shape
             self.points.append(Point(**{**asdict(base), "method": method, "note": str(e)[:200]}))
             print(f"  {method:<12} failed: {str(e)[:120]}", file=sys.stderr)

@@ -1,0 +1,62 @@
+"""Timing a callable on its device: the median of eager calls (CUDA events on a GPU, the host
+clock elsewhere) and the median device time per call replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+GRAPH_REPS = 10  # calls per captured graph
+
+
+def eager_ms(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 3) -> float:
+    """Median milliseconds of one call of fn (host launch included) after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    if not cuda:
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            runs.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(runs)
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end))
+    return statistics.median(runs)
+
+
+def graph_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median device milliseconds per call of fn, replayed from a CUDA graph holding
+    GRAPH_REPS calls: no host launch cost, only the kernels and the gaps between them.
+    fn must allocate little (every call's allocations stay alive with the graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles, caches) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_REPS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / GRAPH_REPS)
+    del graph
+    return statistics.median(runs)
