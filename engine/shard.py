@@ -110,12 +110,6 @@ def shard_tensor(args: ModelArgs, name: str, w: torch.Tensor, rank: int, world: 
     return w.clone()  # replicated (a row-parallel bias is added once, after the all-reduce)
 
 
-def shard_model(full: Decoder, rank: int, world: int, group) -> Decoder:
-    """Rank `rank`'s share of `full` (on full's device and dtype), its collectives on
-    `group` (None: local only, until `set_group`)."""
-    return build_shard(full.args, full.state_dict().items(), rank, world, group)
-
-
 def build_shard(
     args: ModelArgs, tensors: Iterable[tuple[str, torch.Tensor]], rank: int, world: int, group
 ) -> Decoder:
