@@ -89,7 +89,7 @@ GPU = Preset(
 
 PRESETS: dict[str, Preset] = {
     # SmolLM2-135M in float32 on a 2-core CPU, one torch thread (two spin against any other
-    # load). 24 ShareGPT conversations with at least 600 tokens of context, 3-4 turns,
+    # load). 48 ShareGPT conversations with at least 600 tokens of context, 3-4 turns,
     # contexts capped at 1024 tokens and replies at 16; think time 60 s replayed as 3 s
     # (x0.05). The first tier holds half the history. Each mode's sweep goes on (doubling the
     # rate) until its mean normalized latency crosses the bound.
@@ -98,9 +98,10 @@ PRESETS: dict[str, Preset] = {
         model="smollm2-135m-instruct",
         device="cpu",
         dtype="float32",
-        # 24 conversations: with 12, every rate from 0.5/s on had all of them active at
-        # once, so a higher rate added no load and no mode ever reached the bound.
-        conversations=24,
+        # 48 conversations: the replay is closed-loop, so its load is bounded by how many
+        # conversations it holds. With 12, and then 24, every rate from about 1/s on had all
+        # of them in flight at once: throughput and latency went flat and no mode crossed.
+        conversations=48,
         rates=[0.25, 0.5, 1.0, 2.0],
         max_rate=8.0,
         think_s=[60.0],
