@@ -105,7 +105,7 @@ class Scheduler:
         if prefill_step:
             budget = self._admit(budget, plan)
             if not self.waiting:  # real work first
-                budget = self._admit_prefetch(budget, plan)
+                budget = self._admit(budget, plan, prefetch=True)
                 self._swap_prefetch(plan)
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
         return plan
@@ -183,74 +183,55 @@ class Scheduler:
     def _can_admit(self, req: Request) -> bool:
         return self.cache.can_admit(req.table, req.total)
 
-    def _admit(self, budget: int, plan: StepPlan) -> int:
+    def _admit(self, budget: int, plan: StepPlan, prefetch: bool = False) -> int:
+        """Admit waiting turns in order while the cache has room for each one's context.
+        `prefetch`: admit recompute prefetches instead, the same way (making room evicts
+        idle chunks by value, as for a turn: the typing conversation is worth the most); one
+        that waited longer than PREFETCH_WAIT_S is given up."""
+        queue = self.prefetching if prefetch else self.waiting
         skipped: list[Request] = []
         try:
-            while self.waiting and budget > 0 and len(self.running) < self.max_running:
-                req = self.waiting[0]
+            while queue and budget > 0 and len(self.running) < self.max_running:
+                req = queue[0]
                 status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
-                if status == FAILED:
-                    plan.failed.append(self.waiting.popleft())
-                    continue
                 if status == PENDING:
-                    skipped.append(self.waiting.popleft())  # its history is still being read
+                    skipped.append(queue.popleft())  # its history is still being read
+                    continue
+                if status == FAILED:
+                    if prefetch:  # the real turn will read (and report) it again
+                        self.finish(req, "error")
+                    else:
+                        plan.failed.append(queue.popleft())
+                    continue
+                if prefetch and time.time() - req.stats.arrival_s > PREFETCH_WAIT_S:
+                    self.finish(req, "expired")  # the moment passed
                     continue
                 if not self._can_admit(req):
                     break
-                self.waiting.popleft()
-                adm = self.cache.admit(req.table, req.state.kv_len, req.total)
-                plan.before.extend(adm.copies)
-                if not req.admitted_once:
-                    req.admitted_once = True
-                    req.stats.admitted_s = time.time()
-                    req.stats.cached_tokens = adm.cached_tokens
-                    req.stats.swapped_in_tokens = adm.swapped_in_tokens
-                    req.stats.prefetched_tokens = adm.prefetched_tokens
-                req.stats.recomputed_tokens += adm.recompute_tokens
-                req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
-                if req.state.kv_len < req.total:
-                    req.pending.append((req.state.kv_len, req.total))
-                req.status = RUNNING
-                self.running.append(req)
-                budget -= self._take(req, budget, plan)
+                queue.popleft()
+                self._start(req, plan)
+                budget -= self._take(req, self._prefetch_budget(req, budget), plan)
         finally:  # whatever happens, a turn whose history is being read stays queued
-            self.waiting.extendleft(reversed(skipped))
+            queue.extendleft(reversed(skipped))
         return budget
 
-    def _admit_prefetch(self, budget: int, plan: StepPlan) -> int:
-        """Admit recompute prefetches while a real turn would be admitted (the oldest
-        first; one that waited longer than PREFETCH_WAIT_S is given up). Making room evicts
-        idle chunks by value, as for a turn: the typing conversation is worth the most."""
-        skipped: list[Request] = []
-        try:
-            while self.prefetching and budget > 0 and len(self.running) < self.max_running:
-                req = self.prefetching[0]
-                status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
-                if status == FAILED:  # the real turn will read (and report) it again
-                    self.finish(self.prefetching[0], "error")
-                    continue
-                if status == PENDING:
-                    skipped.append(self.prefetching.popleft())
-                    continue
-                if time.time() - req.stats.arrival_s > PREFETCH_WAIT_S:  # the moment passed
-                    self.finish(self.prefetching[0], "expired")
-                    continue
-                if not self._can_admit(req):  # the room a real turn would need
-                    break
-                self.prefetching.popleft()
-                adm = self.cache.admit(req.table, req.state.kv_len, req.total, prefetch=True)
-                plan.before.extend(adm.copies)
-                req.admitted_once = True
-                req.stats.cached_tokens = adm.cached_tokens
-                req.stats.swapped_in_tokens = adm.swapped_in_tokens
-                req.stats.recomputed_tokens = adm.recompute_tokens
-                req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
-                req.status = RUNNING
-                self.running.append(req)
-                budget -= self._take(req, self._prefetch_budget(req, budget), plan)
-        finally:
-            self.prefetching.extendleft(reversed(skipped))
-        return budget
+    def _start(self, req: Request, plan: StepPlan) -> None:
+        """Bring an admitted turn's context to the GPU tier and queue what it must compute:
+        the dropped prefix, then its own tokens."""
+        adm = self.cache.admit(req.table, req.state.kv_len, req.total, prefetch=req.prefetch)
+        plan.before.extend(adm.copies)
+        if not req.admitted_once:  # a resumed turn keeps the figures of its first admission
+            req.admitted_once = True
+            req.stats.admitted_s = time.time()
+            req.stats.cached_tokens = adm.cached_tokens
+            req.stats.swapped_in_tokens = adm.swapped_in_tokens
+            req.stats.prefetched_tokens = adm.prefetched_tokens
+        req.stats.recomputed_tokens += adm.recompute_tokens
+        req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
+        if req.state.kv_len < req.total:
+            req.pending.append((req.state.kv_len, req.total))
+        req.status = RUNNING
+        self.running.append(req)
 
     def _swap_prefetch(self, plan: StepPlan) -> None:
         """Swap in the CPU chunks of conversations whose user is typing, where there is room."""
