@@ -87,6 +87,7 @@ class Engine:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
+        self._use_device()
         if config.dtype is None:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         elif config.dtype in _DTYPES:
@@ -412,8 +413,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def _use_device(self) -> None:
+        """Make the engine's GPU the calling thread's current one: Triton launches, events
+        and graph captures go to the current device, not to their tensors' (cuda:1 ...)."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def step(self) -> list[Request]:
         """Plan and run one batch; returns the turns that ended in it."""
+        self._use_device()  # steps may run on another thread than the one that built it
         with self.lock:
             ended = self._drop_cancelled()
             plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())

@@ -141,3 +141,22 @@ def test_cuda_graphs_equal_eager_and_transformers(model, kv_dtype):
                 want_i = hf_greedy(hf, contexts[i], 24, set(graphed.stop_token_ids), device="cuda")
                 assert turn_outs[i] == want_i
                 contexts[i] += turn_outs[i]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_engine_on_a_second_gpu_stepped_from_another_thread():
+    """An engine on cuda:N (N > 0), its steps run by a thread whose current device is 0:
+    Triton kernels and graphs must go to the engine's GPU, with the same tokens as cuda:0."""
+    import threading
+
+    last = torch.cuda.device_count() - 1
+    kw = dict(model="dummy:tiny", dtype="float32", gpu_cache_chunks=24, cpu_cache_chunks=8)
+    want = run_turns(Engine(EngineConfig(**kw, device="cuda:0")))
+    torch.cuda.set_device(0)
+    engine = Engine(EngineConfig(**kw, device=f"cuda:{last}"))
+    torch.cuda.set_device(0)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(run_turns(engine)))
+    thread.start()
+    thread.join()
+    assert got == [want]
