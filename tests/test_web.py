@@ -332,6 +332,26 @@ def test_typing_frames_are_throttled(server, page):
     page.fill("#input", "")
 
 
+def test_focusing_the_message_box_sends_typing(server, page):
+    def typing() -> int:
+        return sum(json.loads(f).get("type") == "typing" for f in page.sent)
+
+    page.locator("#search").focus()
+    page.wait_for_timeout(3100)  # past the throttle of the test before
+    page.sent.clear()
+    page.locator("#input").focus()  # the cursor in the box: a message is coming
+    for _ in range(40):
+        if typing():
+            break
+        page.wait_for_timeout(50)
+    assert typing() == 1
+    page.locator("#search").focus()
+    page.locator("#input").focus()  # again within the interval: throttled
+    page.wait_for_timeout(300)
+    assert typing() == 1
+    page.locator("#search").fill("")
+
+
 def test_shortcuts(server, page):
     page.locator("#input").focus()
     page.keyboard.type("line one")

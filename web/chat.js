@@ -550,7 +550,8 @@ function grow() {
 }
 
 // `typing` frames while the user writes, throttled: the server may bring the chat's cache
-// back meanwhile.
+// back meanwhile. Putting the cursor in the message box (or coming back to a tab where it
+// is) says the same a few seconds earlier than the first key.
 function typing() {
   const now = Date.now();
   if (state.ws && state.ws.readyState === WebSocket.OPEN && now - state.lastTyping > TYPING_EVERY_MS) {
@@ -606,6 +607,10 @@ function init() {
   $("input").addEventListener("input", () => {
     grow();
     typing();
+  });
+  $("input").addEventListener("focus", typing);
+  window.addEventListener("focus", () => {
+    if (document.activeElement === $("input")) typing();
   });
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newChat);
