@@ -286,7 +286,10 @@ class Engine:
             # Its turn is coming: until it does (or a while passes), its chunks are the last
             # idle ones to go, so that running turns do not evict what prefetch brings back.
             self.cache.policy.expect(conversation_id, now + PREFETCH_WAIT_S)
-            if conversation_id in self._prefetching or table in self.scheduler.swap_prefetch:
+            current = self._prefetching.get(conversation_id)
+            if (current is not None and current.status != FINISHED) or (
+                table in self.scheduler.swap_prefetch
+            ):
                 return  # typing frames come often: one prefetch at a time
             if table.n_dropped:
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now

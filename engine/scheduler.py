@@ -9,10 +9,11 @@ A step is a value: `schedule` returns a `StepPlan` with everything the engine mu
 out (the batch, the copies before and after the forward, the turns that must end).
 Reading history is I/O and may fail: that is a status of one turn, never an exception.
 
-Prefetch (a user is typing in an idle conversation) is the lowest priority: only when no
-turn waits for admission, with what is left of the budget (a share of it while real turns
-run), its swap-ins in the step's copies and its recomputes as internal turns that sample
-nothing, are the first suspended, and end when a real turn of their conversation comes.
+Prefetch (a user is typing in an idle conversation) is the lowest priority: its swap-ins go
+in the step's copies and its recomputes run as internal turns that sample nothing. New ones
+start only when no turn waits for admission; running ones get what real turns leave of the
+budget (a share of it while real turns run), are the first suspended, give their room up to
+a waiting turn that cannot be admitted, and end when a real turn of their conversation comes.
 """
 
 from __future__ import annotations
@@ -94,21 +95,30 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_batch_tokens
         prefill_step = self.unified or self._wants_prefill()
-        for req in sorted(self.running, key=lambda r: (r.prefetch, r.seq)):
-            if budget <= 0:
-                break
-            if req.status != RUNNING:  # suspended earlier in this loop
-                continue
-            if not self.unified and req.in_prefill != prefill_step:
-                continue
-            budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+        # Real turns first: those running, then those waiting; prefetches get what is left.
+        budget = self._continue(
+            [r for r in self.running if not r.prefetch], budget, plan, prefill_step
+        )
         if prefill_step:
             budget = self._admit(budget, plan)
-            if not self.waiting:  # real work first
-                budget = self._admit(budget, plan, prefetch=True)
-                self._swap_prefetch(plan)
+        budget = self._continue([r for r in self.running if r.prefetch], budget, plan, prefill_step)
+        if prefill_step and not self.waiting:
+            budget = self._admit(budget, plan, prefetch=True)
+            self._swap_prefetch(plan)
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
         return plan
+
+    def _continue(self, reqs: list[Request], budget: int, plan: StepPlan, prefill: bool) -> int:
+        """Schedule running turns' pending tokens, the earliest-arrived first."""
+        for req in sorted(reqs, key=lambda r: r.seq):
+            if budget <= 0:
+                break
+            if req.status != RUNNING:  # suspended earlier in this step
+                continue
+            if not self.unified and req.in_prefill != prefill:
+                continue
+            budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+        return budget
 
     def _wants_prefill(self) -> bool:
         if any(r.in_prefill for r in self.running):
@@ -207,6 +217,8 @@ class Scheduler:
                     self.finish(req, "expired")  # the moment passed
                     continue
                 if not self._can_admit(req):
+                    if not prefetch and self._yield_prefetch(plan):
+                        continue  # a running prefetch gave its room back: look again
                     break
                 queue.popleft()
                 self._start(req, plan)
@@ -214,6 +226,15 @@ class Scheduler:
         finally:  # whatever happens, a turn whose history is being read stays queued
             queue.extendleft(reversed(skipped))
         return budget
+
+    def _yield_prefetch(self, plan: StepPlan) -> bool:
+        """End the latest running prefetch, if any, so that its context no longer holds the
+        GPU tier's room that a waiting real turn needs."""
+        prefetches = [r for r in self.running if r.prefetch and r.status == RUNNING]
+        if not prefetches:
+            return False
+        self._suspend(max(prefetches, key=lambda r: r.seq), plan)
+        return True
 
     def _start(self, req: Request, plan: StepPlan) -> None:
         """Bring an admitted turn's context to the GPU tier and queue what it must compute:

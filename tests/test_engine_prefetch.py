@@ -124,3 +124,39 @@ def test_typing_protects_the_context_until_the_turn(prompts):
     engine.prefetch("a")
     engine.free("a")
     assert not engine.cache.policy.expected
+
+
+def test_a_waiting_turn_takes_the_room_of_a_running_prefetch(prompts):
+    """A turn that does not fit beside a running recompute prefetch ends the prefetch (its
+    context goes back to idle) and runs, exactly as on its own; the user's next typing
+    frame starts a new prefetch."""
+    a1, b1, _ = prompts
+    engine = Engine(
+        EngineConfig(
+            model="dummy:tiny",
+            device="cpu",
+            gpu_cache_chunks=12,
+            cpu_cache_chunks=0,
+            max_batch_tokens=64,
+        )
+    )
+    engine.run([Turn("a", a1, SP)])
+    engine.run([Turn("b", b1, SP)])
+    engine.free("b")
+    engine.prefetch("a")
+    engine.step()
+    running = engine._prefetching["a"]
+    assert running.status == "running" and running.pending  # still recomputing a's prefix
+    c = [t + 1 for t in b1]  # 10 chunks: more than the tier has beside a's pinned context
+    assert not engine.cache.can_admit(engine.cache.table("c"), len(c))
+    req = engine.submit(Turn("c", c, SP))
+    engine.step()
+    assert running.status == "finished" and running.finish_reason == "suspended"
+    assert req.status == "running"
+    while req.status != "finished":
+        engine.step()
+    engine.cache.check()
+    assert req.output == hf_greedy(hf_model(engine), c, 4, set())
+    engine.prefetch("a")  # the user types again: a new prefetch
+    assert engine._prefetching["a"] is not running
+    assert engine.has_work()
