@@ -22,12 +22,9 @@ def prompts():
     return [[rng.randrange(5, 5000) for _ in range(n)] for n in (150, 300, 10)]
 
 
-def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048, tp: int = 1):
-    """a's first turn, then b's pushes a off the GPU tier (to the CPU, or dropped when
-    there is no CPU tier); b is deleted (room for a recompute); a's second turn, after a
-    prefetch run to completion ("full"), after one step of it ("step"), or none."""
-    a1, b1, a2 = prompts
-    engine = Engine(
+def tight_engine(cpu: int, max_batch_tokens: int = 2048, tp: int = 1) -> Engine:
+    """dummy:tiny with a GPU tier of 12 chunks: two 150-300 token conversations overflow it."""
+    return Engine(
         EngineConfig(
             model="dummy:tiny",
             device="cpu",
@@ -37,6 +34,14 @@ def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048
             tensor_parallel=tp,
         )
     )
+
+
+def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048, tp: int = 1):
+    """a's first turn, then b's pushes a off the GPU tier (to the CPU, or dropped when
+    there is no CPU tier); b is deleted (room for a recompute); a's second turn, after a
+    prefetch run to completion ("full"), after one step of it ("step"), or none."""
+    a1, b1, a2 = prompts
+    engine = tight_engine(cpu, max_batch_tokens, tp)
     first = engine.run([Turn("a", a1, SP)])[0]
     engine.run([Turn("b", b1, SP)])
     time.sleep(0.02)  # b idle for a moment: worth less than a once a's user types
@@ -131,15 +136,7 @@ def test_a_waiting_turn_takes_the_room_of_a_running_prefetch(prompts):
     context goes back to idle) and runs, exactly as on its own; the user's next typing
     frame starts a new prefetch."""
     a1, b1, _ = prompts
-    engine = Engine(
-        EngineConfig(
-            model="dummy:tiny",
-            device="cpu",
-            gpu_cache_chunks=12,
-            cpu_cache_chunks=0,
-            max_batch_tokens=64,
-        )
-    )
+    engine = tight_engine(cpu=0, max_batch_tokens=64)
     engine.run([Turn("a", a1, SP)])
     engine.run([Turn("b", b1, SP)])
     engine.free("b")
