@@ -141,6 +141,11 @@ class _LazyHeap:
         return None
 
 
+# Keys of expected conversations' chunks start with True (see `Policy.key`): a bound on
+# keys below which only chunks of conversations nobody is typing in are.
+UNEXPECTED = (True,)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -366,6 +371,31 @@ class KVCacheManager:
             return after <= self.gpu.num_blocks
         return after <= self.gpu.num_blocks * (1.0 - self.admit_reserve)
 
+    def can_prefetch(self, t: ChunkTable, upto: int) -> bool:
+        """Admit a prefetch of `t` as a turn, but only into blocks that are free or held by
+        idle chunks of conversations nobody is typing in: a prefetch is a guess, so it never
+        undoes another one, nor the context that an expected turn will look for."""
+        if not self.can_admit(t, upto):
+            return False
+        need = self.blocks_needed(t, upto)
+        spare = self.gpu.num_free
+        for x in self._candidates():
+            if spare >= need:
+                break
+            if not self._expected(x):
+                spare += self._idle_gpu_blocks(x)
+        return spare >= need
+
+    def _expected(self, x: ChunkTable | Chunk) -> bool:
+        """Its conversation's (a shared chunk: a holder's) user is typing."""
+        holders = x.holders if isinstance(x, Chunk) else (x,)
+        return any(self.policy.is_expected(h.id, self._now) for h in holders)  # type: ignore[union-attr]
+
+    def _idle_gpu_blocks(self, x: ChunkTable | Chunk) -> int:
+        if isinstance(x, Chunk):
+            return int(x.gpu is not None and x.pins == 0)
+        return 0 if x.pinned else x.n_gpu
+
     def admit(self, t: ChunkTable, kv_len: int, upto: int, prefetch: bool = False) -> Admission:
         """Pin the table and give every chunk of [0, upto) a GPU block. `kv_len` positions
         have KV (held or dropped); positions from there on are about to be written.
@@ -381,7 +411,7 @@ class KVCacheManager:
                 prefetched += max(0, min(cs, kv_len - i * cs))
             c.prefetched = False
         need = self.blocks_needed(t, upto)
-        if not self._make_room_gpu(need, copies):
+        if not self._make_room_gpu(need, copies, UNEXPECTED if prefetch else None):
             self._set_pinned(t, False)
             raise MemoryError(f"no room on the GPU for {need} blocks")
         t.tokens = kv_len
@@ -515,7 +545,7 @@ class KVCacheManager:
         """A free GPU block for a prefetch of `t`: free already, or the GPU block of the
         lowest-value idle chunk if it is worth less than `key` (reclaimed at no cost when it
         has a CPU copy, else evicted as an admission would). Never a running turn's block
-        (pinned chunks are no candidates)."""
+        (pinned chunks are no candidates), nor one of another expected conversation."""
         if self.gpu.num_free:
             return True
         self._gpu_heap.ensure(self._candidates())
@@ -523,12 +553,12 @@ class KVCacheManager:
         if found is None:
             return False
         x, i = found
-        if x is t or self._key(x, i) >= key:
+        if x is t or self._expected(x) or self._key(x, i) >= key:
             return False
         if isinstance(x, Chunk):
-            self._evict_shared_gpu(x, copies)
+            self._evict_shared_gpu(x, copies, UNEXPECTED)
         else:
-            self._evict_front_gpu(x, copies)
+            self._evict_front_gpu(x, copies, UNEXPECTED)
         return self.gpu.num_free > 0
 
     # ---- ahead-of-time swap-out -----------------------------------------------------------
@@ -788,7 +818,7 @@ class KVCacheManager:
                 return i
         return None
 
-    def _make_room_gpu(self, n: int, copies: CopyPlan) -> bool:
+    def _make_room_gpu(self, n: int, copies: CopyPlan, cpu_below=None) -> bool:
         if self.gpu.num_free >= n:
             return True
         self._gpu_heap.ensure(self._candidates())
@@ -797,18 +827,19 @@ class KVCacheManager:
             if found is None:
                 return False
             if isinstance(found[0], Chunk):
-                self._evict_shared_gpu(found[0], copies)
+                self._evict_shared_gpu(found[0], copies, cpu_below)
             else:
-                self._evict_front_gpu(found[0], copies)
+                self._evict_front_gpu(found[0], copies, cpu_below)
         return True
 
-    def _evict_front_gpu(self, t: ChunkTable, copies: CopyPlan) -> None:
+    def _evict_front_gpu(self, t: ChunkTable, copies: CopyPlan, cpu_below=None) -> None:
         """Free the GPU block of the table's first GPU chunk: reclaim it if it has a CPU
-        copy, else swap it out, else drop it (with the chunks before it)."""
+        copy, else swap it out (into a CPU block of a chunk worth less than `cpu_below`, when
+        given), else drop it (with the chunks before it)."""
         i = t.n_off_gpu
         chunk = t.chunks[i]
         if chunk.cpu is None and self.cpu.num_blocks:
-            block = self._alloc_cpu()
+            block = self._alloc_cpu(max_key=cpu_below)
             if block is not None:
                 self._set_cpu(t, chunk, block)
                 copies.swap_out.append((chunk.gpu, block))
@@ -824,10 +855,10 @@ class KVCacheManager:
         else:
             self._cpu_heap.push(t)  # a new CPU-only chunk: maybe its cheapest CPU block
 
-    def _evict_shared_gpu(self, c: Chunk, copies: CopyPlan) -> None:
+    def _evict_shared_gpu(self, c: Chunk, copies: CopyPlan, cpu_below=None) -> None:
         """Free a shared chunk's GPU block: reclaim, swap out, or drop it."""
         if c.cpu is None and self.cpu.num_blocks:
-            block = self._alloc_cpu()
+            block = self._alloc_cpu(max_key=cpu_below)
             if c not in self.shared or c.gpu is None:  # freed while the CPU made room
                 if block is not None:
                     self.cpu.release(block)

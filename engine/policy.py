@@ -65,8 +65,11 @@ class Policy:
     def unexpect(self, conversation_id: str) -> None:
         self.expected.pop(conversation_id, None)
 
+    def is_expected(self, conversation_id: str, now: float) -> bool:
+        return self.expected.get(conversation_id, 0.0) > now
+
     def last_active(self, conv: ChunkTable, now: float | None = None) -> float:
-        if now is not None and self.expected.get(conv.id, 0.0) > now:
+        if now is not None and self.is_expected(conv.id, now):
             return now
         t = self.clock.last_active(conv.id)
         return 0.0 if t is None else t  # never seen active: as idle as can be
@@ -76,16 +79,21 @@ class Policy:
         idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
         return self.cost(chunk * self.chunk_size) / idle
 
-    def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[float, int]:
+    def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[bool, float, int]:
+        """Chunks of expected conversations come after every other idle chunk."""
+        expected = self.is_expected(conv.id, now)
         if self.kind == "lru":
-            return (self.last_active(conv, now), chunk)
-        return (self.value(conv, chunk, now), chunk)
+            return (expected, self.last_active(conv, now), chunk)
+        return (expected, self.value(conv, chunk, now), chunk)
 
     def shared_key(
         self, holders: Iterable[ChunkTable], chunk: int, now: float
-    ) -> tuple[float, int]:
+    ) -> tuple[bool, float, int]:
         """A chunk several conversations hold is worth the sum of what it is worth to each
         (LRU: it is as recent as its most recent holder)."""
+        holders = list(holders)
+        expected = any(self.is_expected(c.id, now) for c in holders)
         if self.kind == "lru":
-            return (max((self.last_active(c, now) for c in holders), default=0.0), chunk)
-        return (sum(self.value(c, chunk, now) for c in holders), chunk)
+            recent = max((self.last_active(c, now) for c in holders), default=0.0)
+            return (expected, recent, chunk)
+        return (expected, sum(self.value(c, chunk, now) for c in holders), chunk)

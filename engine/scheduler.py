@@ -191,6 +191,8 @@ class Scheduler:
         return self.cache.recompute_tokens(req.table, req.state.kv_len)
 
     def _can_admit(self, req: Request) -> bool:
+        if req.prefetch:
+            return self.cache.can_prefetch(req.table, req.total)
         return self.cache.can_admit(req.table, req.total)
 
     def _admit(self, budget: int, plan: StepPlan, prefetch: bool = False) -> int:

@@ -262,6 +262,45 @@ def test_prefetch_swaps_in_back_first_and_keeps_the_copies():
     m.check()
 
 
+def test_a_prefetch_never_takes_the_room_of_another_expected_conversation():
+    """Two users type at once and the GPU tier holds one context: the second prefetch (a
+    swap-in or a recompute) does not undo the first; once nobody types in the first, it may."""
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 16, when=1000.0)
+    now.t = 1010.0
+    turn(m, clock, "b", 16, when=1010.0)
+    a, b = m.tables["a"], m.tables["b"]
+    assert a.tiers() == ["cpu"] * 4 and b.tiers() == ["gpu"] * 4
+    now.t = 1030.0
+    m.policy.expect("b", 1040.0)  # b's user types: its context is on the GPU, as it should
+    m.policy.expect("a", 1045.0)
+    clock.touch("a")  # a's user types later: a is worth more than b
+    m.begin_step()
+    copies, done = m.prefetch(a)
+    assert not copies and not done and b.tiers() == ["gpu"] * 4
+    m.policy.unexpect("b")  # b's turn came and went
+    m.begin_step()
+    copies, done = m.prefetch(a)
+    assert done and a.tiers() == ["gpu"] * 4 and "gpu" not in b.tiers()
+    m.check()
+
+    m, clock, now = manager(gpu=4, cpu=0)  # no CPU tier: a is dropped
+    turn(m, clock, "a", 16, when=1000.0)
+    turn(m, clock, "b", 16, when=1010.0)
+    a = m.tables["a"]
+    assert a.n_dropped == 4
+    now.t = 1030.0
+    m.policy.expect("a", 1045.0)
+    m.policy.expect("b", 1040.0)
+    m.begin_step()
+    assert m.can_admit(a, 16) and not m.can_prefetch(a, 16)
+    m.policy.unexpect("b")
+    assert m.can_prefetch(a, 16)
+    adm = m.admit(a, 16, 16, prefetch=True)
+    assert adm.recompute_tokens == 16 and m.tables["b"].n_dropped == 4
+    m.check()
+
+
 def test_prefetch_takes_no_running_blocks():
     m, clock, now = manager(gpu=4, cpu=4)
     turn(m, clock, "a", 8, when=1000.0)
