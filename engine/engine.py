@@ -149,8 +149,16 @@ class Engine:
             config.swap_out_threshold,
             share=config.share_prefixes,
         )
+        share = config.prefetch_share
+        if share is None:
+            share = 0.25 if self.device.type == "cuda" else 0.0
         self.scheduler = Scheduler(
-            self.cache, config.max_batch_tokens, config.max_running, config.unified, self._fetch
+            self.cache,
+            config.max_batch_tokens,
+            config.max_running,
+            config.unified,
+            self._fetch,
+            prefetch_share=share,
         )
         if self.tp is None:
             self.runner = Runner(self.model, self.pool, cs, self.backend)

@@ -12,8 +12,9 @@ Reading history is I/O and may fail: that is a status of one turn, never an exce
 Prefetch (a user is typing in an idle conversation) is the lowest priority: its swap-ins go
 in the step's copies and its recomputes run as internal turns that sample nothing. New ones
 start only when no turn waits for admission; running ones get what real turns leave of the
-budget (a share of it while real turns run), are the first suspended, give their room up to
-a waiting turn that cannot be admitted, and end when a real turn of their conversation comes.
+budget (at most `prefetch_share` of it while real turns run; with none, they start only
+when no real turn runs), are the first suspended, give their room up to a waiting turn that
+cannot be admitted, and end when a real turn of their conversation comes.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ class Scheduler:
         max_running: int,
         unified: bool = True,
         fetch: Callable[[Request, int], str] | None = None,
+        prefetch_share: float = 0.25,
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
+        self.prefetch_share = prefetch_share
         self.max_running = max_running
         self.unified = unified
         # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
@@ -102,7 +105,8 @@ class Scheduler:
         if prefill_step:
             budget = self._admit(budget, plan)
         budget = self._continue([r for r in self.running if r.prefetch], budget, plan, prefill_step)
-        if prefill_step and not self.waiting:
+        idle = all(r.prefetch for r in self.running)  # no real turn runs
+        if prefill_step and not self.waiting and (idle or self.prefetch_share > 0):
             budget = self._admit(budget, plan, prefetch=True)
             self._swap_prefetch(plan)
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
@@ -130,11 +134,14 @@ class Scheduler:
         )
 
     def _prefetch_budget(self, req: Request, budget: int) -> int:
-        """A prefetch takes at most a quarter of the step's tokens while real turns run, so
-        that their decode steps stay short."""
+        """A prefetch takes at most `prefetch_share` of the step's tokens while real turns
+        run, so that their decode steps stay short."""
         if not req.prefetch or all(r.prefetch for r in self.running):
             return budget
-        return min(budget, max(self.cache.chunk_size, self.max_batch_tokens // 4))
+        if self.prefetch_share <= 0:
+            return 0
+        share = int(self.max_batch_tokens * self.prefetch_share)
+        return min(budget, max(self.cache.chunk_size, share))
 
     def _take(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Schedule up to `budget` of a running turn's pending tokens; returns how many."""

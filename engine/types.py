@@ -25,6 +25,11 @@ class EngineConfig:
     max_waiting: int = 256  # most turns queued for admission (AsyncEngine refuses more)
     swap_out_threshold: float = 0.25  # ahead-of-time swap-out when free GPU blocks fall under this
     admit_reserve: float = 0.10  # admit new turns only while this share of GPU blocks stays free
+    # Share of a step's token budget that a recompute prefetch (typing) may take while real
+    # turns run. None: 0.25 on CUDA, where a decode step's spare tokens are nearly free, and
+    # 0 elsewhere, where every token costs its compute (prefetch then recomputes only in
+    # steps without real turns)
+    prefetch_share: float | None = None
     unified: bool = True  # False: prompt steps and decode steps never share a batch
     seed: int = 0  # seeds dummy weights
     cache_dir: str | None = None  # converted models and cost profiles; None: ~/.cache/pensieve
@@ -67,6 +72,8 @@ class EngineConfig:
             )
         if not 0.0 <= self.admit_reserve < 1.0 or not 0.0 <= self.swap_out_threshold < 1.0:
             raise ValueError("admit_reserve and swap_out_threshold must be in [0, 1)")
+        if self.prefetch_share is not None and not 0.0 <= self.prefetch_share <= 1.0:
+            raise ValueError(f"prefetch_share must be in [0, 1], got {self.prefetch_share!r}")
 
 
 @dataclass

@@ -22,7 +22,9 @@ def prompts():
     return [[rng.randrange(5, 5000) for _ in range(n)] for n in (150, 300, 10)]
 
 
-def tight_engine(cpu: int, max_batch_tokens: int = 2048, tp: int = 1) -> Engine:
+def tight_engine(
+    cpu: int, max_batch_tokens: int = 2048, tp: int = 1, share: float | None = None
+) -> Engine:
     """dummy:tiny with a GPU tier of 12 chunks: two 150-300 token conversations overflow it."""
     return Engine(
         EngineConfig(
@@ -32,6 +34,7 @@ def tight_engine(cpu: int, max_batch_tokens: int = 2048, tp: int = 1) -> Engine:
             cpu_cache_chunks=cpu,
             max_batch_tokens=max_batch_tokens,
             tensor_parallel=tp,
+            prefetch_share=share,
         )
     )
 
@@ -157,3 +160,30 @@ def test_a_waiting_turn_takes_the_room_of_a_running_prefetch(prompts):
     engine.prefetch("a")  # the user types again: a new prefetch
     assert engine._prefetching["a"] is not running
     assert engine.has_work()
+
+
+@pytest.mark.parametrize("share", [None, 0.25])
+def test_prefetch_share_of_steps_with_real_turns(prompts, share):
+    """With no share (the CPU's default: every token costs its compute) a recompute
+    prefetch waits while a real turn runs and goes once none does; with a share it runs
+    beside the turn, at most that share of the step's tokens."""
+    a1, b1, a3 = prompts
+    engine = tight_engine(cpu=0, max_batch_tokens=256, share=share)
+    engine.run([Turn("a", a1, SP)])
+    engine.run([Turn("b", b1, SP)])
+    engine.free("b")
+    req = engine.submit(Turn("c", a3, SamplingParams(max_tokens=8, ignore_eos=True)))
+    engine.step()  # c's prompt
+    engine.prefetch("a")
+    pf = engine._prefetching["a"]
+    engine.step()  # a decode step of c
+    assert req.status == "running"
+    if share is None:
+        assert pf.status == "waiting"
+    else:
+        assert pf.status == "running" and pf.pending[0][0] == 64  # a quarter of 256
+    while req.status != "finished":
+        engine.step()
+    engine.step()  # no real turn: the prefetch takes the whole budget
+    assert pf.status != "waiting" and engine.cache.tables["a"].n_dropped == 0
+    engine.cache.check()
