@@ -33,6 +33,8 @@ ENGINE_HELP: dict[str, str] = {
     "max_waiting": "most turns queued for the engine; more are refused as busy",
     "swap_out_threshold": "swap chunks out ahead of time once free GPU blocks fall under this share",
     "admit_reserve": "admit new turns only while this share of GPU blocks stays free",
+    "prefetch_share": "share of a step's tokens a typing prefetch may take while real turns run "
+    "(default: 0.25 on CUDA, 0 on the CPU)",
     "unified": "prompt and decode steps share a batch",
     "seed": "seed of dummy weights",
     "cache_dir": "converted models and cost profiles (default: ~/.cache/pensieve)",
