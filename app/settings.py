@@ -35,6 +35,8 @@ ENGINE_HELP: dict[str, str] = {
     "admit_reserve": "admit new turns only while this share of GPU blocks stays free",
     "prefetch_share": "share of a step's tokens a typing prefetch may take while real turns run "
     "(default: 0.25 on CUDA, 0 on the CPU)",
+    "prefetch_step_tokens": "most tokens a typing prefetch computes in one step (default: the "
+    "whole budget on CUDA, 4 chunks on the CPU)",
     "unified": "prompt and decode steps share a batch",
     "seed": "seed of dummy weights",
     "cache_dir": "converted models and cost profiles (default: ~/.cache/pensieve)",

@@ -149,9 +149,13 @@ class Engine:
             config.swap_out_threshold,
             share=config.share_prefixes,
         )
+        cuda = self.device.type == "cuda"
         share = config.prefetch_share
         if share is None:
-            share = 0.25 if self.device.type == "cuda" else 0.0
+            share = 0.25 if cuda else 0.0
+        quantum = config.prefetch_step_tokens
+        if quantum is None:
+            quantum = config.max_batch_tokens if cuda else 4 * cs
         self.scheduler = Scheduler(
             self.cache,
             config.max_batch_tokens,
@@ -159,6 +163,7 @@ class Engine:
             config.unified,
             self._fetch,
             prefetch_share=share,
+            prefetch_step_tokens=quantum,
         )
         if self.tp is None:
             self.runner = Runner(self.model, self.pool, cs, self.backend)

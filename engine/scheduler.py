@@ -13,7 +13,7 @@ Prefetch (a user is typing in an idle conversation) is the lowest priority: its 
 in the step's copies and its recomputes run as internal turns that sample nothing. New ones
 start only when no turn waits for admission; running ones get what real turns leave of the
 budget (at most `prefetch_share` of it while real turns run; with none, they start only
-when no real turn runs), are the first suspended, give their room up to a waiting turn that
+when no real turn runs; never more than `prefetch_step_tokens`), are the first suspended, give their room up to a waiting turn that
 cannot be admitted, and end when a real turn of their conversation comes.
 """
 
@@ -61,10 +61,12 @@ class Scheduler:
         unified: bool = True,
         fetch: Callable[[Request, int], str] | None = None,
         prefetch_share: float = 0.25,
+        prefetch_step_tokens: int | None = None,
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.prefetch_share = prefetch_share
+        self.prefetch_step_tokens = prefetch_step_tokens or max_batch_tokens
         self.max_running = max_running
         self.unified = unified
         # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
@@ -135,8 +137,11 @@ class Scheduler:
 
     def _prefetch_budget(self, req: Request, budget: int) -> int:
         """A prefetch takes at most `prefetch_share` of the step's tokens while real turns
-        run, so that their decode steps stay short."""
-        if not req.prefetch or all(r.prefetch for r in self.running):
+        run, so that their decode steps stay short, and `prefetch_step_tokens` in any step."""
+        if not req.prefetch:
+            return budget
+        budget = min(budget, self.prefetch_step_tokens)
+        if all(r.prefetch for r in self.running):
             return budget
         if self.prefetch_share <= 0:
             return 0

@@ -30,6 +30,10 @@ class EngineConfig:
     # 0 elsewhere, where every token costs its compute (prefetch then recomputes only in
     # steps without real turns)
     prefetch_share: float | None = None
+    # Most tokens a recompute prefetch computes in one step. None: the whole budget on CUDA,
+    # 4 chunks elsewhere: a step cannot be cut short, and a turn that arrives during a long
+    # CPU step of prefetch alone waits for all of it
+    prefetch_step_tokens: int | None = None
     unified: bool = True  # False: prompt steps and decode steps never share a batch
     seed: int = 0  # seeds dummy weights
     cache_dir: str | None = None  # converted models and cost profiles; None: ~/.cache/pensieve
@@ -74,6 +78,8 @@ class EngineConfig:
             raise ValueError("admit_reserve and swap_out_threshold must be in [0, 1)")
         if self.prefetch_share is not None and not 0.0 <= self.prefetch_share <= 1.0:
             raise ValueError(f"prefetch_share must be in [0, 1], got {self.prefetch_share!r}")
+        if self.prefetch_step_tokens is not None and self.prefetch_step_tokens < 1:
+            raise ValueError("prefetch_step_tokens must be positive")
 
 
 @dataclass

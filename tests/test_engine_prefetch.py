@@ -165,14 +165,17 @@ def test_a_waiting_turn_takes_the_room_of_a_running_prefetch(prompts):
 @pytest.mark.parametrize("share", [None, 0.25])
 def test_prefetch_share_of_steps_with_real_turns(prompts, share):
     """With no share (the CPU's default: every token costs its compute) a recompute
-    prefetch waits while a real turn runs and goes once none does; with a share it runs
-    beside the turn, at most that share of the step's tokens."""
-    a1, b1, a3 = prompts
+    prefetch waits while a real turn runs and goes once none does, at most
+    `prefetch_step_tokens` (4 chunks on the CPU) a step; with a share it runs beside the
+    turn, at most that share of the step's tokens."""
+    _, b1, c = prompts
+    a = [t + 7 for t in b1[:250]]  # 8 chunks: b's 10 drop most of them
     engine = tight_engine(cpu=0, max_batch_tokens=256, share=share)
-    engine.run([Turn("a", a1, SP)])
+    engine.run([Turn("a", a, SP)])
     engine.run([Turn("b", b1, SP)])
     engine.free("b")
-    req = engine.submit(Turn("c", a3, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert engine.cache.recompute_tokens(engine.cache.tables["a"], len(a) + 4) > 128
+    req = engine.submit(Turn("c", c, SamplingParams(max_tokens=8, ignore_eos=True)))
     engine.step()  # c's prompt
     engine.prefetch("a")
     pf = engine._prefetching["a"]
@@ -180,10 +183,14 @@ def test_prefetch_share_of_steps_with_real_turns(prompts, share):
     assert req.status == "running"
     if share is None:
         assert pf.status == "waiting"
+        while req.status != "finished":
+            engine.step()
+        assert pf.status == "waiting"
+        engine.step()  # no real turn: the prefetch starts, 4 chunks a step
+        assert pf.status == "running" and pf.pending[0][0] == 128
     else:
         assert pf.status == "running" and pf.pending[0][0] == 64  # a quarter of 256
-    while req.status != "finished":
+    while pf.status == "running" or req.status == "running":
         engine.step()
-    engine.step()  # no real turn: the prefetch takes the whole budget
-    assert pf.status != "waiting" and engine.cache.tables["a"].n_dropped == 0
+    assert pf.finish_reason == "prefetched" and engine.cache.tables["a"].n_dropped == 0
     engine.cache.check()
