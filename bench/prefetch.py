@@ -1,12 +1,14 @@
 """Typing-aware prefetch: TTFT of returning turns with and without `typing` hints.
 
-    python -m bench.prefetch                 # CPU preset, tight tiers, ~10 minutes
+    python -m bench.prefetch                 # CPU preset, tight tiers, ~14 minutes
     python -m bench.prefetch --conversations 4 --think 3,5 --lead 1,2 --order off,on  # quick
 
 Eight conversations of the CPU preset's ShareGPT sample (SmolLM2-135M, float32, one torch
-thread) start at 0.1/s on an in-process AsyncEngine whose GPU tier holds half of the
-sample's history and whose CPU tier a quarter, so idle conversations are swapped out and
-many of their prefixes dropped. Each user thinks 12-20 s (uniform) before a later turn;
+thread) start at 0.05/s on an in-process AsyncEngine whose GPU tier holds a quarter of the
+sample's history (at least what the largest contexts need) and whose CPU tier an eighth,
+so idle conversations are swapped out and many of their prefixes dropped, while the
+server is loaded but not past its capacity (at 0.1/s on a 2-core machine, long first
+prompts queue every turn for a while, and no prefetch runs then). Each user thinks 12-20 s (uniform) before a later turn;
 with typing on, the user "starts typing" 2-10 s (uniform, within the think time) before
 sending, and the engine is told (`AsyncEngine.prefetch`, as the `typing` frame does). The
 same schedule runs on fresh engines without typing hints and with them (off, on, on, off by
@@ -274,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     pair = lambda s: tuple(float(x) for x in s.split(","))  # noqa: E731
     ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--rate", type=float, default=0.1, help="new conversations per second")
+    ap.add_argument("--rate", type=float, default=0.05, help="new conversations per second")
     ap.add_argument("--think", type=pair, default=(12.0, 20.0), help="min,max think time (s)")
     ap.add_argument("--lead", type=pair, default=(2.0, 10.0), help="min,max typing lead (s)")
-    ap.add_argument("--gpu-fraction", type=float, default=0.5)
-    ap.add_argument("--cpu-fraction", type=float, default=0.25)
+    ap.add_argument("--gpu-fraction", type=float, default=0.25)
+    ap.add_argument("--cpu-fraction", type=float, default=0.125)
     ap.add_argument(
         "--order",
         default="off,on,on,off",
