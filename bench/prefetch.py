@@ -5,7 +5,7 @@
 
 Eight conversations of the CPU preset's ShareGPT sample (SmolLM2-135M, float32, one torch
 thread) start at 0.05/s on an in-process AsyncEngine whose GPU tier holds a quarter of the
-sample's history (at least what the largest contexts need) and whose CPU tier an eighth,
+sample's history (at least twice the longest conversation) and whose CPU tier an eighth,
 so idle conversations are swapped out and many of their prefixes dropped, while the
 server is loaded but not past its capacity (at 0.1/s on a 2-core machine, long first
 prompts queue every turn for a while, and no prefetch runs then). Each user thinks 12-20 s (uniform) before a later turn;
