@@ -11,10 +11,11 @@ Reading history is I/O and may fail: that is a status of one turn, never an exce
 
 Prefetch (a user is typing in an idle conversation) is the lowest priority: its swap-ins go
 in the step's copies and its recomputes run as internal turns that sample nothing. New ones
-start only when no turn waits for admission; running ones get what real turns leave of the
-budget (at most `prefetch_share` of it while real turns run; with none, they start only
-when no real turn runs; never more than `prefetch_step_tokens`), are the first suspended, give their room up to a waiting turn that
-cannot be admitted, and end when a real turn of their conversation comes.
+start only when no turn waits for admission (and, with no `prefetch_share`, no real turn
+runs); running ones get what real turns leave of the budget (at most `prefetch_share` of
+it while real turns run, never more than `prefetch_step_tokens`), are the first suspended,
+give their room up to a waiting turn that cannot be admitted, and end when a real turn of
+their conversation comes.
 """
 
 from __future__ import annotations
