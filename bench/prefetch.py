@@ -5,15 +5,15 @@
 
 Eight conversations of the CPU preset's ShareGPT sample (SmolLM2-135M, float32, one torch
 thread) start at 0.05/s on an in-process AsyncEngine whose GPU tier holds a quarter of the
-sample's history (at least twice the longest conversation) and whose CPU tier an eighth,
-so idle conversations are swapped out and many of their prefixes dropped, while the
-server is loaded but not past its capacity (at 0.1/s on a 2-core machine, long first
-prompts queue every turn for a while, and no prefetch runs then). Each user thinks 12-20 s (uniform) before a later turn;
-with typing on, the user "starts typing" 2-10 s (uniform, within the think time) before
-sending, and the engine is told (`AsyncEngine.prefetch`, as the `typing` frame does). The
-same schedule runs on fresh engines without typing hints and with them (off, on, on, off by
-default, so that drift cancels); the result holds TTFT of returning turns (mean, median,
-p90) and of first turns, throughput and prefetched tokens of each.
+sample's history (at least twice the longest conversation) and whose CPU tier an eighth, so
+idle conversations are swapped out and many of their prefixes dropped, while the server is
+loaded but not past its capacity (at 0.1/s on a 2-core machine, long first prompts queue
+every turn for a while, and no prefetch runs then). Each user thinks 12-20 s (uniform)
+before a later turn; with typing on, the user "starts typing" 2-10 s (uniform, within the
+think time) before sending, and the engine is told (`AsyncEngine.prefetch`, as the `typing`
+frame does). The same schedule runs on fresh engines without typing hints and with them
+(off, on, on, off by default, so that drift cancels); the result holds TTFT of returning
+turns (mean, median, p90) and of first turns, throughput and prefetched tokens of each.
 """
 
 from __future__ import annotations

@@ -108,8 +108,7 @@ class Scheduler:
         if prefill_step:
             budget = self._admit(budget, plan)
         budget = self._continue([r for r in self.running if r.prefetch], budget, plan, prefill_step)
-        idle = all(r.prefetch for r in self.running)  # no real turn runs
-        if prefill_step and not self.waiting and (idle or self.prefetch_share > 0):
+        if prefill_step and not self.waiting and (self._idle() or self.prefetch_share > 0):
             budget = self._admit(budget, plan, prefetch=True)
             self._swap_prefetch(plan)
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
@@ -136,13 +135,17 @@ class Scheduler:
             and self._can_admit(self.waiting[0])
         )
 
+    def _idle(self) -> bool:
+        """No real turn runs: only prefetches, if anything."""
+        return all(r.prefetch for r in self.running)
+
     def _prefetch_budget(self, req: Request, budget: int) -> int:
         """A prefetch takes at most `prefetch_share` of the step's tokens while real turns
         run, so that their decode steps stay short, and `prefetch_step_tokens` in any step."""
         if not req.prefetch:
             return budget
         budget = min(budget, self.prefetch_step_tokens)
-        if all(r.prefetch for r in self.running):
+        if self._idle():
             return budget
         if self.prefetch_share <= 0:
             return 0
