@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-fast test-gpu lint bench bench-kernel gpu-report browser haproxy vendor
+.PHONY: install serve test test-fast test-gpu gpu-check lint bench bench-kernel gpu-report browser haproxy vendor
 
 install: $(VENV)/.installed
 
@@ -69,20 +69,25 @@ test: install browser haproxy
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
 
-# On a CUDA machine: the kernels compiled (no interpreter), the engine on the GPU. These two
-# need no install step: a GPU box often has no network, but has torch, triton, transformers
-# and pytest; the venv's python is used where `make install` made one.
-GPU_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+# On a CUDA machine: the kernels compiled (no interpreter), the engine on the GPU. These need
+# no install step: a lent GPU machine has no network and no web stack, but has torch, triton,
+# transformers and pytest. The venv's python is used only where it runs (a .venv carried from
+# another machine points at an interpreter missing here).
+GPU_PY := $(shell $(BIN)/python -c "" 2>/dev/null && echo $(BIN)/python || echo python3)
 test-gpu:
 	$(GPU_PY) -m pytest -q -m gpu
 
-bench: install
-	$(BIN)/python -m bench.serve --preset cpu
+# The first command on a lent GPU (~9 min on an H100): every -m gpu test, then the report's
+# mfu and decode parts; results with the device and commit under bench/results/. Without
+# CUDA it stops at once; `$(GPU_PY) -m bench.gpu_check --dry-run` rehearses it on the CPU.
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check
 
-# On a CUDA machine, no network: prefill MFU, decode roofline, serving capacity (~23 min);
-# parts: python -m bench.gpu_report --part mfu,decode | serve | extra (see bench/README.md).
+# Then the serving parts, each at most ~9 min: one command per part where commands are
+# limited to 10 minutes (make gpu-report PARTS=serve, then PARTS=extra). See bench/README.md.
+PARTS ?= serve,extra
 gpu-report:
-	$(GPU_PY) -m bench.gpu_report
+	$(GPU_PY) -m bench.gpu_report --part $(PARTS)
 
 bench-kernel: install
 	$(BIN)/python -m bench.kernel

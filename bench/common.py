@@ -11,6 +11,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+# Tokenized ShareGPT samples, committed: a GPU machine replays them with no dataset package.
+SAMPLES = ROOT / "bench" / "samples"
 
 
 def git_commit() -> str:

@@ -41,11 +41,11 @@ from typing import Any
 
 from bench import serve
 from bench import workload as wl
-from bench.common import RESULTS, ROOT, environment
+from bench.common import RESULTS, SAMPLES, environment
 from bench.presets import MODES, Preset
 
 PARTS = ("mfu", "decode", "serve", "extra")
-SAMPLE = ROOT / "bench" / "samples" / "gpu.json"
+SAMPLE = SAMPLES / "gpu.json"
 
 
 @dataclass
@@ -293,11 +293,7 @@ def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
     convs, info = serve.read_sample(Path(s.sample))
     limit = model_args(s.model).max_context
     if s.dry:
-        convs = [
-            wl.Conversation(c.id, [wl.TurnSpec(t.prompt[:40], min(t.output_len, 6), t.text)
-                                   for t in c.turns[:3]])
-            for c in convs
-        ]  # fmt: skip
+        convs = wl.shorten(convs, prompt=40, output=6, turns=3)
     convs = [c for c in convs if c.context_lens()[-1] <= limit][: s.conversations]
     return convs, {**info, "summary": wl.summarize(convs)}
 

@@ -58,6 +58,10 @@ class Preset:
     max_rate: float | None = None  # past the listed rates, double the rate up to this until crossed
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    # A tokenized sample to replay (no tokenizer or dataset needed), relative to the checkout
+    # (bench/samples/); None: draw from ShareGPT.
+    sample_file: str | None = None
+    dry: bool = False  # a dry run: short pieces of a few turns (the plumbing, not the figures)
     note: str = ""
 
 
@@ -83,6 +87,7 @@ GPU = Preset(
     cpu_cache_gb=200.0,
     latency_bound=0.18,
     max_rate=32.0,
+    sample_file="bench/samples/gpu.json",  # drawn with --save-sample from this preset
     note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
 )
 
@@ -144,3 +149,28 @@ PRESETS: dict[str, Preset] = {
         latency_bound=1.0,
     ),
 }
+
+
+def dry_run(preset: Preset) -> Preset:
+    """The preset's plumbing on the CPU in seconds: dummy:tiny, tiny tiers, three
+    conversations cut to short pieces. Its numbers mean nothing."""
+    return replace(
+        preset,
+        model="dummy:tiny",
+        device="cpu",
+        dtype="float32",
+        conversations=3,
+        rates=[4.0],
+        max_rate=None,
+        think_s=[0.5],
+        time_scale=1.0,
+        gpu_cache_chunks=16,
+        cpu_cache_chunks=32,
+        gpu_cache_gb=None,
+        cpu_cache_gb=None,
+        gpu_fraction=None,
+        max_batch_tokens=256,
+        latency_bound=1.0,
+        threads=None,
+        dry=True,
+    )

@@ -2,6 +2,7 @@
 
     python -m bench.serve --preset cpu                 # the engine in process, every mode
     python -m bench.serve --preset gpu --think 600     # one of the paper's settings
+    python -m bench.serve --preset gpu --dry-run       # its plumbing on the CPU in seconds
     python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --modes server
     python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --api openai
 
@@ -20,14 +21,15 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from bench import workload as wl
-from bench.common import RESULTS, environment, host_memory_gb
-from bench.presets import MODES, PRESETS, Mode, Preset
+from bench.common import RESULTS, ROOT, environment, host_memory_gb
+from bench.presets import MODES, PRESETS, Mode, Preset, dry_run
 
 # Per-turn token counts a reply reports, in process and over the WebSocket alike.
 _USAGE = (
@@ -621,8 +623,9 @@ def load_workload(preset: Preset, max_context: int | None, sample_file=None):
         convs, info = read_sample(Path(sample_file))
         if preset.conversations < len(convs):  # a quick check on the first few
             convs = convs[: preset.conversations]
-            info = {**info, "summary": wl.summarize(convs)}
-        return convs, info
+        if preset.dry:
+            convs = wl.shorten(convs, prompt=40, output=6, turns=3)
+        return convs, {**info, "summary": wl.summarize(convs)}
     tokenizer = load_tokenizer(preset.model)
     data = wl.load_sharegpt(tokenizer)
     cap = min(preset.context_cap, max_context or preset.context_cap)
@@ -681,7 +684,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
-        "--sample-file", type=Path, help="replay this tokenized sample (JSON) when it exists"
+        "--sample-file",
+        type=Path,
+        help="replay this tokenized sample (JSON) when it exists (default: the preset's)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the preset's plumbing on the CPU in seconds (dummy:tiny, short turns); "
+        "writes under the temp dir unless --out",
     )
     ap.add_argument("--save-sample", type=Path, help="write the tokenized sample as JSON and exit")
     ap.add_argument("--bound", type=float, help="mean normalized latency bound (s/token)")
@@ -710,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     preset = PRESETS[args.preset]
+    if args.dry_run:
+        preset = dry_run(preset)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     changes: dict[str, Any] = {}
     if args.rates:
@@ -747,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.save_sample}")
         return 0
 
-    out = args.out or RESULTS / f"serve_{preset.name}{'_url' if args.url else ''}.json"
+    sample_file = args.sample_file or (preset.sample_file and ROOT / preset.sample_file)
+    results = Path(tempfile.gettempdir()) / "pensieve-dry-run" if preset.dry else RESULTS
+    out = args.out or results / f"serve_{preset.name}{'_url' if args.url else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if preset.threads and not args.url:
@@ -784,12 +799,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.token:
             ap.error("--url needs --token (or PENSIEVE_TOKEN)")
         result = asyncio.run(
-            bench_url(preset, args.url, args.token, sample_file=args.sample_file, api=args.api)
+            bench_url(preset, args.url, args.token, sample_file=sample_file, api=args.api)
         )
     else:
-        result = asyncio.run(
-            bench_engine(preset, modes, sample_file=args.sample_file, on_run=report)
-        )
+        result = asyncio.run(bench_engine(preset, modes, sample_file=sample_file, on_run=report))
     result = report(result)
     print(f"wrote {out} in {result['elapsed_s']:.0f}s")
     print(json.dumps(result["claims"], indent=1))

@@ -208,6 +208,15 @@ def cap_conversation(conv: Conversation, context_cap: int, max_output: int) -> C
     return Conversation(conv.id, turns) if turns else None
 
 
+def shorten(convs: list[Conversation], prompt: int, output: int, turns: int) -> list[Conversation]:
+    """Short pieces of each conversation (dry runs: the plumbing, not the figures)."""
+    return [
+        Conversation(c.id, [TurnSpec(t.prompt[:prompt], min(t.output_len, output), t.text)
+                            for t in c.turns[:turns]])
+        for c in convs
+    ]  # fmt: skip
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("PENSIEVE_CACHE_DIR") or Path.home() / ".cache" / "pensieve"
     path = Path(root) / "workload"

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from tests import services
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`pytest -m gpu` imports only the test files that hold GPU tests: a lent GPU machine
+    has no web stack, which the other files import. (tests/test_bare_gpu.py checks that this
+    collects the same GPU tests as a full collection does.)"""
+    if not _gpu_selected(config) or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py":
+        return None
+    return re.search(r"\bmark\.gpu\b", collection_path.read_text()) is None
+
+
+def _gpu_selected(config: pytest.Config) -> bool:
+    """Does the -m expression select the gpu marker (and not only exclude it)?"""
+    return re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or "") is not None
 
 
 def _own_redis_dbs() -> list[int]:
