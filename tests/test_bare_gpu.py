@@ -41,6 +41,9 @@ gone = [m for m in ("redis", "starlette", "sqlalchemy", "alembic", "pydantic", "
         if u.find_spec(m) is not None]
 assert not gone, gone
 import engine, kernels, torch, transformers  # noqa: F401
+# The GPU entry points (bench.soak and bench.cluster drive a server: not among them).
+import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
+import bench.fused, bench.swap, bench.tp, bench.step_prep, bench.cache_step  # noqa: F401
 try:
     import redis  # noqa: F401
 except ModuleNotFoundError as e:
@@ -50,12 +53,14 @@ except ModuleNotFoundError as e:
 
 
 GPU_ITEMS = """
-import sys, pytest
+import inspect, sys, pytest
 class Collect:
     def pytest_collection_modifyitems(self, items):
         for item in items:
             if item.get_closest_marker("gpu"):
                 print("GPU", item.nodeid)
+                if inspect.iscoroutinefunction(getattr(item, "obj", None)):
+                    print("ASYNC", item.nodeid)  # would need pytest-asyncio
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Collect()]))
 """
 
@@ -70,6 +75,7 @@ def test_gpu_tests_collect_on_the_bare_machine_all_of_them() -> None:
     want = {line.split(" ", 1)[1] for line in full.stdout.splitlines() if line.startswith("GPU ")}
     assert want, "a full collection found no GPU tests"
     assert got == want
+    assert "ASYNC " not in full.stdout, "the GPU machine has no pytest-asyncio"
 
 
 def test_gpu_check_stops_at_once_without_cuda() -> None:
