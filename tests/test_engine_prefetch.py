@@ -9,11 +9,23 @@ import random
 import time
 
 import pytest
+import torch
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from tests.oracle import hf_greedy, hf_model
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
+# On CUDA the swap-in prefetch runs on the copy stream and the recompute on the compute one.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +35,18 @@ def prompts():
 
 
 def tight_engine(
-    cpu: int, max_batch_tokens: int = 2048, tp: int = 1, share: float | None = None
+    cpu: int,
+    max_batch_tokens: int = 2048,
+    tp: int = 1,
+    share: float | None = None,
+    device: str = "cpu",
 ) -> Engine:
     """dummy:tiny with a GPU tier of 12 chunks: two 150-300 token conversations overflow it."""
     return Engine(
         EngineConfig(
             model="dummy:tiny",
-            device="cpu",
+            device=device,
+            dtype="float32",
             gpu_cache_chunks=12,
             cpu_cache_chunks=cpu,
             max_batch_tokens=max_batch_tokens,
@@ -39,12 +56,19 @@ def tight_engine(
     )
 
 
-def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048, tp: int = 1):
+def replay(
+    prompts,
+    cpu: int,
+    prefetch: str | None,
+    max_batch_tokens: int = 2048,
+    tp: int = 1,
+    device: str = "cpu",
+):
     """a's first turn, then b's pushes a off the GPU tier (to the CPU, or dropped when
     there is no CPU tier); b is deleted (room for a recompute); a's second turn, after a
     prefetch run to completion ("full"), after one step of it ("step"), or none."""
     a1, b1, a2 = prompts
-    engine = tight_engine(cpu, max_batch_tokens, tp)
+    engine = tight_engine(cpu, max_batch_tokens, tp, device=device)
     first = engine.run([Turn("a", a1, SP)])[0]
     engine.run([Turn("b", b1, SP)])
     time.sleep(0.02)  # b idle for a moment: worth less than a once a's user types
@@ -65,12 +89,13 @@ def replay(prompts, cpu: int, prefetch: str | None, max_batch_tokens: int = 2048
     return before, after, second, context, engine
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cpu", [32, 0], ids=["cpu-tier", "dropped"])
-def test_prefetched_context_is_found_on_the_gpu(prompts, cpu):
-    before, _, plain, _, _ = replay(prompts, cpu, None)
+def test_prefetched_context_is_found_on_the_gpu(prompts, cpu, device):
+    before, _, plain, _, _ = replay(prompts, cpu, None, device=device)
     assert ("cpu" if cpu else "dropped") in before
     assert plain.stats.prefetched_tokens == 0
-    _, after, got, context, engine = replay(prompts, cpu, "full")
+    _, after, got, context, engine = replay(prompts, cpu, "full", device=device)
     assert after == ["gpu"] * len(after)
     s = got.stats
     assert s.prefetched_tokens > 0 and s.swapped_in_tokens == s.recomputed_tokens == 0
@@ -78,7 +103,8 @@ def test_prefetched_context_is_found_on_the_gpu(prompts, cpu):
     assert engine.snapshot().counters.prefetched_tokens >= s.prefetched_tokens
     assert got.token_ids == plain.token_ids
     if cpu == 0:  # the recomputed KV is right: Hugging Face on the whole context
-        assert got.token_ids == hf_greedy(hf_model(engine), context, 4, set())
+        hf = hf_model(engine).to(device)
+        assert got.token_ids == hf_greedy(hf, context, 4, set(), device=device)
 
 
 @pytest.mark.timeout(300)

@@ -104,7 +104,20 @@ def test_triton_backend_bf16_logits_close_to_reference(model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [
+        "auto",
+        "int8",
+        pytest.param(
+            "fp8",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                reason="fp8 needs sm_89+",
+            ),
+        ),
+    ],
+)
 def test_cuda_graphs_equal_eager_and_transformers(model, kv_dtype):
     """Decode steps replayed from captured buckets: the same greedy tokens as eager steps
     (and, with a 16-bit KV, as transformers) over turns with swaps; a seeded sampled turn

@@ -9,6 +9,7 @@ the held-in equality prompts, and an 8-bit run through swaps and drops equal to 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -23,7 +24,16 @@ from kernels import AttentionMetadata, write_kv
 from kernels.quant import CODE_DTYPE, MIN_SCALE, SCALE_DTYPE, QuantizedKV, dequantize, quantize
 from kernels.reference import paged_attention_torch
 from tests.test_engine_equality import prompts
-from tests.test_kernels import MIXED, TOL, make_case, needs_triton_cpu, rel_err
+from tests.test_kernels import (
+    MIXED,
+    TOL,
+    gpu,
+    make_case,
+    needs_cuda,
+    needs_triton_cpu,
+    random_subs,
+    rel_err,
+)
 
 FMTS = ["fp8", "int8"]
 # Attention output vs float attention on the unquantized K/V (max |diff| / max |ref|):
@@ -34,10 +44,22 @@ QUANT_TOL = {"fp8": 0.06, "int8": 0.02}
 def empty_pool(like: torch.Tensor, fmt: str) -> QuantizedKV:
     blocks, block_size, kv_heads, _ = like.shape
     return QuantizedKV(
-        torch.zeros(like.shape, dtype=CODE_DTYPE[fmt]),
-        torch.zeros((blocks, block_size, kv_heads), dtype=SCALE_DTYPE),
+        torch.zeros(like.shape, dtype=CODE_DTYPE[fmt], device=like.device),
+        torch.zeros((blocks, block_size, kv_heads), dtype=SCALE_DTYPE, device=like.device),
         fmt,
     )
+
+
+def fp8_on_cuda() -> bool:
+    """e4m3 conversions in Triton need compute capability 8.9 (Ada, Hopper) or newer."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# fp8 only where the GPU converts it; int8 on any.
+GPU_FMTS = [
+    pytest.param("fp8", marks=pytest.mark.skipif(not fp8_on_cuda(), reason="fp8 needs sm_89+")),
+    "int8",
+]
 
 
 # ---------------------------------------------------------------- quantizer
@@ -97,13 +119,21 @@ CASES = [
 ]
 
 
-def quantized_case(fmt, heads, kv_heads, head_dim, block_size, dtype, backend, subs=MIXED):
+def quantized_case(
+    fmt, heads, kv_heads, head_dim, block_size, dtype, backend, subs=MIXED, device="cpu"
+):
     """A batch (mixed prefill/decode by default) whose pool is written through `write_kv` (8-bit)."""
     q, k, v, meta = make_case(
-        subs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+        subs,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
     )
     kq, vq = empty_pool(k, fmt), empty_pool(v, fmt)
-    slots = torch.arange(k.shape[0] * block_size)
+    slots = torch.arange(k.shape[0] * block_size, device=device)
     write_kv(
         kq,
         vq,
@@ -174,6 +204,46 @@ def test_triton_8bit_decode_split_by_policy(fmt, heads):
     assert rel_err(out, paged_attention_torch(q, *deq, meta, 0.125)) < TOL[torch.float32]
     ref = paged_attention_torch(q, k, v, meta, 0.125)
     assert rel_err(out, ref) < QUANT_TOL[fmt]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", GPU_FMTS)
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype",
+    [
+        (40, 10, 128, 32, torch.bfloat16),
+        (32, 8, 128, 16, torch.float16),
+        (9, 3, 64, 32, torch.float32),
+    ],
+)
+def test_gpu_8bit_kernels_match_reference(fmt, heads, kv_heads, head_dim, block_size, dtype):
+    """Compiled on CUDA at realistic sizes: the Triton write quantizes as the torch one, bit
+    for bit, and attention over the 8-bit pool (prefill, decode, split-KV) matches the
+    reference over its dequantized copy and stays near float attention."""
+    subs = random_subs(random.Random(heads * block_size), 16, 3000)
+    check_8bit_kernels(fmt, (heads, kv_heads, head_dim, block_size, dtype), subs, "cuda")
+
+
+def check_8bit_kernels(fmt, shape, subs, device) -> None:
+    from kernels.triton_attention import paged_attention_triton
+
+    heads, kv_heads, head_dim, block_size, dtype = shape
+    q, k, v, kq, vq, meta = quantized_case(fmt, *shape, "triton", subs, device=device)
+    kt, vt = empty_pool(k, fmt), empty_pool(v, fmt)
+    slots = torch.arange(k.shape[0] * block_size, device=device)
+    flat = (x.view(-1, kv_heads, head_dim) for x in (k, v))
+    write_kv(kt, vt, *flat, slots, backend="torch")
+    for a, b in ((kq, kt), (vq, vt)):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    scale = 1 / math.sqrt(head_dim)
+    deq = [dequantize(c.codes, c.scales, fmt, dtype).float() for c in (kq, vq)]
+    want = paged_attention_torch(q.float(), *deq, meta, scale)
+    ref = paged_attention_torch(q.float(), k.float(), v.float(), meta, scale)
+    for segs in (None, 4):
+        out = paged_attention_triton(q, kq, vq, meta, scale, num_segs=segs).float()
+        assert rel_err(out, want) < TOL[dtype]
+        assert rel_err(out, ref) < QUANT_TOL[fmt]
 
 
 def test_kernels_refuse_mixed_pools():
