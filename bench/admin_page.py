@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import RESULTS, ROOT, environment
+from bench.lib.common import RESULTS, ROOT, environment
 
 ADMIN = "bench-admin-token"
 CHROMIUM = os.environ.get("PENSIEVE_CHROMIUM", "/usr/bin/chromium")

@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 
-from bench.common import environment
+from bench.lib.common import environment
 from engine.cache import KVCacheManager
 from engine.history import LocalClock
 from engine.policy import CostModel, Policy

@@ -37,7 +37,7 @@ import httpx
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.common import RESULTS, ROOT, environment
+from bench.lib.common import RESULTS, ROOT, environment
 from bench.soak import Postgres, Redis, SoakError, free_port
 
 RECONNECT_S = 120.0  # a chat gives up on a turn after this long without an answer

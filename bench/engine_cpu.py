@@ -22,14 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import workload as wl
-from bench.common import RESULTS, environment
-from bench.serve import (
-    history_chunks,
-    load_tokenizer,
-    model_args,
-    read_sample,
-)
+from bench.lib import workload as wl
+from bench.lib.common import RESULTS, environment
+from bench.lib.pools import history_chunks, model_args
+from bench.lib.samples import load_tokenizer, read_sample
 
 
 @dataclass
@@ -285,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result["goals"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    from bench.plots import plot_bars
+    from bench.lib.plots import plot_bars
 
     png = plot_bars(
         rows,

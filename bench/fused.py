@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, git_commit
-from bench.timing import GRAPH_REPS, eager_ms, graph_ms
+from bench.lib.common import environment, git_commit
+from bench.lib.timing import GRAPH_REPS, eager_ms, graph_ms
 
 RESULTS = Path(__file__).parent / "results"
 

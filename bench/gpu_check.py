@@ -24,8 +24,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, ROOT, environment
 from bench.gpu_report import device_slug
+from bench.lib.common import RESULTS, ROOT, environment
 
 TOTAL_S = 540.0  # the whole command, on an H100 from a bare machine
 TESTS_S = 300.0  # the GPU tests' share; the report's parts get what is left

@@ -20,7 +20,7 @@ finish within its budget (`--budget`) and records what it skipped.
   60 s) replayed scaled: think time / k and both tiers / k. Each run sends turns for
   `--window` seconds, then waits at most `--drain` seconds and cancels what still runs
   (counted with its latency so far: a lower bound). Capacity = the throughput where the
-  mean normalized latency reaches 180 ms/token (`bench.serve.crossing`).
+  mean normalized latency reaches 180 ms/token (`bench.lib.metrics.crossing`).
 - extra: one rate both unscaled (k = 1, a longer window) and scaled, the same run sampled at
   temperature 1.0 (the goal: within 3% of greedy), the oracle (tiers that never evict) and
   pensieve's eviction against lru on the same run.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import time
@@ -39,10 +38,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import serve
-from bench import workload as wl
-from bench.common import RESULTS, SAMPLES, environment
-from bench.presets import MODES, Preset
+from bench.lib import workload as wl
+from bench.lib.common import RESULTS, SAMPLES, device_slug, environment
+from bench.lib.drivers import EngineDriver
+from bench.lib.metrics import crossing, run_line, window_metrics
+from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
+from bench.lib.presets import MODES, Preset
+from bench.lib.samples import read_sample
+from bench.lib.sweep import measure, over
 
 PARTS = ("mfu", "decode", "serve", "extra")
 SAMPLE = SAMPLES / "gpu.json"
@@ -290,7 +293,7 @@ def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
     """The committed sample; the dry run keeps short pieces of a few conversations that fit."""
     from engine.loader import model_args
 
-    convs, info = serve.read_sample(Path(s.sample))
+    convs, info = read_sample(Path(s.sample))
     limit = model_args(s.model).max_context
     if s.dry:
         convs = wl.shorten(convs, prompt=40, output=6, turns=3)
@@ -304,7 +307,7 @@ def _chunks(gb: float, per: int) -> int:
 
 def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Preset:
     """The engine settings of one scale: tiers / k (the oracle: tiers that hold everything)."""
-    per = serve.kv_bytes_per_chunk(s.model, s.dtype)
+    per = kv_bytes_per_chunk(s.model, s.dtype)
     gpu, cpu = _chunks(s.gpu_cache_gb / k, per), _chunks(s.cpu_cache_gb / k, per)
     if oracle_chunks is not None:
         gpu, cpu = max(gpu, oracle_chunks), max(cpu, oracle_chunks)
@@ -318,59 +321,6 @@ def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Prese
         max_batch_tokens=s.max_batch_tokens,
         latency_bound=s.bound,
     )
-
-
-class WindowDriver(serve.EngineDriver):
-    """EngineDriver whose turns still running at `deadline` are cancelled and recorded with
-    their latency so far over their planned length (a lower bound on their latency)."""
-
-    deadline: float = math.inf  # time.monotonic()
-    temperature: float = 0.0  # 1.0: sampled on the device, as OpenAI clients ask by default
-
-    async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
-        from engine import SamplingParams, Turn
-
-        conv = f"{self.tag}/{cid}"
-        self.ids.add(conv)
-        sampling = SamplingParams(
-            max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=True
-        )
-        stream = self.engine.submit(Turn(conv, list(spec.prompt), sampling))
-        first, n = None, 0
-        try:
-            async with asyncio.timeout(max(0.0, self.deadline - time.monotonic())):
-                async for _ in stream:
-                    first = first or time.monotonic()
-                    n += 1
-        except TimeoutError:
-            stream.cancel()
-            now = time.monotonic()
-            async for _ in stream:  # it ends within a step
-                pass
-            stats = {"censored": 1, "completed_tokens": n}
-            return wl.Reply(first or now, now, spec.output_len, stats)
-        except Exception as e:
-            now = time.monotonic()
-            return wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}")
-        done = time.monotonic()
-        res = stream.result
-        return wl.Reply(first or done, done, len(res.token_ids), serve._stats(res.stats))
-
-
-def window_metrics(records: list[wl.TurnRecord], wall: float) -> dict[str, Any]:
-    """`serve.metrics` of the completed turns; normalized latency over the cancelled ones
-    too, each counted at its lower bound, so an overloaded run is not made to look faster."""
-    done = [r for r in records if not r.stats.get("censored")]
-    cut = [r for r in records if r.stats.get("censored")]
-    m = serve.metrics(done, wall)
-    norm = [
-        r.latency_s / r.output_tokens for r in done + cut if r.error is None and r.output_tokens
-    ]
-    m["norm_latency_mean_completed"] = m["norm_latency_mean"]
-    m["norm_latency_mean"] = statistics.fmean(norm) if norm else float("nan")
-    m["norm_latency_p90"] = wl.percentile(norm, 90)
-    m["cancelled_at_drain"] = len(cut)
-    return m
 
 
 class Runner:
@@ -403,17 +353,10 @@ class Runner:
             return None
         preset = preset_for(s, k, oracle)
         engine = await self._engine(mode, preset)
-        driver = WindowDriver(engine, f"{name}-{k:g}-{rate:g}")
-        driver.temperature = temperature
+        deadline = time.monotonic() + window + drain
+        driver = EngineDriver(engine, f"{name}-{k:g}-{rate:g}", temperature, deadline)
         plans = wl.plan(self.convs, rate, s.think_s / k, 0)
-        t0 = time.monotonic()
-        driver.deadline = t0 + window + drain
-        before = engine.snapshot().counters
-        records = await wl.replay(plans, driver.send, stop_s=window)
-        wall = time.monotonic() - t0
-        await asyncio.sleep(0.6)  # the loop refreshes its snapshot once idle
-        counters = serve.counters_delta(before, engine.snapshot().counters)
-        await driver.free()
+        records, wall, counters = await measure(engine, driver, plans, name, stop_s=window)
         run = {
             "mode": name,
             "engine_mode": mode,
@@ -429,7 +372,7 @@ class Runner:
             "metrics": window_metrics(records, wall),
             "counters": counters,
         }
-        _log(serve._line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
+        _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
         return run
 
     async def _engine(self, mode: str, preset: Preset):
@@ -440,7 +383,7 @@ class Runner:
         key = (mode, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
         if key not in self.engines:
             await self.close()  # one engine at a time: each holds the weights and its pool
-            engine = AsyncEngine(serve.engine_config(preset, MODES[mode]))
+            engine = AsyncEngine(engine_config(preset, MODES[mode]))
             await engine.start()
             self.engines[key] = engine
         return self.engines[key]
@@ -449,11 +392,6 @@ class Runner:
         for e in self.engines.values():
             await e.stop()
         self.engines.clear()
-
-
-def _over(run: dict[str, Any], bound: float) -> bool:
-    m = run["metrics"]
-    return bool(m["errors"]) or not m["norm_latency_mean"] <= bound
 
 
 async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
@@ -466,7 +404,7 @@ async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", ora
         if run is None:
             break
         runs.append(run)
-        seen[i] = _over(run, r.s.bound)
+        seen[i] = over(run, r.s.bound)
         step = -1 if seen[i] else 1
         if i + step in seen:
             break
@@ -487,7 +425,7 @@ async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[
         for mode in ("stateless", "gpu", "pensieve"):  # each next mode should serve more
             got = await sweep(r, mode, start, s.scale)
             runs += got
-            under = [x["rate"] for x in got if not _over(x, s.bound)]
+            under = [x["rate"] for x in got if not over(x, s.bound)]
             if under:
                 start = _start_index(s.rates, max(under))
     finally:
@@ -496,19 +434,19 @@ async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[
 
 
 def _serve_result(s, info, runs, skipped, convs) -> dict[str, Any]:
-    per = serve.kv_bytes_per_chunk(s.model, s.dtype)
+    per = kv_bytes_per_chunk(s.model, s.dtype)
     return {
         "workload": {k: v for k, v in info.items() if k != "parse"},
-        "history_chunks": serve.history_chunks(convs),
+        "history_chunks": history_chunks(convs),
         "bytes_per_chunk": per,
         "runs": runs,
         "skipped": skipped,
         "capacity": {
-            m: serve.crossing([x for x in runs if x["mode"] == m], s.bound)
+            m: crossing([x for x in runs if x["mode"] == m], s.bound)
             for m in dict.fromkeys(x["mode"] for x in runs)
         },
         "capacity_p90": {
-            m: serve.crossing([x for x in runs if x["mode"] == m], s.bound, "norm_latency_p90")
+            m: crossing([x for x in runs if x["mode"] == m], s.bound, "norm_latency_p90")
             for m in dict.fromkeys(x["mode"] for x in runs)
         },
     }
@@ -519,9 +457,9 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     with lru eviction, and the oracle's sweep from there."""
     convs, info = load_sample(s)
     serve_runs = (previous or {}).get("serve", {}).get("runs", [])
-    cap = serve.crossing([x for x in serve_runs if x["mode"] == "pensieve"], s.bound)
+    cap = crossing([x for x in serve_runs if x["mode"] == "pensieve"], s.bound)
     rate = cap.get("under_rate") or s.start_rate
-    oracle = int(serve.history_chunks(convs) * 1.1) + 64
+    oracle = int(history_chunks(convs) * 1.1) + 64
     r = Runner(s, convs, budget)
     runs: list[dict[str, Any]] = []
     try:
@@ -582,10 +520,6 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
 # ---------------------------------------------------------------- the report
 
 
-def device_slug(device: str) -> str:
-    return device.split(" (")[0].replace(" ", "-").lower()
-
-
 def summary(report: dict[str, Any]) -> str:
     """The table printed at the end (and kept in the JSON)."""
     lines = [
@@ -643,7 +577,7 @@ def claims(report: dict[str, Any]) -> dict[str, Any]:
 
 def plot(report: dict[str, Any], path: Path) -> list[Path]:
     """Decode step vs roofline per point, and the serving curves of both serving parts."""
-    from bench.plots import plot_bars, plot_serve
+    from bench.lib.plots import plot_bars, plot_serve
 
     out = []
     dec = report.get("decode")

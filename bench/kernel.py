@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
 import tempfile
 import time
@@ -44,9 +43,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, git_commit
-from bench.timing import GRAPH_REPS, eager_ms
-from bench.timing import graph_ms as graph_device_ms
+from bench.lib.common import device_slug, environment, git_commit
+from bench.lib.timing import GRAPH_REPS, eager_ms
+from bench.lib.timing import graph_ms as graph_device_ms
 from kernels import AttentionMetadata, QuantizedKV, paged_attention
 from kernels.quant import quantize
 
@@ -497,10 +496,6 @@ def attention_flops(q_lens: list[int], positions: list[int], heads: int, head_di
     """Useful FLOPs of causal attention: QK^T and PV over the keys each query sees."""
     visible = sum(n * p + n * (n + 1) // 2 for n, p in zip(q_lens, positions, strict=True))
     return 4 * visible * heads * head_dim
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def plot(points: list[dict], title: str, path: Path) -> None:

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, environment
-from bench.serve import model_args
+from bench.lib.common import RESULTS, environment
+from bench.lib.pools import model_args
 
 
 def linear_flops_per_token(a) -> int:
@@ -153,7 +153,7 @@ def run(args) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    from bench.plots import plot_bars
+    from bench.lib.plots import plot_bars
 
     rows = [
         {"name": f"{r['prompt_tokens']} tok", "tflops": r["flops_per_s"] / 1e12}

@@ -29,20 +29,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench import workload as wl
-from bench.common import RESULTS, environment
-from bench.presets import MODES, PRESETS
-from bench.serve import (
-    EngineDriver,
-    cache_use,
-    counters_delta,
-    engine_config,
-    fit_pools,
-    history_chunks,
-    load_workload,
-    metrics,
-    model_args,
-)
+from bench.lib import workload as wl
+from bench.lib.common import RESULTS, environment
+from bench.lib.drivers import EngineDriver
+from bench.lib.metrics import cache_use, counters_delta, metrics
+from bench.lib.pools import engine_config, fit_pools, history_chunks, model_args
+from bench.lib.presets import MODES, PRESETS
+from bench.lib.samples import load_workload
 
 TURN_STATS = (
     "cached_tokens",
@@ -245,7 +238,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    from bench.plots import plt
+    from bench.lib.plots import plt
 
     s = result["summary"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

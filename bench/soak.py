@@ -988,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         _cleanup_all()
-    from bench.common import environment
+    from bench.lib.common import environment
 
     result["verdict"] = {"passed": not verdict(result), "failures": verdict(result)}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "server_log")}

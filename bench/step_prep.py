@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import environment
+from bench.lib.common import environment
 from engine.cache import CopyPlan
 from engine.conversation import Chunk, ChunkTable, StreamState
 from engine.request import Request

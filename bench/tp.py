@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.loader import model_args
 from engine.shard import check_divisible

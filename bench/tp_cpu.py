@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
 
 
@@ -87,7 +87,7 @@ def main() -> None:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
-    from bench.plots import plot_bars
+    from bench.lib.plots import plot_bars
 
     plot_bars(
         rows,

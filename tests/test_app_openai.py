@@ -272,10 +272,10 @@ def test_stop_matcher(pieces, stops, sent, hit):
 
 async def test_bench_driver_over_the_openai_api(server, token):
     """bench.serve --api openai: each turn resends the chat and reuses the stored context."""
-    from bench import serve
-    from bench import workload as wl
+    from bench.lib import workload as wl
+    from bench.lib.drivers import OpenAIDriver
 
-    driver = serve.OpenAIDriver(server.url, token)
+    driver = OpenAIDriver(server.url, token)
     try:
         replies = []
         for cid in ("a", "b"):

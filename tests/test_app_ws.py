@@ -285,7 +285,8 @@ async def test_concurrent_chats_share_the_engine(server, token):
 def test_serving_benchmark_against_the_server(server, token, tmp_path):
     """`bench.serve --url`: the replay over REST and the chat WebSocket of a real server."""
     from bench import serve
-    from bench import workload as wl
+    from bench.lib import workload as wl
+    from bench.lib.samples import save_sample
 
     words = ["Tell me about tea.", "And coffee?", "Which is stronger?", "Thanks!"]
     convs = [
@@ -293,7 +294,7 @@ def test_serving_benchmark_against_the_server(server, token, tmp_path):
         for i in range(2)
     ]
     sample = tmp_path / "sample.json"
-    serve.save_sample(sample, convs, {"summary": wl.summarize(convs), "source": "test"})
+    save_sample(sample, convs, {"summary": wl.summarize(convs), "source": "test"})
     out = tmp_path / "url.json"
     # --token=: a token may start with "-", which argparse would read as an option.
     argv = ["--url", server.url, f"--token={token}", "--preset", "tiny"]

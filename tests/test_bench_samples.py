@@ -6,15 +6,15 @@ A GPU machine has neither the dataset package nor the tokenizer, so the GPU pres
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from bench import serve
-from bench import workload as wl
-from bench.presets import PRESETS
+from bench.lib import workload as wl
+from bench.lib.common import SAMPLES
+from bench.lib.pools import model_args
+from bench.lib.presets import PRESETS
+from bench.lib.samples import load_tokenizer, read_sample
 
-SAMPLE = Path(serve.__file__).parent / "samples" / "gpu.json"
+SAMPLE = SAMPLES / "gpu.json"
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ def test_packaged_file_is_cut_short_and_every_element_accounted_for(sharegpt) ->
 def test_gpu_sample_is_the_packaged_file_tokenized_and_capped(sharegpt, preset: str) -> None:
     by_id, _ = sharegpt
     p = PRESETS[preset]
-    convs, info = serve.read_sample(SAMPLE)
+    convs, info = read_sample(SAMPLE)
     assert len(convs) == p.conversations and len({c.id for c in convs}) == len(convs)
-    tokenizer = serve.load_tokenizer(p.model)
+    tokenizer = load_tokenizer(p.model)
     assert info["tokenizer"] == wl.tokenizer_name(tokenizer)
-    cap = min(p.context_cap, serve.model_args(p.model).max_context)
+    cap = min(p.context_cap, model_args(p.model).max_context)
     assert info["context_cap"] == cap
     for conv in convs:
         full = wl.tokenize_conversation(tokenizer, conv.id, by_id[conv.id])

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from bench import serve
-from bench import workload as wl
+from bench.lib import metrics, samples, sweep
+from bench.lib import workload as wl
 
 
 def _rec(conv: str, sent: float, first: float, done: float, out: int, **stats) -> wl.TurnRecord:
@@ -21,7 +22,7 @@ def test_metrics_of_a_run() -> None:
         _rec("b", 1.0, 1.2, 5.0, 20, swapped_in_tokens=7, suspensions=1),
         wl.TurnRecord("c", 0, 1.0, 1.0, 1.0, 0, 10, 0, error="ValueError: too long"),
     ]
-    m = serve.metrics(recs, wall_s=6.0)
+    m = metrics.metrics(recs, wall_s=6.0)
     assert m["turns"] == 2 and m["errors"] == 1 and m["error_samples"] == ["ValueError: too long"]
     assert m["duration_s"] == pytest.approx(5.0)
     assert m["throughput_rps"] == pytest.approx(0.4)
@@ -44,22 +45,22 @@ def test_capacity_is_interpolated_where_the_mean_crosses_the_bound() -> None:
         _run("pensieve", 1, 0.9, 0.1),
         _run("pensieve", 2, 1.8, 0.4),
     ]
-    c = serve.crossing(runs, bound=0.5)
+    c = metrics.crossing(runs, bound=0.5)
     # Between rate 2 (1.8 req/s at 0.4) and rate 4 (2.5 req/s at 0.6): halfway in latency.
     assert c == {"crossed": True, "under_rate": 2, "over_rate": 4, "capacity_rps": 2.15}
     # p90 (twice the mean here) crosses between rates 1 and 2: 0.2 -> 0.8 reaches 0.5 halfway.
-    p90 = serve.crossing(runs, bound=0.5, key="norm_latency_p90")
+    p90 = metrics.crossing(runs, bound=0.5, key="norm_latency_p90")
     assert p90["capacity_rps"] == pytest.approx(0.9 + 0.5 * 0.9) and p90["over_rate"] == 2
 
 
 def test_capacity_of_sweeps_that_do_not_cross_or_cross_at_once() -> None:
-    never = serve.crossing([_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.5, 0.3)], bound=0.5)
+    never = metrics.crossing([_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.5, 0.3)], bound=0.5)
     assert never == {"crossed": False, "under_rate": 2, "over_rate": None, "capacity_rps": 1.5}
-    at_once = serve.crossing([_run("gpu", 1, 0.9, 0.7), _run("gpu", 2, 1.0, 0.9)], bound=0.5)
+    at_once = metrics.crossing([_run("gpu", 1, 0.9, 0.7), _run("gpu", 2, 1.0, 0.9)], bound=0.5)
     assert at_once["crossed"] and at_once["capacity_rps"] is None
     # A run that refused turns is past the bound whatever its latency: no slope to follow.
     refused = [_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.2, 0.2, errors=3)]
-    assert serve.crossing(refused, bound=0.5)["capacity_rps"] == 0.9
+    assert metrics.crossing(refused, bound=0.5)["capacity_rps"] == 0.9
 
 
 def test_claims_compare_capacities_only_where_both_crossed() -> None:
@@ -72,7 +73,7 @@ def test_claims_compare_capacities_only_where_both_crossed() -> None:
         _run("pensieve", 2, 1.8, 0.2),
         _run("pensieve", 4, 2.4, 0.8),  # crosses at 1.8 + 0.5 * 0.6 = 2.1
     ]
-    c = serve.claims(runs, bound=0.5)["think_60s"]
+    c = metrics.claims(runs, bound=0.5)["think_60s"]
     assert c["capacity_rps"] == pytest.approx({"stateless": 1.0, "gpu": 1.5, "pensieve": 2.1})
     assert c["crossed"] == {"stateless": True, "gpu": False, "pensieve": True}
     assert c["pensieve_over_stateless"] == pytest.approx(2.1) and c["pensieve_2x_stateless"]
@@ -81,20 +82,20 @@ def test_claims_compare_capacities_only_where_both_crossed() -> None:
     # p90 (twice the mean): pensieve 0.4 -> 1.6 between rates 2 and 4; stateless over at once.
     assert c["capacity_p90"]["pensieve"]["capacity_rps"] == pytest.approx(1.8 + 0.6 / 12)
     assert c["capacity_p90"]["stateless"]["capacity_rps"] is None
-    c = serve.claims(runs, bound=0.25)["think_60s"]
+    c = metrics.claims(runs, bound=0.25)["think_60s"]
     assert c["capacity"]["stateless"]["capacity_rps"] is None  # over at its lowest rate
     assert c["pensieve_over_stateless"] is None
 
 
 def test_a_sweep_goes_on_past_its_rates_until_it_crosses() -> None:
-    assert serve.next_rate([0.5, 1.0], 0.5, 8.0) is None  # not the last listed rate
-    assert serve.next_rate([0.5, 1.0], 1.0, 8.0) == 2.0
-    assert serve.next_rate([0.5, 1.0, 2.0, 4.0, 8.0], 8.0, 8.0) is None
-    assert serve.next_rate([0.5, 1.0], 1.0, None) is None
+    assert sweep.next_rate([0.5, 1.0], 0.5, 8.0) is None  # not the last listed rate
+    assert sweep.next_rate([0.5, 1.0], 1.0, 8.0) == 2.0
+    assert sweep.next_rate([0.5, 1.0, 2.0, 4.0, 8.0], 8.0, 8.0) is None
+    assert sweep.next_rate([0.5, 1.0], 1.0, None) is None
 
 
 def test_plot_serve_writes_a_png(tmp_path) -> None:
-    from bench.plots import plot_serve
+    from bench.lib.plots import plot_serve
 
     runs = [{**_run(m, r, r, 0.05 * r, t), "metrics": {
         "turns": 1, "errors": 0, "throughput_rps": r, "norm_latency_p90": 0.05 * r,
@@ -117,13 +118,13 @@ def _sample_file(path, n: int = 3, seed: int = 0):
         )
         for i in range(n)
     ]
-    serve.save_sample(path, convs, {"summary": wl.summarize(convs), "source": "synthetic"})
+    samples.save_sample(path, convs, {"summary": wl.summarize(convs), "source": "synthetic"})
     return convs
 
 
 def test_sample_file_round_trip(tmp_path) -> None:
     convs = _sample_file(tmp_path / "s.json")
-    back, info = serve.read_sample(tmp_path / "s.json")
+    back, info = samples.read_sample(tmp_path / "s.json")
     assert back == convs and info["source"] == "synthetic" and info["sample_file"] == "s.json"
 
 
@@ -179,7 +180,7 @@ def test_engine_cpu_smoke(tmp_path) -> None:
 def test_merge_runs_replaces_the_same_point() -> None:
     earlier = [_run("pensieve", 1, 0.9, 0.1), _run("stateless", 1, 0.5, 0.3)]
     new = [_run("stateless", 1, 0.6, 0.2), _run("stateless", 2, 0.7, 0.4)]
-    merged = serve.merge_runs(earlier, new)
+    merged = metrics.merge_runs(earlier, new)
     assert [(r["mode"], r["rate"]) for r in merged] == [
         ("pensieve", 1),
         ("stateless", 1),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bench import workload as w
+from bench.lib import workload as w
 
 # ---------------------------------------------------------------- parser
 

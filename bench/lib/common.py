@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 # Tokenized ShareGPT samples, committed: a GPU machine replays them with no dataset package.
 SAMPLES = ROOT / "bench" / "samples"
@@ -35,6 +36,12 @@ def git_commit() -> str:
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def device_slug(device: str) -> str:
+    """A device's name for file names: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3",
+    "cpu (x86_64, 1 threads)" -> "cpu"."""
+    return re.sub(r"[^a-z0-9]+", "-", device.split(" (")[0].lower()).strip("-")
 
 
 def host_memory_gb() -> float | None:

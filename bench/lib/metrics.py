@@ -1,0 +1,179 @@
+"""What a run measured: throughput, normalized latency, TTFT, cache use; where a mode's
+latency crosses its bound (its capacity), and the claims compared across modes."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+from bench.lib import workload as wl
+
+
+def metrics(records: list[wl.TurnRecord], wall_s: float) -> dict[str, Any]:
+    """Throughput, normalized latency (latency / output tokens), TTFT and cache hits of a run."""
+    ok = [r for r in records if r.error is None and r.output_tokens > 0]
+    span = max((r.done_s for r in ok), default=0.0) - min((r.sent_s for r in ok), default=0.0)
+    span = span or wall_s or 1e-9
+    norm = [r.latency_s / r.output_tokens for r in ok]
+    ttft = [r.ttft_s for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "turns": len(ok),
+        "errors": len(records) - len(ok),
+        "error_samples": sorted({r.error for r in records if r.error})[:3],
+        "duration_s": span,
+        "throughput_rps": len(ok) / span,
+        "throughput_tps": out_tokens / span,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "norm_latency_mean": statistics.fmean(norm) if norm else float("nan"),
+        "norm_latency_p50": wl.percentile(norm, 50),
+        "norm_latency_p90": wl.percentile(norm, 90),
+        "latency_mean_s": statistics.fmean(r.latency_s for r in ok) if ok else float("nan"),
+        "ttft_p50_s": wl.percentile(ttft, 50),
+        "ttft_p90_s": wl.percentile(ttft, 90),
+        **cache_use(ok, ("suspensions",)),
+    }
+
+
+def window_metrics(records: list[wl.TurnRecord], wall: float) -> dict[str, Any]:
+    """`metrics` of the completed turns; normalized latency over the cancelled ones too,
+    each counted at its lower bound, so an overloaded run is not made to look faster."""
+    done = [r for r in records if not r.stats.get("censored")]
+    cut = [r for r in records if r.stats.get("censored")]
+    m = metrics(done, wall)
+    norm = [
+        r.latency_s / r.output_tokens for r in done + cut if r.error is None and r.output_tokens
+    ]
+    m["norm_latency_mean_completed"] = m["norm_latency_mean"]
+    m["norm_latency_mean"] = statistics.fmean(norm) if norm else float("nan")
+    m["norm_latency_p90"] = wl.percentile(norm, 90)
+    m["cancelled_at_drain"] = len(cut)
+    return m
+
+
+def cache_use(ok: list[wl.TurnRecord], extra: tuple[str, ...] = ()) -> dict[str, int]:
+    """Context tokens of the turns, and how much of it each way of keeping KV supplied."""
+    keys = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", *extra)
+    out = {"context_tokens": sum(r.context_tokens for r in ok)}
+    out.update({k: int(sum(r.stats.get(k, 0) for r in ok)) for k in keys})
+    return out
+
+
+def counters_delta(before, after) -> dict[str, int]:
+    """What the engine's counters (`EngineCounters`) grew by between two snapshots."""
+    a, b = asdict(after), asdict(before)
+    return {k: a[k] - b[k] for k in a if k not in ("running", "waiting")}
+
+
+def crossing(runs: list[dict[str, Any]], bound: float, key: str = "norm_latency_mean") -> dict:
+    """Where one mode's latency (`key`) reaches `bound` as its rate grows.
+
+    Runs are taken in rate order; the first whose latency is over the bound (or that had
+    errors: refused turns) is the crossing. Capacity = the throughput linearly interpolated
+    between the last run under the bound and that one, in latency. Not crossed: the best
+    throughput under the bound, a lower bound on the capacity. Crossed at the lowest rate:
+    no capacity (it is under every throughput measured)."""
+    pts = sorted((r for r in runs if r["metrics"]["turns"]), key=lambda r: r["rate"])
+    under = None
+    for r in pts:
+        m = r["metrics"]
+        lat, tp = m[key], m["throughput_rps"]
+        if m["errors"] == 0 and lat <= bound:
+            under = r
+            continue
+        out = {"crossed": True, "over_rate": r["rate"], "under_rate": None, "capacity_rps": None}
+        if under is None:
+            return out
+        u = under["metrics"]
+        out["under_rate"] = under["rate"]
+        if lat <= u[key] or not lat > bound:  # errors without a latency rise: no slope
+            out["capacity_rps"] = u["throughput_rps"]
+        else:
+            share = (bound - u[key]) / (lat - u[key])
+            out["capacity_rps"] = u["throughput_rps"] + share * (tp - u["throughput_rps"])
+        return out
+    best = max((r["metrics"]["throughput_rps"] for r in pts), default=None)
+    return {
+        "crossed": False,
+        "over_rate": None,
+        "under_rate": under["rate"] if under else None,
+        "capacity_rps": best,  # a lower bound: the sweep never reached the bound
+    }
+
+
+def capacity(runs: list[dict[str, Any]], bound: float, key: str = "norm_latency_mean") -> dict:
+    """Per mode: `crossing` of its runs (mean normalized latency by default)."""
+    modes = dict.fromkeys(r["mode"] for r in runs)
+    return {m: crossing([r for r in runs if r["mode"] == m], bound, key) for m in modes}
+
+
+def _ratio(cap: dict, a: str, b: str) -> float | None:
+    """Capacity of a over b, only where both sweeps crossed the bound."""
+    x, y = cap.get(a), cap.get(b)
+    if not x or not y or not (x["crossed"] and y["crossed"]):
+        return None
+    if not x["capacity_rps"] or not y["capacity_rps"]:
+        return None
+    return x["capacity_rps"] / y["capacity_rps"]
+
+
+def claims(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """The paper's comparison per think time: each mode's capacity where its mean normalized
+    latency reaches `bound` (p90 as a second, stricter figure), and their ratios."""
+    out = {}
+    for think in sorted({r["think_s"] for r in runs}):
+        these = [r for r in runs if r["think_s"] == think]
+        mean, p90 = capacity(these, bound), capacity(these, bound, "norm_latency_p90")
+        peak: dict[str, float] = {}
+        for r in these:
+            if r["metrics"]["turns"]:
+                peak[r["mode"]] = max(peak.get(r["mode"], 0.0), r["metrics"]["throughput_rps"])
+        ps, pg = _ratio(mean, "pensieve", "stateless"), _ratio(mean, "pensieve", "gpu")
+        out[f"think_{think:g}s"] = {
+            "latency_bound_s_per_token": bound,
+            "peak_rps": peak,  # the most each mode served at any rate, whatever its latency
+            "capacity_rps": {m: c["capacity_rps"] for m, c in mean.items()},
+            "crossed": {m: c["crossed"] for m, c in mean.items()},
+            "capacity": mean,
+            "capacity_p90": p90,
+            # None where either sweep did not cross the bound: no ratio of capacities then.
+            "pensieve_over_stateless": ps,
+            "pensieve_over_gpu": pg,
+            "pensieve_over_stateless_p90": _ratio(p90, "pensieve", "stateless"),
+            "pensieve_over_gpu_p90": _ratio(p90, "pensieve", "gpu"),
+            "pensieve_2x_stateless": None if ps is None else ps >= 2.0,
+            "pensieve_beats_gpu": None if pg is None else pg > 1.0,
+        }
+    return out
+
+
+def merge_runs(earlier: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier runs, less those that a new run of the same mode, think time and rate replaces."""
+    key = lambda r: (r["mode"], r["think_s"], r["rate"])  # noqa: E731
+    replaced = {key(r) for r in new}
+    return [r for r in earlier if key(r) not in replaced] + new
+
+
+def run_record(mode: str, think: float, rate: float, records, wall: float, extra: dict) -> dict:
+    return {
+        "mode": mode,
+        "think_s": think,
+        "rate": rate,
+        "wall_s": wall,
+        "metrics": metrics(records, wall),
+        **extra,
+    }
+
+
+def run_line(r: dict[str, Any]) -> str:
+    m = r["metrics"]
+    return (
+        f"{r['mode']:<18} think {r['think_s']:>5g}s rate {r['rate']:>5g}/s  "
+        f"{m['throughput_rps']:6.2f} req/s {m['throughput_tps']:7.1f} tok/s  "
+        f"norm lat mean {m['norm_latency_mean'] * 1e3:7.1f} p90 {m['norm_latency_p90'] * 1e3:7.1f} ms/tok  "
+        f"ttft p50 {m['ttft_p50_s']:.2f}s p90 {m['ttft_p90_s']:.2f}s  "
+        f"cached {m['cached_tokens']} swapped {m['swapped_in_tokens']} "
+        f"recomputed {m['recomputed_tokens']} susp {m['suspensions']} err {m['errors']}"
+    )

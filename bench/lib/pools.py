@@ -1,0 +1,90 @@
+"""Engine settings of a benchmark preset: the EngineConfig of a mode, and tier sizes in
+chunks from GB or from the sample's history (no weights loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bench.lib import workload as wl
+from bench.lib.common import host_memory_gb
+from bench.lib.presets import Mode, Preset
+
+
+def engine_config(preset: Preset, mode: Mode):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model=preset.model,
+        device=preset.device,
+        dtype=preset.dtype,
+        kv_dtype=preset.kv_dtype,
+        gpu_cache_chunks=preset.gpu_cache_chunks,
+        cpu_cache_chunks=preset.cpu_cache_chunks if mode.cache_mode == "pensieve" else 0,
+        cache_mode=mode.cache_mode,
+        eviction=mode.eviction,
+        unified=mode.unified,
+        max_batch_tokens=preset.max_batch_tokens,
+        max_running=preset.max_running,
+        seed=preset.seed,
+    )
+
+
+def size_pools(preset: Preset) -> Preset:
+    """Turn the preset's GB pool sizes into chunk counts from the model's KV bytes per chunk."""
+    if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
+        return preset
+    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16", preset.kv_dtype)
+    gpu, cpu = preset.gpu_cache_chunks, preset.cpu_cache_chunks
+    if preset.gpu_cache_gb is not None:
+        gpu = int(preset.gpu_cache_gb * 2**30 // per)
+    if preset.cpu_cache_gb is not None:
+        cpu = int(_cpu_pool_gb(preset.cpu_cache_gb) * 2**30 // per)
+    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+
+
+def model_args(model: str):
+    """The model's shape without loading its weights."""
+    from engine.loader import model_args as shape
+
+    return shape(model)
+
+
+def kv_bytes_per_chunk(model: str, dtype: str, kv_dtype: str = "auto", chunk_size: int = 32) -> int:
+    """K and V bytes of one chunk across all layers (8-bit: with its scales), from the shape."""
+    import torch
+
+    from engine.kv_pool import KVPool
+
+    return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype), kv_dtype)
+
+
+def _chunks(conv: wl.Conversation, chunk: int) -> int:
+    """Chunks that the conversation's full context takes."""
+    return -(-conv.context_lens()[-1] // chunk)
+
+
+def history_chunks(convs: list[wl.Conversation], chunk: int = 32) -> int:
+    """Chunks that every conversation's full context takes: the idle history at its largest."""
+    return sum(_chunks(c, chunk) for c in convs)
+
+
+def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> Preset:
+    """First tier = gpu_fraction of the sample's history (at least room for the longest
+    conversation twice over); the second tier holds all of it. Sized in bytes of the
+    model's own dtype: an 8-bit KV gets the chunks that the same bytes hold."""
+    total = history_chunks(convs, chunk)
+    longest = max(_chunks(c, chunk) for c in convs)
+    gpu = max(int(total * preset.gpu_fraction), 2 * longest + 2)
+    cpu = max(total, gpu)
+    if preset.kv_dtype != "auto":
+        dtype = preset.dtype or "bfloat16"
+        per = kv_bytes_per_chunk(preset.model, dtype, chunk_size=chunk)
+        per8 = kv_bytes_per_chunk(preset.model, dtype, preset.kv_dtype, chunk)
+        gpu, cpu = gpu * per // per8, cpu * per // per8
+    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+
+
+def _cpu_pool_gb(wanted: float) -> float:
+    """The paper's CPU pool when the host has the memory, else 60% of the host's RAM."""
+    host = host_memory_gb()
+    return wanted if host is None else min(wanted, 0.6 * host)

@@ -1,0 +1,75 @@
+"""One measured run of the replay at a rate, and how a sweep picks its next rate."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+from bench.lib import workload as wl
+from bench.lib.metrics import counters_delta
+
+
+async def replay(
+    send: wl.SendFn,
+    plans: list[wl.Plan],
+    desc: str,
+    time_scale: float = 1.0,
+    stop_s: float | None = None,
+) -> tuple[list[wl.TurnRecord], float]:
+    """The plans replayed through `send`, with a progress bar: turn records, wall seconds."""
+    bar = _bar(sum(len(p.conversation.turns) for p in plans), desc)
+    start = time.monotonic()
+    records = await wl.replay(
+        plans, send, time_scale=time_scale, stop_s=stop_s, on_turn=lambda _: bar.update(1)
+    )
+    bar.close()
+    return records, time.monotonic() - start
+
+
+async def measure(
+    engine, driver, plans: list[wl.Plan], desc: str, time_scale: float = 1.0, stop_s=None
+) -> tuple[list[wl.TurnRecord], float, dict[str, Any]]:
+    """A run on an in-process engine: its records, wall seconds and what the engine's
+    counters grew by; the run's conversations are freed after it."""
+    before = engine.snapshot().counters
+    records, wall = await replay(driver.send, plans, desc, time_scale, stop_s)
+    await asyncio.sleep(0.6)  # the loop refreshes its snapshot once idle
+    counters = counters_delta(before, engine.snapshot().counters)
+    await driver.free()
+    return records, wall, counters
+
+
+def plan(convs: list[wl.Conversation], rate: float, think: float, time_scale: float, seed: int):
+    """Arrivals at `rate` per real second; time_scale compresses the think times replayed."""
+    return wl.plan(convs, rate * time_scale, think, seed)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a bare GPU box may lack it; the bar is only a nicety
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="turn", leave=False, disable=None, file=sys.stderr)
+
+
+def next_rate(rates: list[float], rate: float, max_rate: float | None) -> float | None:
+    """After the last listed rate of a sweep still under the bound: twice it, up to max_rate."""
+    if rate != rates[-1] or max_rate is None or 2 * rate > max_rate:
+        return None
+    return 2 * rate
+
+
+def over(run: dict[str, Any], bound: float) -> bool:
+    """A run past the bound: refused turns, or its mean normalized latency above it."""
+    m = run["metrics"]
+    return bool(m["errors"]) or not m["norm_latency_mean"] <= bound
