@@ -21,7 +21,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return None
     if collection_path.suffix != ".py":
         return None
-    return re.search(r"\bmark\.gpu\b|@gpu\b", collection_path.read_text()) is None
+    return re.search(r"\bmark\.gpu\b|@gpu\b|tests\.devices", collection_path.read_text()) is None
 
 
 def _gpu_selected(config: pytest.Config) -> bool:

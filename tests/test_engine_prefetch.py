@@ -9,23 +9,12 @@ import random
 import time
 
 import pytest
-import torch
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
+from tests.devices import DEVICES
 from tests.oracle import hf_greedy, hf_model
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
-# On CUDA the swap-in prefetch runs on the copy stream and the recompute on the compute one.
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +78,7 @@ def replay(
     return before, after, second, context, engine
 
 
+# On CUDA the swap-in prefetch runs on the copy stream and the recompute on the compute one.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cpu", [32, 0], ids=["cpu-tier", "dropped"])
 def test_prefetched_context_is_found_on_the_gpu(prompts, cpu, device):

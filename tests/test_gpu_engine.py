@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
+from tests.devices import fp8
 from tests.oracle import hf_greedy, hf_model
 
 pytestmark = [
@@ -109,13 +110,7 @@ def test_triton_backend_bf16_logits_close_to_reference(model):
     [
         "auto",
         "int8",
-        pytest.param(
-            "fp8",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                reason="fp8 needs sm_89+",
-            ),
-        ),
+        pytest.param("fp8", marks=fp8),
     ],
 )
 def test_cuda_graphs_equal_eager_and_transformers(model, kv_dtype):

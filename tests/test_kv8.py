@@ -23,6 +23,7 @@ from engine.shapes import DUMMY_SHAPES
 from kernels import AttentionMetadata, write_kv
 from kernels.quant import CODE_DTYPE, MIN_SCALE, SCALE_DTYPE, QuantizedKV, dequantize, quantize
 from kernels.reference import paged_attention_torch
+from tests.devices import fp8
 from tests.test_engine_equality import prompts
 from tests.test_kernels import (
     MIXED,
@@ -50,16 +51,7 @@ def empty_pool(like: torch.Tensor, fmt: str) -> QuantizedKV:
     )
 
 
-def fp8_on_cuda() -> bool:
-    """e4m3 conversions in Triton need compute capability 8.9 (Ada, Hopper) or newer."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-# fp8 only where the GPU converts it; int8 on any.
-GPU_FMTS = [
-    pytest.param("fp8", marks=pytest.mark.skipif(not fp8_on_cuda(), reason="fp8 needs sm_89+")),
-    "int8",
-]
+GPU_FMTS = [pytest.param("fp8", marks=fp8), "int8"]  # fp8 where the GPU converts it
 
 
 # ---------------------------------------------------------------- quantizer

@@ -7,17 +7,7 @@ import torch
 
 from engine.sampler import Sampler, make_generator
 from engine.types import SamplingParams as SP
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
+from tests.devices import DEVICES
 
 
 def logits_of(probs: list[float], rows: int, device: str) -> torch.Tensor:
