@@ -17,7 +17,7 @@ from app import edits
 from app.auth import origin_allowed, owner_token
 from app.frames import (
     BadFrame,
-    Request,
+    TurnRequest,
     parse_edit,
     parse_json,
     parse_message,
@@ -247,7 +247,7 @@ class ChatSocket:
         task.add_done_callback(hub.turns.discard)
 
     # --- one turn: the shared pipeline, with the chat's live turn as its sink ------------
-    async def run_turn(self, live: LiveTurn, req: Request, t0: float, before_turn=None) -> None:
+    async def run_turn(self, live: LiveTurn, req: TurnRequest, t0: float, before_turn=None) -> None:
         hub = self.sv.hub
         try:
             await ChatTurn(self.sv, self.conversation_id, live).run(req, t0, before_turn)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from app.frames import Request
+from app.frames import TurnRequest
 from app.turns import Sink
 
 
@@ -41,7 +41,9 @@ def edit(sv, conversation_id: str, seq: int, sink: Sink) -> Callable[[], Awaitab
     return before
 
 
-def regenerate(sv, conversation_id: str, req: Request, sink: Sink) -> Callable[[], Awaitable[bool]]:
+def regenerate(
+    sv, conversation_id: str, req: TurnRequest, sink: Sink
+) -> Callable[[], Awaitable[bool]]:
     """A `before_turn` that cuts the chat back to before its last user message and asks it
     again (`req.content` becomes that message); False when the chat has none."""
 

@@ -26,8 +26,7 @@ from starlette.routing import Route
 from app import handoff, matching
 from app.api import BadRequest, read_body
 from app.auth import bearer
-from app.frames import Request as TurnRequest
-from app.frames import check_text
+from app.frames import TurnRequest, check_text
 from app.stops import StopMatcher
 from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
 from engine.types import SamplingParams
