@@ -123,7 +123,7 @@ class Cluster:
             idle = [
                 cid
                 for cid, at in self.homes.items()
-                if cid not in held and now - at > PRUNE_AFTER_S and not self._busy(cid)
+                if cid not in held and now - at > PRUNE_AFTER_S and not self.services.hub.busy(cid)
             ]
             await self.directory.release(idle)
         except REDIS_ERRORS as e:
@@ -153,7 +153,7 @@ class Cluster:
             "pools": {"gpu": asdict(snap.gpu), "cpu": asdict(snap.cpu)},
             "conversations": len(snap.conversations),
             "homes": len(self.homes),
-            "live_sockets": len(self.services.hub.live),
+            "live_sockets": self.services.hub.sockets(),
             "held": [
                 {
                     "id": c.id,
@@ -195,15 +195,10 @@ class Cluster:
         self.unreachable[home.replica] = home.started
         return await self.home_of(conversation_id, dead=home.replica)
 
-    def _busy(self, cid: str) -> bool:
-        hub = self.services.hub
-        lock = hub.locks.get(cid)
-        return cid in hub.live or (lock is not None and lock.locked())
-
     async def _drop_copy(self, cid: str) -> None:
         """Forget this engine's copy of a chat another replica served meanwhile: it may be
         stale, and the next turn here rebuilds the context from SQL."""
-        if self._busy(cid):
+        if self.services.hub.busy(cid):
             return
         if all(c.id != cid for c in self.services.engine.snapshot().conversations):
             return  # nothing held: spare the engine loop a round trip

@@ -16,8 +16,9 @@ from starlette.routing import WebSocketRoute
 
 from app import admin, api, cluster, openai_api, pages
 from app.auth import admin_token_from_file
-from app.chat import Hub, chat_endpoint
+from app.chat import chat_endpoint
 from app.handoff import HandOff
+from app.hub import Hub
 from app.limits import RateLimit
 from app.logs import redact_access_logs
 from app.metrics import Metrics

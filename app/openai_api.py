@@ -391,9 +391,7 @@ async def chat_completions(request: Request) -> Response:
 
     req = TurnRequest(chat.messages[-1][1], sampling, given)
     sink = ApiSink(body.stop or [])
-    task = asyncio.create_task(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
-    sv.hub.turns.add(task)
-    task.add_done_callback(sv.hub.turns.discard)
+    task = sv.hub.track(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
     task.add_done_callback(lambda _: sink.events.put_nowait(END))
 
     first = await sink.events.get()
