@@ -21,6 +21,7 @@ from app.frames import (
     parse_regenerate,
 )
 from app.live import LiveTurn
+from app.services import Services, services
 from app.turns import DB_ERRORS, ChatTurn
 
 log = logging.getLogger("pensieve.chat")
@@ -52,11 +53,16 @@ async def safe_close(ws: WebSocket, code: int, reason: str) -> None:
 
 class ChatSocket:
     def __init__(
-        self, ws: WebSocket, services, conversation_id: str, arrival: int = 0, owner_id: str = ""
+        self,
+        ws: WebSocket,
+        sv: Services,
+        conversation_id: str,
+        arrival: int = 0,
+        owner_id: str = "",
     ) -> None:
         self.ws = ws
         self.arrival = arrival
-        self.sv = services
+        self.sv = sv
         self.conversation_id = conversation_id
         self.owner_id = owner_id
         self.open = True
@@ -198,7 +204,7 @@ async def chat_endpoint(ws: WebSocket) -> None:
 
 
 async def _admit(ws: WebSocket) -> None:
-    sv = ws.app.state.services
+    sv = services(ws)
     cid = ws.path_params["conversation_id"]
     arrival = sv.hub.arrival()
     await ws.accept()

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from app.auth import is_admin
 from app.directory import Directory, Home
+from app.services import Services, services
 
 log = logging.getLogger("pensieve.cluster")
 
@@ -64,11 +65,11 @@ def _public_host(host: str) -> str:
 
 @dataclass
 class Cluster:
-    """Cluster membership of one replica (`services` is the app's Services)."""
+    """Cluster membership of one replica."""
 
     directory: Directory
     url: str
-    services: object
+    services: Services
     forward_key: str
     started: float = field(default_factory=time.time)
     homes: dict[str, float] = field(default_factory=dict)  # conversation -> claimed at
@@ -232,7 +233,7 @@ class Cluster:
 async def cluster_listing(request: Request) -> Response:
     """GET /api/admin/cluster: every replica with id, url, pid, health, pools, conversations.
     A server outside a cluster lists itself alone."""
-    sv = request.app.state.services
+    sv = services(request)
     if not is_admin(request, sv.admin_token):
         return JSONResponse(
             {"error": "unauthorized", "message": "the admin token is required"}, status_code=401

@@ -19,6 +19,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from app import matching
 from app.detok import Detokenizer
 from app.frames import TurnRequest
+from app.services import Services
 from app.window import NoRoom, Plan, plan_turn
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.types import Turn
@@ -74,8 +75,8 @@ class Sink(Protocol):
 class ChatTurn:
     """One turn of conversation `conversation_id` for `sink`."""
 
-    def __init__(self, services, conversation_id: str, sink: Sink) -> None:
-        self.sv = services
+    def __init__(self, sv: Services, conversation_id: str, sink: Sink) -> None:
+        self.sv = sv
         self.conversation_id = conversation_id
         self.sink = sink
 
