@@ -107,9 +107,7 @@ def server_on(database: str, tmp: Path, env: dict[str, str]) -> Iterator[Server]
     if database == "sqlite":
         url, db = f"sqlite+aiosqlite:///{tmp}/pensieve.db", None
     else:
-        harness.ensure_postgres()
-        db = services.create_database()
-        url = services.pg_async_url(db)
+        db, url = services.new_database()
     srv = Server(url, tmp / "server.log", env=env).start()
     try:
         yield srv

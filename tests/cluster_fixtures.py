@@ -118,9 +118,7 @@ def start_cluster(tmp: Path, n: int = 3, env: dict[str, str] | None = None) -> C
     """Start everything; the database is migrated once, before the replicas start."""
     from store.migrate import upgrade_async
 
-    harness.ensure_postgres()
-    db = services.create_database()
-    url = services.pg_async_url(db)
+    db, url = services.new_database()
     asyncio.run(upgrade_async(url))
     rs = harness.RedisServer().start()
     envs = {**REPLICA_ENV, "PENSIEVE_REDIS_URL": rs.url, **(env or {})}

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import uuid
 
-from bench.harness import PG_HOST, PG_PORT, PG_USER, ServiceError
+from bench.harness import PG_HOST, PG_PORT, PG_USER, ServiceError, ensure_postgres
 
 
 def psql(sql: str, database: str = "postgres") -> str:
@@ -35,3 +35,10 @@ def drop_database(name: str) -> None:
 
 def pg_async_url(name: str) -> str:
     return f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
+
+
+def new_database() -> tuple[str, str]:
+    """A new database, PostgreSQL started first if need be: its name and asyncpg URL."""
+    ensure_postgres()
+    name = create_database()
+    return name, pg_async_url(name)

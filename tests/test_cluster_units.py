@@ -109,10 +109,9 @@ def test_only_a_replica_can_mark_a_request_forwarded():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pensieve_cluster_starts_replicas_and_haproxy_and_stops_them(tmp_path):
-    harness.ensure_postgres()
-    db = services.create_database()
+    db, url = services.new_database()
     cluster = harness.LocalCluster(
-        services.pg_async_url(db),
+        url,
         tmp_path / "cluster.log",
         env={"PENSIEVE_DEVICE": "cpu"},
         args=["--model", "dummy:tiny", "--gpu-cache-chunks", "16", "--cpu-cache-chunks", "16"],
