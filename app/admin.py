@@ -12,13 +12,14 @@ from starlette.routing import Route
 
 from app.api import problem
 from app.auth import is_admin
+from app.services import services
 from store.models import Conversation
 
 HEALTH_TIMEOUT_S = 2.0
 
 
 async def cache(request: Request) -> Response:
-    sv = request.app.state.services
+    sv = services(request)
     if not is_admin(request, sv.admin_token):
         return problem(401, "unauthorized", "the admin token is required (Authorization: Bearer)")
     snap = sv.engine.snapshot().to_dict()
@@ -48,7 +49,7 @@ async def _select_one(engine) -> None:
 
 
 async def healthz(request: Request) -> Response:
-    sv = request.app.state.services
+    sv = services(request)
     checks: dict[str, dict] = {}
     # A probe must answer even when the database does not. The query runs as a task of its
     # own: one that overruns is left to end by the driver's timeouts (its cleanup waits on
@@ -87,7 +88,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    body = request.app.state.services.metrics.render()
+    body = services(request).metrics.render()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

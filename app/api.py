@@ -11,6 +11,7 @@ from starlette.routing import Route
 
 from app.auth import owner_token
 from app.chat import UNKNOWN_CHAT
+from app.services import services
 
 MAX_TITLE = 200
 M = TypeVar("M", bound="BaseModel")
@@ -106,7 +107,7 @@ def _describe(e: ValidationError) -> str:
 
 async def current_user(request: Request):
     token = owner_token(request)
-    return await request.app.state.services.store.user_by_token(token) if token else None
+    return await services(request).store.user_by_token(token) if token else None
 
 
 def conversation_json(c) -> dict:
@@ -136,7 +137,7 @@ async def _owned(request: Request):
     user = await current_user(request)
     if user is None:
         return None, problem(401, "unauthorized", "send Authorization: Bearer <token>")
-    store = request.app.state.services.store
+    store = services(request).store
     conv = await store.get_conversation(request.path_params["conversation_id"])
     if conv is None:
         return None, problem(404, "not_found", "no such conversation")
@@ -153,7 +154,7 @@ async def create_conversation(request: Request) -> Response:
         body = await parse_body(request, NewConversation)
     except BadRequest as e:
         return problem(e.status, e.code, e.message)
-    sv = request.app.state.services
+    sv = services(request)
     quota = sv.settings.max_chats_per_owner
     if await sv.store.count_conversations(user.id) >= quota:
         return problem(
@@ -169,7 +170,7 @@ async def list_conversations(request: Request) -> Response:
     user = await current_user(request)
     if user is None:
         return problem(401, "unauthorized", "send Authorization: Bearer <token>")
-    convs = await request.app.state.services.store.list_conversations(user.id)
+    convs = await services(request).store.list_conversations(user.id)
     return JSONResponse({"conversations": [conversation_json(c) for c in convs]})
 
 
@@ -177,7 +178,7 @@ async def get_conversation(request: Request) -> Response:
     conv, err = await _owned(request)
     if err:
         return err
-    messages = await request.app.state.services.store.messages(conv.id)
+    messages = await services(request).store.messages(conv.id)
     return JSONResponse(
         {**conversation_json(conv), "messages": [message_json(m) for m in messages]}
     )
@@ -194,7 +195,7 @@ async def rename_conversation(request: Request) -> Response:
     title = " ".join(body.title.split())
     if not title:
         return problem(400, "bad_request", "title: must not be blank")
-    store = request.app.state.services.store
+    store = services(request).store
     await store.set_title(conv.id, title)
     return JSONResponse(conversation_json(await store.get_conversation(conv.id)))
 
@@ -203,7 +204,7 @@ async def delete_conversation(request: Request) -> Response:
     conv, err = await _owned(request)
     if err:
         return err
-    sv = request.app.state.services
+    sv = services(request)
     # Close its socket (which cancels a running turn) and wait for that turn to commit,
     # so nothing writes to the chat or holds its cache once it is gone.
     await sv.hub.close_chat(conv.id, UNKNOWN_CHAT, "chat deleted")

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
-import weakref
-from collections import deque
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -17,26 +14,27 @@ from app import edits
 from app.auth import origin_allowed, owner_token
 from app.frames import (
     BadFrame,
-    Request,
+    TurnRequest,
     parse_edit,
     parse_json,
     parse_message,
     parse_regenerate,
 )
 from app.live import LiveTurn
+from app.services import Services, services
 from app.turns import DB_ERRORS, ChatTurn
 
 log = logging.getLogger("pensieve.chat")
 
-# Close codes of the chat socket.
-NO_CREDENTIALS, NOT_OWNER, UNKNOWN_CHAT, REPLACED = 4401, 4403, 4404, 4409
+# Close codes of the chat socket; 4409 (replaced by a newer connection) is the hub's.
+NO_CREDENTIALS, NOT_OWNER, UNKNOWN_CHAT = 4401, 4403, 4404
 BAD_ORIGIN = 4403
 TRY_AGAIN_LATER = 1013
 
 # The socket went away under a send or a close.
 GONE = (WebSocketDisconnect, RuntimeError, OSError)
 
-__all__ = ["BadFrame", "Hub", "ChatSocket", "chat_endpoint", "parse_message", "ws_max_size"]
+__all__ = ["BadFrame", "ChatSocket", "chat_endpoint", "parse_message", "ws_max_size"]
 
 
 def ws_max_size(max_message_chars: int) -> int:
@@ -53,76 +51,18 @@ async def safe_close(ws: WebSocket, code: int, reason: str) -> None:
         await ws.close(code=code, reason=reason)
 
 
-class Hub:
-    """Live chat sockets by conversation: a newer connection replaces the older one."""
-
-    def __init__(self) -> None:
-        self.live: dict[str, ChatSocket] = {}
-        self.arrivals = itertools.count()  # connection order, taken before any await
-        # One turn at a time per chat, across sockets; a lock lives while a turn holds or
-        # awaits it.
-        self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        self.turns: set[asyncio.Task] = set()  # turns still committing after their socket went
-        self.running: dict[str, LiveTurn] = {}  # chat socket turns by conversation
-        self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
-
-    def lock(self, conversation_id: str) -> asyncio.Lock:
-        lock = self.locks.get(conversation_id)
-        if lock is None:
-            lock = self.locks[conversation_id] = asyncio.Lock()
-        return lock
-
-    def take_turn(self, owner_id: str, per_minute: int) -> float | None:
-        """Count a turn against its owner's quota; seconds to wait when it is spent."""
-        now = time.monotonic()
-        times = self._started.setdefault(owner_id, deque())
-        while times and now - times[0] >= 60.0:
-            times.popleft()
-        if len(times) >= per_minute:
-            return round(60.0 - (now - times[0]), 1)
-        times.append(now)
-        return None
-
-    async def claim(self, chat: ChatSocket) -> bool:
-        """Make `chat` the live socket of its conversation, unless a connection that arrived
-        later already is (their auth lookups may finish in either order)."""
-        old = self.live.get(chat.conversation_id)
-        if old is not None and old.arrival > chat.arrival:
-            await chat.close(REPLACED, "replaced by a newer connection")
-            return False
-        self.live[chat.conversation_id] = chat
-        if old is not None:  # a running reply goes on on the newer connection
-            await old.close(REPLACED, "replaced by a newer connection")
-        return True
-
-    def release(self, chat: ChatSocket) -> None:
-        if self.live.get(chat.conversation_id) is chat:
-            del self.live[chat.conversation_id]
-
-    async def close_chat(self, conversation_id: str, code: int, reason: str) -> None:
-        turn = self.running.get(conversation_id)
-        if turn is not None:  # no one will come back to it
-            turn.cancel()
-        chat = self.live.pop(conversation_id, None)
-        if chat is not None:
-            await chat.close(code, reason)
-
-    async def drain(self) -> None:
-        for turn in list(self.running.values()):
-            turn.cancel()
-        for chat in list(self.live.values()):
-            await chat.close(1001, "server shutting down")
-        if self.turns:
-            await asyncio.gather(*self.turns, return_exceptions=True)
-
-
 class ChatSocket:
     def __init__(
-        self, ws: WebSocket, services, conversation_id: str, arrival: int = 0, owner_id: str = ""
+        self,
+        ws: WebSocket,
+        sv: Services,
+        conversation_id: str,
+        arrival: int = 0,
+        owner_id: str = "",
     ) -> None:
         self.ws = ws
         self.arrival = arrival
-        self.sv = services
+        self.sv = sv
         self.conversation_id = conversation_id
         self.owner_id = owner_id
         self.open = True
@@ -144,7 +84,7 @@ class ChatSocket:
     @property
     def turn(self) -> LiveTurn | None:
         """The chat's running turn, whichever socket started it."""
-        return self.sv.hub.running.get(self.conversation_id)
+        return self.sv.hub.running(self.conversation_id)
 
     def _gone(self) -> None:
         """The client went away: the chat's running turn waits a while for it to come back
@@ -241,20 +181,16 @@ class ChatSocket:
                 f"at most {st.turns_per_minute} messages a minute; try again in {wait:.0f} s",
                 retry_after_s=wait,
             )
-        hub.running[cid] = live
-        task = asyncio.create_task(self.run_turn(live, req, time.perf_counter(), before))
-        hub.turns.add(task)
-        task.add_done_callback(hub.turns.discard)
+        hub.begin(live)
+        hub.track(self.run_turn(live, req, time.perf_counter(), before))
 
     # --- one turn: the shared pipeline, with the chat's live turn as its sink ------------
-    async def run_turn(self, live: LiveTurn, req: Request, t0: float, before_turn=None) -> None:
-        hub = self.sv.hub
+    async def run_turn(self, live: LiveTurn, req: TurnRequest, t0: float, before_turn=None) -> None:
         try:
             await ChatTurn(self.sv, self.conversation_id, live).run(req, t0, before_turn)
         finally:
             live.ended()
-            if hub.running.get(self.conversation_id) is live:
-                del hub.running[self.conversation_id]
+            self.sv.hub.end(live)
 
 
 async def chat_endpoint(ws: WebSocket) -> None:
@@ -268,9 +204,9 @@ async def chat_endpoint(ws: WebSocket) -> None:
 
 
 async def _admit(ws: WebSocket) -> None:
-    sv = ws.app.state.services
+    sv = services(ws)
     cid = ws.path_params["conversation_id"]
-    arrival = next(sv.hub.arrivals)
+    arrival = sv.hub.arrival()
     await ws.accept()
     if not origin_allowed(ws, sv.settings.allowed_origins):
         return await safe_close(ws, BAD_ORIGIN, "origin not allowed")

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from app.auth import is_admin
 from app.directory import Directory, Home
+from app.services import Services, services
 
 log = logging.getLogger("pensieve.cluster")
 
@@ -64,11 +65,11 @@ def _public_host(host: str) -> str:
 
 @dataclass
 class Cluster:
-    """Cluster membership of one replica (`services` is the app's Services)."""
+    """Cluster membership of one replica."""
 
     directory: Directory
     url: str
-    services: object
+    services: Services
     forward_key: str
     started: float = field(default_factory=time.time)
     homes: dict[str, float] = field(default_factory=dict)  # conversation -> claimed at
@@ -123,7 +124,7 @@ class Cluster:
             idle = [
                 cid
                 for cid, at in self.homes.items()
-                if cid not in held and now - at > PRUNE_AFTER_S and not self._busy(cid)
+                if cid not in held and now - at > PRUNE_AFTER_S and not self.services.hub.busy(cid)
             ]
             await self.directory.release(idle)
         except REDIS_ERRORS as e:
@@ -153,7 +154,7 @@ class Cluster:
             "pools": {"gpu": asdict(snap.gpu), "cpu": asdict(snap.cpu)},
             "conversations": len(snap.conversations),
             "homes": len(self.homes),
-            "live_sockets": len(self.services.hub.live),
+            "live_sockets": self.services.hub.sockets(),
             "held": [
                 {
                     "id": c.id,
@@ -195,15 +196,10 @@ class Cluster:
         self.unreachable[home.replica] = home.started
         return await self.home_of(conversation_id, dead=home.replica)
 
-    def _busy(self, cid: str) -> bool:
-        hub = self.services.hub
-        lock = hub.locks.get(cid)
-        return cid in hub.live or (lock is not None and lock.locked())
-
     async def _drop_copy(self, cid: str) -> None:
         """Forget this engine's copy of a chat another replica served meanwhile: it may be
         stale, and the next turn here rebuilds the context from SQL."""
-        if self._busy(cid):
+        if self.services.hub.busy(cid):
             return
         if all(c.id != cid for c in self.services.engine.snapshot().conversations):
             return  # nothing held: spare the engine loop a round trip
@@ -237,7 +233,7 @@ class Cluster:
 async def cluster_listing(request: Request) -> Response:
     """GET /api/admin/cluster: every replica with id, url, pid, health, pools, conversations.
     A server outside a cluster lists itself alone."""
-    sv = request.app.state.services
+    sv = services(request)
     if not is_admin(request, sv.admin_token):
         return JSONResponse(
             {"error": "unauthorized", "message": "the admin token is required"}, status_code=401

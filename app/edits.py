@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from app.frames import Request
+from app.frames import TurnRequest
+from app.services import Services
 from app.turns import Sink
 
 
-async def _cut_back(sv, conversation_id: str, keep: int, system_prompt: str | None) -> None:
+async def _cut_back(
+    sv: Services, conversation_id: str, keep: int, system_prompt: str | None
+) -> None:
     """Keep the first `keep` stored messages."""
     if await sv.store.rewind(conversation_id, keep, system_prompt):
         await sv.engine.free(conversation_id)
 
 
-def edit(sv, conversation_id: str, seq: int, sink: Sink) -> Callable[[], Awaitable[bool]]:
+def edit(sv: Services, conversation_id: str, seq: int, sink: Sink) -> Callable[[], Awaitable[bool]]:
     """A `before_turn` that cuts the chat back to before the user's message `seq`; False
     (with an error sent) when there is no such message of the user."""
 
@@ -41,7 +44,9 @@ def edit(sv, conversation_id: str, seq: int, sink: Sink) -> Callable[[], Awaitab
     return before
 
 
-def regenerate(sv, conversation_id: str, req: Request, sink: Sink) -> Callable[[], Awaitable[bool]]:
+def regenerate(
+    sv: Services, conversation_id: str, req: TurnRequest, sink: Sink
+) -> Callable[[], Awaitable[bool]]:
     """A `before_turn` that cuts the chat back to before its last user message and asks it
     again (`req.content` becomes that message); False when the chat has none."""
 

@@ -19,7 +19,10 @@ class BadFrame(ValueError):
 
 
 @dataclass
-class Request:
+class TurnRequest:
+    """What a client asks of one turn (the app's; the engine's `Request` is another thing):
+    its message and sampling; `max_tokens_given` when the client chose the reply's length."""
+
     content: str
     sampling: SamplingParams
     max_tokens_given: bool
@@ -129,17 +132,19 @@ def _validate(model: type[SamplingFrame], frame: dict, max_chars: int, limit_tok
         raise _refusal(e) from None
 
 
-def _request(m: SamplingFrame, content: str, default_tokens: int) -> Request:
+def _request(m: SamplingFrame, content: str, default_tokens: int) -> TurnRequest:
     sampling = SamplingParams(
         max_tokens=m.max_tokens or default_tokens,
         temperature=0.0 if m.temperature is None else m.temperature,
         top_p=1.0 if m.top_p is None else m.top_p,
         seed=m.seed,
     )
-    return Request(content, sampling, m.max_tokens is not None)
+    return TurnRequest(content, sampling, m.max_tokens is not None)
 
 
-def parse_message(frame: dict, max_chars: int, default_tokens: int, limit_tokens: int) -> Request:
+def parse_message(
+    frame: dict, max_chars: int, default_tokens: int, limit_tokens: int
+) -> TurnRequest:
     """Validate a `message` frame into the turn's request."""
     m = _validate(MessageFrame, frame, max_chars, limit_tokens)
     return _request(m, m.content, default_tokens)
@@ -147,14 +152,14 @@ def parse_message(frame: dict, max_chars: int, default_tokens: int, limit_tokens
 
 def parse_edit(
     frame: dict, max_chars: int, default_tokens: int, limit_tokens: int
-) -> tuple[int, Request]:
+) -> tuple[int, TurnRequest]:
     """Validate an `edit` frame: the seq of the message it replaces, and the turn's request.
     Whether that seq names a message of the user is checked against the stored chat."""
     m = _validate(EditFrame, frame, max_chars, limit_tokens)
     return m.seq, _request(m, m.content, default_tokens)
 
 
-def parse_regenerate(frame: dict, default_tokens: int, limit_tokens: int) -> Request:
+def parse_regenerate(frame: dict, default_tokens: int, limit_tokens: int) -> TurnRequest:
     """Validate a `regenerate` frame; the request's content is the stored last question."""
     m = _validate(RegenerateFrame, frame, 1, limit_tokens)
     return _request(m, "", default_tokens)

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from app.directory import Home
+from app.services import services
 
 log = logging.getLogger("pensieve.cluster")
 
@@ -297,7 +298,7 @@ async def relay_http(
 async def forward_turn(request: Request, body: bytes, conversation_id: str) -> Response | None:
     """Relay a /v1 request to the home of the conversation it continues; None: serve it
     here."""
-    cluster = getattr(request.app.state.services, "cluster", None)
+    cluster = services(request).cluster
     if cluster is None or forwarded(request):
         return None
     home = await cluster.home_of(conversation_id)

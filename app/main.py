@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
@@ -16,36 +14,15 @@ from starlette.routing import WebSocketRoute
 
 from app import admin, api, cluster, openai_api, pages
 from app.auth import admin_token_from_file
-from app.chat import Hub, chat_endpoint
+from app.chat import chat_endpoint
 from app.handoff import HandOff
 from app.limits import RateLimit
 from app.logs import redact_access_logs
-from app.metrics import Metrics
 from app.middleware import SameOriginWrites, SecurityHeaders
+from app.services import Services
 from app.settings import Settings
 
 log = logging.getLogger("pensieve")
-
-
-@dataclass
-class Services:
-    """Everything a request handler reaches through `app.state.services`."""
-
-    settings: Settings
-    store: object  # store.HistoryStore
-    clock: object  # ActivityClock: store.RedisClock or engine LocalClock
-    engine: object  # engine.AsyncEngine
-    admin_token: str
-    metrics: Metrics = field(default_factory=Metrics)
-    hub: Hub = field(default_factory=Hub)
-    new_users: RateLimit = field(default_factory=lambda: RateLimit(10))
-    db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
-    cluster: cluster.Cluster | None = None  # this replica's membership (--cluster)
-    running: bool = True
-
-    def engine_running(self) -> bool:
-        """Serving, and the engine's step loop is alive (not crashed)."""
-        return self.running and bool(getattr(self.engine, "alive", False))
 
 
 @contextlib.asynccontextmanager

@@ -26,8 +26,8 @@ from starlette.routing import Route
 from app import handoff, matching
 from app.api import BadRequest, read_body
 from app.auth import bearer
-from app.frames import Request as TurnRequest
-from app.frames import check_text
+from app.frames import TurnRequest, check_text
+from app.services import Services, services
 from app.stops import StopMatcher
 from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
 from engine.types import SamplingParams
@@ -212,7 +212,7 @@ def model_id(settings) -> str:
 
 async def owner(request: Request):
     token = bearer(request)
-    user = await request.app.state.services.store.user_by_token(token) if token else None
+    user = await services(request).store.user_by_token(token) if token else None
     if user is None:
         raise ApiError(401, "invalid API key: send an owner's token as Authorization: Bearer <key>",
                        code="invalid_api_key")  # fmt: skip
@@ -222,7 +222,9 @@ async def owner(request: Request):
 # --- which conversation ----------------------------------------------------------------
 
 
-async def conversation_for(sv, owner_id: str, chat: Chat, session: str | None) -> tuple[str, bool]:
+async def conversation_for(
+    sv: Services, owner_id: str, chat: Chat, session: str | None
+) -> tuple[str, bool]:
     """The conversation the request continues (and False), or a new one (and True)."""
     store = sv.store
     if session:
@@ -244,7 +246,7 @@ async def conversation_for(sv, owner_id: str, chat: Chat, session: str | None) -
     return conv.id, True
 
 
-def aligner(sv, cid: str, chat: Chat, req: TurnRequest):
+def aligner(sv: Services, cid: str, chat: Chat, req: TurnRequest):
     """Run under the chat's lock before its turn: cut the stored chat back to what the
     request shares with it, and queue the request's other new messages ahead of its last."""
 
@@ -266,7 +268,7 @@ def aligner(sv, cid: str, chat: Chat, req: TurnRequest):
     return align
 
 
-async def discard_if_empty(sv, cid: str) -> None:
+async def discard_if_empty(sv: Services, cid: str) -> None:
     with contextlib.suppress(*DB_ERRORS):  # a chat left empty is harmless
         async with sv.hub.lock(cid):
             if not await sv.store.messages(cid):
@@ -351,14 +353,14 @@ async def list_models(request: Request) -> Response:
         return e.response()
     except DB_ERRORS:
         return UNAVAILABLE.response()
-    sv = request.app.state.services
+    sv = services(request)
     model = {"id": model_id(sv.settings), "object": "model", "created": 0, "owned_by": "pensieve"}
     return JSONResponse({"object": "list", "data": [model]})
 
 
 async def chat_completions(request: Request) -> Response:
     t0 = time.perf_counter()
-    sv = request.app.state.services
+    sv = services(request)
     try:
         user = await owner(request)
         try:
@@ -392,9 +394,7 @@ async def chat_completions(request: Request) -> Response:
 
     req = TurnRequest(chat.messages[-1][1], sampling, given)
     sink = ApiSink(body.stop or [])
-    task = asyncio.create_task(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
-    sv.hub.turns.add(task)
-    task.add_done_callback(sv.hub.turns.discard)
+    task = sv.hub.track(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
     task.add_done_callback(lambda _: sink.events.put_nowait(END))
 
     first = await sink.events.get()

@@ -15,6 +15,7 @@ from starlette.staticfiles import StaticFiles
 from app.api import BadRequest, current_user, parse_body, problem
 from app.auth import ADMIN_COOKIE, OWNER_COOKIE
 from app.limits import retry_after
+from app.services import services
 
 YEAR = 365 * 24 * 3600
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ async def chat_page(request: Request) -> Response:
         return response
     if request.cookies.get(OWNER_COOKIE) and await current_user(request) is not None:
         return response
-    sv = request.app.state.services
+    sv = services(request)
     client = request.client.host if request.client else "unknown"
     wait = sv.new_users.take(client)
     if wait:
@@ -84,7 +85,7 @@ class AdminLogin(BaseModel):
 
 async def admin_session(request: Request) -> Response:
     """Exchanges the admin token for an HttpOnly cookie (204), or 401."""
-    sv = request.app.state.services
+    sv = services(request)
     try:
         login = await parse_body(request, AdminLogin)
     except BadRequest as e:

@@ -18,7 +18,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app import matching
 from app.detok import Detokenizer
-from app.frames import Request
+from app.frames import TurnRequest
+from app.services import Services
 from app.window import NoRoom, Plan, plan_turn
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.types import Turn
@@ -74,12 +75,12 @@ class Sink(Protocol):
 class ChatTurn:
     """One turn of conversation `conversation_id` for `sink`."""
 
-    def __init__(self, services, conversation_id: str, sink: Sink) -> None:
-        self.sv = services
+    def __init__(self, sv: Services, conversation_id: str, sink: Sink) -> None:
+        self.sv = sv
         self.conversation_id = conversation_id
         self.sink = sink
 
-    async def run(self, req: Request, t0: float, before_turn=None) -> None:
+    async def run(self, req: TurnRequest, t0: float, before_turn=None) -> None:
         """The whole turn under the chat's lock. `before_turn`: an async callable run first
         under the lock (it may change the stored chat); False from it ends the turn."""
         cid = self.conversation_id
@@ -98,7 +99,7 @@ class ChatTurn:
             log.exception("turn of %s failed", cid)
             await self.sink.error("internal", "the turn failed")
 
-    async def _turn(self, req: Request, t0: float) -> None:
+    async def _turn(self, req: TurnRequest, t0: float) -> None:
         prepared = await self._prepare(req)
         if prepared is None:
             return
@@ -111,7 +112,7 @@ class ChatTurn:
             out = await self.sink.finish(out)
             await self._commit(plan, out, t0, chain)
 
-    async def _prepare(self, req: Request) -> tuple[Plan, list[int], str] | None:
+    async def _prepare(self, req: TurnRequest) -> tuple[Plan, list[int], str] | None:
         """Plan the prompt from SQL and store the user's message: its tokens are durable
         before the engine sees them, so after a crash the engine recomputes this context
         from SQL, byte for byte. Returns the plan, the ids of the stored messages and the chat's
@@ -171,7 +172,7 @@ class ChatTurn:
         sv.clock.touch(cid)
         return plan, [*ids, msg.id], chain
 
-    async def _submit(self, req: Request, plan: Plan, message_ids: list[int]):
+    async def _submit(self, req: TurnRequest, plan: Plan, message_ids: list[int]):
         """Hand the turn to the engine; a refusal takes the user's message back."""
         engine, cid, sink = self.sv.engine, self.conversation_id, self.sink
         if plan.fresh:  # a new window: the engine's copy of the old one is of no use

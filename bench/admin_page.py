@@ -13,69 +13,35 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.lib.common import RESULTS, ROOT, environment
+from bench.harness import Server
+from bench.lib.common import RESULTS, environment
 
 ADMIN = "bench-admin-token"
 CHROMIUM = os.environ.get("PENSIEVE_CHROMIUM", "/usr/bin/chromium")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp: Path, port: int, chunks: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-    env.update(
-        PENSIEVE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp}/pensieve.db",
-        PENSIEVE_ADMIN_TOKEN=ADMIN,
-        PENSIEVE_MODEL="dummy:tiny",
-        PENSIEVE_DEVICE="cpu",
-        PENSIEVE_GPU_CACHE_CHUNKS=str(chunks),
-        PENSIEVE_CPU_CACHE_CHUNKS=str(chunks),
-        PENSIEVE_TURNS_PER_MINUTE="1000000",
-        PENSIEVE_MAX_CHATS_PER_OWNER="1000000",
+def server(tmp: Path, chunks: int) -> Server:
+    """dummy:tiny with pools of `chunks` and no quotas, on SQLite in `tmp`."""
+    return Server(
+        f"sqlite+aiosqlite:///{tmp}/pensieve.db",
+        tmp / "server.log",
+        env={
+            "PENSIEVE_MODEL": "dummy:tiny",
+            "PENSIEVE_DEVICE": "cpu",
+            "PENSIEVE_GPU_CACHE_CHUNKS": str(chunks),
+            "PENSIEVE_CPU_CACHE_CHUNKS": str(chunks),
+            "PENSIEVE_TURNS_PER_MINUTE": "1000000",
+            "PENSIEVE_MAX_CHATS_PER_OWNER": "1000000",
+        },
+        admin_token=ADMIN,
     )
-    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - the child owns it
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((tmp / "server.log").read_text()[-3000:])
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not come up")
-
-
-def owner_token(tmp: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-    env["PENSIEVE_DATABASE_URL"] = f"sqlite+aiosqlite:///{tmp}/pensieve.db"
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "users", "create", "bench"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 async def fill(url: str, token: str, n: int, concurrency: int = 8) -> float:
@@ -194,16 +160,13 @@ def main() -> None:
     n = args.conversations
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start_server(tmp, port, chunks=2 * n + 256)
+        srv = server(tmp, chunks=2 * n + 256).start(healthy=True)
         try:
-            token = owner_token(tmp)
-            fill_s = asyncio.run(fill(url, token, n))
-            page = measure(url, n, args.watch)
+            token = srv.user("bench")
+            fill_s = asyncio.run(fill(srv.url, token, n))
+            page = measure(srv.url, n, args.watch)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            srv.stop()
     renders = page["render_ms"]
     result = {
         "benchmark": "admin_page",

@@ -23,9 +23,7 @@ import asyncio
 import json
 import os
 import random
-import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +35,8 @@ import httpx
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.lib.common import RESULTS, ROOT, environment
-from bench.soak import Postgres, Redis, SoakError, free_port
+from bench.harness import LocalCluster, PostgresServer, RedisServer
+from bench.lib.common import RESULTS, environment
 
 RECONNECT_S = 120.0  # a chat gives up on a turn after this long without an answer
 
@@ -306,50 +304,6 @@ async def drive(args, run: Run) -> dict[str, Any]:
     return summarize(args, run, chats, wall, verdict)
 
 
-def start_cluster(
-    args, pg: Postgres, redis: Redis, admin: str, log: Path
-) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-    env.update(PENSIEVE_ADMIN_TOKEN=admin, PENSIEVE_TURNS_PER_MINUTE="1000000")
-    cmd = [sys.executable, "-m", "app.cli", "cluster", "--replicas", str(args.replicas),
-           "--port", str(port), "--database-url", pg.url, "--redis-url", redis.url,
-           "--model", args.model, "--device", args.device,
-           "--gpu-cache-chunks", str(args.gpu_chunks), "--cpu-cache-chunks", str(args.cpu_chunks),
-           "--log-level", "warning"]  # fmt: skip
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    front = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SoakError(f"pensieve cluster exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            r = httpx.get(
-                front + "/api/admin/cluster", headers=auth(admin), timeout=2, trust_env=False
-            )
-            if (
-                r.status_code == 200
-                and sum(x["alive"] for x in r.json()["replicas"]) == args.replicas
-            ):
-                return proc, front
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SoakError("the cluster did not come up within 600 s")
-
-
-def create_user(pg: Postgres, admin: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-    env["PENSIEVE_ADMIN_TOKEN"] = admin
-    res = subprocess.run(
-        [sys.executable, "-m", "app.cli", "users", "create", "load", "--database-url", pg.url],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    return res.stdout.strip().splitlines()[-1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=3)
@@ -366,24 +320,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = args.out or f"cluster_{args.device}"
-    admin = secrets.token_urlsafe(16)
-    pg = Postgres().init()
-    redis = Redis().start()
+    pg, redis = PostgresServer(), RedisServer()
     log = Path(tempfile.gettempdir()) / f"pensieve-{name}.log"  # the replicas' and HAProxy's
-    proc = None
+    cluster = LocalCluster(
+        pg.url,
+        log,
+        env={"PENSIEVE_TURNS_PER_MINUTE": "1000000"},
+        args=["--redis-url", redis.url, "--model", args.model, "--device", args.device,
+              "--gpu-cache-chunks", str(args.gpu_chunks),
+              "--cpu-cache-chunks", str(args.cpu_chunks)],
+        replicas=args.replicas,
+    )  # fmt: skip
     try:
-        token = create_user(pg, admin)
-        proc, front = start_cluster(args, pg, redis, admin, log)
-        print(f"cluster up at {front}", flush=True)
-        result = asyncio.run(drive(args, Run(front, token, admin)))
+        pg.init()
+        redis.start()
+        token = cluster.user("load")
+        cluster.start(timeout=600)
+        print(f"cluster up at {cluster.url}", flush=True)
+        result = asyncio.run(drive(args, Run(cluster.url, token, cluster.admin_token)))
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        redis.stop()
+        cluster.stop(60)
+        redis.kill()
         pg.destroy()
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, RESULTS / f"{name}.png")

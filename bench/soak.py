@@ -26,16 +26,12 @@ import asyncio
 import atexit
 import contextlib
 import json
-import os
-import pwd
 import random
 import re
-import secrets
 import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +45,8 @@ import httpx
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
+from bench.harness import HOST, ROOT, PostgresServer, RedisServer, Server, ServiceError, port_open
+
 FAULTS = ("redis", "postgres-fast", "postgres-immediate", "postgres-freeze")
 DEFAULT_FAULTS = ("redis", "postgres-fast", "postgres-immediate")
 STORM_KINDS = ("idle", "handshake", "mid_turn", "during_close", "reset", "replace")
@@ -61,10 +57,6 @@ FRAME_S = 45.0  # the longest wait for any one frame of a turn
 TURN_S = 90.0
 HTTP_S = 15.0
 SHUTDOWN_S = 30.0
-
-
-class SoakError(RuntimeError):
-    """A service the soak needs could not be started."""
 
 
 # --- processes the soak owns ----------------------------------------------------------------
@@ -79,241 +71,6 @@ def _cleanup_all() -> None:
 
 
 atexit.register(_cleanup_all)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def wait_port(port: int, timeout: float, up: bool = True) -> bool:
-    deadline = time.monotonic() + timeout
-    while port_open(port) != up:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _pg_bindir() -> Path:
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(found).resolve().parent  # beside psql and initdb of the same version
-    # Debian keeps the server binaries off PATH, one directory per major version.
-    dirs = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name))
-    if not dirs:
-        raise SoakError("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    return dirs[-1]
-
-
-@dataclass
-class Postgres:
-    """A throwaway cluster on a free port; run as the `postgres` user when we are root
-    (the server refuses to run as root)."""
-
-    port: int = field(default_factory=free_port)
-    root: Path | None = None
-    bindir: Path | None = None
-    frozen: list[int] = field(default_factory=list)
-
-    @property
-    def data(self) -> Path:
-        assert self.root is not None
-        return self.root / "data"
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+asyncpg://postgres@{HOST}:{self.port}/pensieve"
-
-    def _cmd(self, tool: str, *args: str) -> list[str]:
-        assert self.bindir is not None
-        cmd = [str(self.bindir / tool), *args]
-        return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
-    def _run(self, tool: str, *args: str, timeout: float = 60) -> None:
-        try:
-            res = subprocess.run(
-                self._cmd(tool, *args), capture_output=True, text=True, timeout=timeout
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise SoakError(f"{tool} failed: {e}") from None
-        if res.returncode != 0:
-            raise SoakError(
-                f"{tool} {' '.join(args)} exited {res.returncode}: {res.stderr.strip()}"
-            )
-
-    def init(self) -> Postgres:
-        self.bindir = _pg_bindir()
-        self.root = Path(tempfile.mkdtemp(prefix="pensieve-soak-pg-"))
-        _cleanups.append(self.destroy)
-        if os.geteuid() == 0:
-            pw = pwd.getpwnam("postgres")
-            os.chown(self.root, pw.pw_uid, pw.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                  "--no-sync", "--no-instructions")  # fmt: skip
-        with open(self.data / "postgresql.conf", "a") as conf:
-            # fsync=off only risks data on an OS crash; the faults here are process stops.
-            conf.write(
-                f"\nport = {self.port}\nlisten_addresses = '{HOST}'\n"
-                f"unix_socket_directories = '{self.data}'\nfsync = off\n"
-                "max_connections = 60\nshared_buffers = 32MB\n"
-            )
-        self.start()
-        self._run("psql", "-h", HOST, "-p", str(self.port), "-U", "postgres", "-d", "postgres",
-                  "-Atqc", "CREATE DATABASE pensieve")  # fmt: skip
-        return self
-
-    def start(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"),
-                  "-w", "-t", "60", "start")  # fmt: skip
-
-    def stop(self, mode: str) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
-
-    def freeze(self) -> None:
-        """SIGSTOP the postmaster and its backends: connections hang instead of failing."""
-        head = (self.data / "postmaster.pid").read_text().split("\n", 1)[0]
-        pids = [int(head)]
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", head], capture_output=True, text=True)
-        pids += [int(p) for p in out.stdout.split()]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        self.frozen = pids
-
-    def thaw(self) -> None:
-        for pid in self.frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        self.frozen = []
-
-    def destroy(self) -> None:
-        self.thaw()
-        if self.root is None:
-            return
-        if (self.data / "postmaster.pid").exists():
-            with contextlib.suppress(SoakError):
-                self.stop("immediate")
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root = None
-
-
-@dataclass
-class Redis:
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    def start(self) -> Redis:
-        if shutil.which("redis-server") is None:
-            raise SoakError("redis-server is not installed")
-        if self.proc is None:
-            _cleanups.append(self.stop)
-        self.proc = subprocess.Popen(
-            ["redis-server", "--bind", HOST, "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        if not wait_port(self.port, 10):
-            raise SoakError(f"redis-server did not listen on {self.port}")
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        wait_port(self.port, 10, up=False)
-
-
-@dataclass
-class Server:
-    """`python -m app.cli serve` with its log in a file."""
-
-    database_url: str
-    redis_url: str
-    log_path: Path
-    args: argparse.Namespace
-    port: int = field(default_factory=free_port)
-    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-        env["PENSIEVE_ADMIN_TOKEN"] = self.admin_token
-        # One owner drives all the chats here: the per-owner turn quota (tested on its own)
-        # would turn the soak into a test of the quota.
-        env["PENSIEVE_TURNS_PER_MINUTE"] = "1000000"
-        return env
-
-    def create_user(self, name: str) -> str:
-        res = subprocess.run(
-            [sys.executable, "-m", "app.cli", "users", "create", name,
-             "--database-url", self.database_url],
-            cwd=ROOT, env=self.env(), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if res.returncode != 0:
-            raise SoakError(f"users create exited {res.returncode}: {res.stderr.strip()[-2000:]}")
-        return res.stdout.strip().splitlines()[-1]
-
-    def start(self, timeout: float = 300.0) -> None:
-        a = self.args
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(self.port),
-               "--database-url", self.database_url, "--redis-url", self.redis_url,
-               "--device", a.device, "--gpu-cache-chunks", str(a.gpu_chunks),
-               "--cpu-cache-chunks", str(a.cpu_chunks), "--log-level", "warning"]  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
-            )
-        _cleanups.append(self.kill)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SoakError(f"server exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise SoakError(f"server not healthy within {timeout:.0f}s:\n{self.log_tail()}")
-
-    def terminate(self) -> dict[str, Any]:
-        """SIGTERM; the shutdown is clean when the process exits 0 within SHUTDOWN_S."""
-        assert self.proc is not None
-        t = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(SHUTDOWN_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return {"clean": False, "exit_code": None, "seconds": SHUTDOWN_S, "hung": True}
-        # uvicorn re-raises the signal once it has shut down: -SIGTERM is a normal exit.
-        clean = code in (0, -signal.SIGTERM)
-        return {"clean": clean, "exit_code": code, "seconds": round(time.monotonic() - t, 2)}
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
 
 # --- what the clients saw ---------------------------------------------------------------------
@@ -569,9 +326,9 @@ def fault_schedule(faults: list[str], duration: float) -> list[tuple[str, float,
             for i, f in enumerate(faults)]  # fmt: skip
 
 
-async def run_faults(schedule, pg: Postgres, redis: Redis, tally: Tally) -> None:
+async def run_faults(schedule, pg: PostgresServer, redis: RedisServer, tally: Tally) -> None:
     actions = {
-        "redis": (redis.stop, redis.start),
+        "redis": (redis.kill, redis.start),
         "postgres-fast": (lambda: pg.stop("fast"), pg.start),
         "postgres-immediate": (lambda: pg.stop("immediate"), pg.start),
         "postgres-freeze": (pg.freeze, pg.thaw),
@@ -583,20 +340,20 @@ async def run_faults(schedule, pg: Postgres, redis: Redis, tally: Tally) -> None
         tally.fault_windows.append(window)
         try:
             await asyncio.to_thread(down)
-        except SoakError as e:
+        except ServiceError as e:
             tally.fault_errors.append(f"{kind} stop: {e}")
         await asyncio.sleep(max(0.0, end - tally.now()))
         try:
             await asyncio.to_thread(up)
-        except SoakError as e:
+        except ServiceError as e:
             tally.fault_errors.append(f"{kind} restart: {e}")
         window["end_s"] = round(tally.now(), 2)
 
 
-def restore(pg: Postgres, redis: Redis) -> None:
+def restore(pg: PostgresServer, redis: RedisServer) -> None:
     """Bring both services back, should a fault window have been cut short."""
     pg.thaw()
-    if not port_open(pg.port):
+    if not port_open(HOST, pg.port):
         pg.start()
     if redis.proc is None or redis.proc.poll() is not None:
         redis.start()
@@ -671,6 +428,17 @@ async def verify(http: httpx.AsyncClient, chats: list[str], tally: Tally) -> dic
     }
 
 
+def terminate(server: Server) -> dict[str, Any]:
+    """SIGTERM; the shutdown is clean when the process exits 0 within SHUTDOWN_S."""
+    t = time.monotonic()
+    code = server.stop(SHUTDOWN_S)
+    if code is None:
+        return {"clean": False, "exit_code": None, "seconds": SHUTDOWN_S, "hung": True}
+    # uvicorn re-raises the signal once it has shut down: -SIGTERM is a normal exit.
+    clean = code in (0, -signal.SIGTERM)
+    return {"clean": clean, "exit_code": code, "seconds": round(time.monotonic() - t, 2)}
+
+
 async def shutdown(server: Server, base: str, token: str, chats: list[str]) -> dict[str, Any]:
     """SIGTERM while sockets are open: some mid-turn, some reset just before the signal."""
     socks = []
@@ -686,7 +454,7 @@ async def shutdown(server: Server, base: str, token: str, chats: list[str]) -> d
     for ws in socks[:2]:  # gone, and the server may only learn it while closing them
         reset(ws)
         ws.transport.abort()
-    result = await asyncio.to_thread(server.terminate)
+    result = await asyncio.to_thread(terminate, server)
     codes: Counter = Counter()
     for ws in socks[2:]:
         try:
@@ -749,7 +517,9 @@ def scan_log(text: str) -> dict[str, Any]:
 # --- the run ----------------------------------------------------------------------------------
 
 
-async def drive(args, server: Server, pg: Postgres, redis: Redis, token: str, out: dict) -> None:
+async def drive(
+    args, server: Server, pg: PostgresServer, redis: RedisServer, token: str, out: dict
+) -> None:
     """Fills `out` as it goes, so what was measured survives a failure part-way."""
     base = server.url
     headers = {"Authorization": f"Bearer {token}"}
@@ -760,7 +530,7 @@ async def drive(args, server: Server, pg: Postgres, redis: Redis, token: str, ou
         async def create(title: str) -> str:
             r = await http.post("/api/conversations", json={"title": title})
             if r.status_code != 201:
-                raise SoakError(f"POST /api/conversations: {r.status_code} {r.text[:200]}")
+                raise ServiceError(f"POST /api/conversations: {r.status_code} {r.text[:200]}")
             return r.json()["id"]
 
         chats = [await create(f"soak {i}") for i in range(args.conversations)]
@@ -875,11 +645,23 @@ def soak(args) -> dict[str, Any]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
     result: dict[str, Any] = {}
-    pg = Postgres().init()
-    redis = Redis().start()
-    server = Server(pg.url, redis.url, log_path, args)
-    token = server.create_user("soak")
-    server.start()
+    pg, redis = PostgresServer(), RedisServer()
+    _cleanups.append(pg.destroy)
+    pg.init()
+    _cleanups.append(redis.kill)
+    redis.start()
+    server = Server(
+        pg.url,
+        log_path,
+        # One owner drives all the chats here: the per-owner turn quota (tested on its own)
+        # would turn the soak into a test of the quota.
+        env={"PENSIEVE_TURNS_PER_MINUTE": "1000000"},
+        args=["--redis-url", redis.url, "--device", args.device,
+              "--gpu-cache-chunks", str(args.gpu_chunks), "--cpu-cache-chunks", str(args.cpu_chunks)],
+    )  # fmt: skip
+    _cleanups.append(server.kill)
+    token = server.user("soak")
+    server.start(timeout=300, healthy=True)
     result["startup_s"] = round(time.monotonic() - t, 1)
     try:
         asyncio.run(drive(args, server, pg, redis, token, result))
@@ -888,7 +670,7 @@ def soak(args) -> dict[str, Any]:
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
         if server.proc.poll() is None:  # the run ended before its own shutdown step
-            result.setdefault("shutdown", server.terminate())
+            result.setdefault("shutdown", terminate(server))
     if "tally" in result:
         result.update(tally_json(result.pop("tally")))
     result.update(scan_log(log_path.read_text(errors="replace")))
@@ -983,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         result = soak(args)
-    except SoakError as e:
+    except ServiceError as e:
         print(f"soak: {e}", file=sys.stderr)
         return 2
     finally:

@@ -174,11 +174,11 @@ def _all_reduce_rank(rank: int, world: int, port: int, device: str, dim: int, dt
 
 def all_reduce_cost(world: int, device: str, dim: int, dtype) -> dict:
     """Microseconds per all-reduce of [tokens, dim] (back to back, host time), and per layer."""
-    from engine.parallel import _free_port
+    from bench.harness import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_all_reduce_rank, args=(r, world, port, device, dim, dtype, out))
         for r in range(world)

@@ -5,118 +5,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import websockets
 
+from bench import harness
 from tests import services
-from tests.services import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 ADMIN = "test-admin-token"
 # Small pools so that a few short chats already swap and drop chunks.
 TINY = {"PENSIEVE_GPU_CACHE_CHUNKS": "24", "PENSIEVE_CPU_CACHE_CHUNKS": "32"}
 
 
-class Local:
-    """Something listening on a local port (`self.port`): its HTTP and chat-socket addresses."""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws/chat/"
-
-
 @dataclass
-class Server(Local):
-    """`pensieve serve` on a free port; SIGKILL-able, restartable on the same database."""
+class Server(harness.Server):
+    """The tests' `pensieve serve`: on the CPU with the test admin token and short replies
+    (unless `env` says otherwise), up once /healthz answers at all; REST helpers."""
 
-    database_url: str
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    log_level: str = "warning"  # "info" writes the access log
-    proc: subprocess.Popen | None = None
-
-    def _env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-        env.update(
-            PENSIEVE_DATABASE_URL=self.database_url,
-            PENSIEVE_ADMIN_TOKEN=ADMIN,
-            PENSIEVE_DEVICE="cpu",
-            PENSIEVE_MAX_TOKENS_DEFAULT="24",
-        )
-        env.update(self.env)
-        return env
-
-    def start(self, timeout: float = 180.0) -> Server:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
-        cmd = [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--log-level",
-            self.log_level,
-        ]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self._env(), stdout=log, stderr=log)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code in (200, 503):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"server did not come up in {timeout:.0f}s:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+    admin_token: str = ADMIN
+    defaults: ClassVar[dict[str, str]] = {
+        "PENSIEVE_DEVICE": "cpu",
+        "PENSIEVE_MAX_TOKENS_DEFAULT": "24",
+    }
 
     # --- REST helpers ------------------------------------------------------------------
-    def user(self, name: str = "tester") -> str:
-        """A new owner through `pensieve users create`; its token is the last output line."""
-        out = subprocess.run(
-            [sys.executable, "-m", "app.cli", "users", "create", name],
-            cwd=ROOT,
-            env=self._env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[-1]
-
     def new_chat(self, token: str, **body) -> str:
         r = httpx.post(self.url + "/api/conversations", json=body, headers=auth(token))
         assert r.status_code == 201, r.text
@@ -190,9 +107,7 @@ def server_on(database: str, tmp: Path, env: dict[str, str]) -> Iterator[Server]
     if database == "sqlite":
         url, db = f"sqlite+aiosqlite:///{tmp}/pensieve.db", None
     else:
-        services.ensure_postgres()
-        db = services.create_database()
-        url = services.pg_async_url(db)
+        db, url = services.new_database()
     srv = Server(url, tmp / "server.log", env=env).start()
     try:
         yield srv

@@ -1,5 +1,7 @@
-"""A real cluster for tests and the load test: N `pensieve serve --cluster` replicas on one
-PostgreSQL database and one Redis, behind HAProxy (the config `pensieve cluster` writes)."""
+"""A real cluster for tests: N `pensieve serve --cluster` replicas on one PostgreSQL database
+and one Redis, behind HAProxy (the config `pensieve cluster` writes). The replicas are started
+one by one, not by `pensieve cluster` (bench.harness.LocalCluster), so that a test can kill
+and restart each itself."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import redis
 
 from app import haproxy
 from app.cluster import replica_id
+from bench import harness
+from bench.harness import Local, free_port, wait_port
 from tests import services
-from tests.app_fixtures import ADMIN, Local, Server, auth
-from tests.services import free_port, wait_port
+from tests.app_fixtures import ADMIN, Server, auth
 
 # Small, fast replicas: a random-weight tiny model, small pools, short replies, no quota.
 REPLICA_ENV = {
@@ -67,7 +70,7 @@ class Cluster:
 
     servers: list[Server]
     front: Front
-    redis_server: services.RedisServer
+    redis_server: harness.RedisServer
     database: str
     redis: redis.Redis = field(init=False)
 
@@ -115,11 +118,9 @@ def start_cluster(tmp: Path, n: int = 3, env: dict[str, str] | None = None) -> C
     """Start everything; the database is migrated once, before the replicas start."""
     from store.migrate import upgrade_async
 
-    services.ensure_postgres()
-    db = services.create_database()
-    url = services.pg_async_url(db)
+    db, url = services.new_database()
     asyncio.run(upgrade_async(url))
-    rs = services.RedisServer().start()
+    rs = harness.RedisServer().start()
     envs = {**REPLICA_ENV, "PENSIEVE_REDIS_URL": rs.url, **(env or {})}
     servers = [Server(url, tmp / f"replica{i}.log", env=envs) for i in range(n)]
     errors: list[BaseException] = []

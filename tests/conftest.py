@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import harness
 from tests import services
 
 
@@ -44,18 +45,18 @@ _redis_dbs = itertools.cycle(_own_redis_dbs())
 def _service(start: Callable[[], None]) -> None:
     try:
         start()
-    except services.ServiceError as e:
+    except harness.ServiceError as e:
         pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def postgres() -> None:
-    _service(services.ensure_postgres)
+    _service(harness.ensure_postgres)
 
 
 @pytest.fixture(scope="session")
 def redis_service() -> None:
-    _service(services.ensure_redis)
+    _service(harness.ensure_redis)
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def pg_url(postgres: None) -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test (asyncpg URL); dropped afterwards."""
     try:
         name = services.create_database()
-    except services.ServiceError as e:
+    except harness.ServiceError as e:
         pytest.fail(str(e), pytrace=False)
     yield services.pg_async_url(name)
     services.drop_database(name)
@@ -80,7 +81,7 @@ def redis_url(redis_service: None) -> Iterator[str]:
     import redis
 
     db = next(_redis_dbs)
-    url = f"redis://{services.REDIS_HOST}:{services.REDIS_PORT}/{db}"
+    url = f"redis://{harness.REDIS_HOST}:{harness.REDIS_PORT}/{db}"
     client = redis.Redis.from_url(url)
     client.flushdb()
     yield url
@@ -89,12 +90,12 @@ def redis_url(redis_service: None) -> Iterator[str]:
 
 
 @pytest.fixture
-def redis_server() -> Iterator[services.RedisServer]:
+def redis_server() -> Iterator[harness.RedisServer]:
     """A redis-server of this test's own on a free port; the test may kill() and start() it."""
-    server = services.RedisServer()
+    server = harness.RedisServer()
     try:
         server.start()
-    except services.ServiceError as e:
+    except harness.ServiceError as e:
         pytest.fail(str(e), pytrace=False)
     yield server
     server.kill()

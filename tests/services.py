@@ -1,109 +1,13 @@
-"""Start the PostgreSQL and Redis services tests need, when they are not already running."""
+"""A PostgreSQL database of a test's own on the machine's PostgreSQL (bench/harness.py starts
+it when it is not running)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
-PG_HOST, PG_PORT, PG_USER = "127.0.0.1", 5432, "postgres"
-REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
-
-
-class ServiceError(RuntimeError):
-    pass
-
-
-def port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def wait_port(host: str, port: int, timeout: float = 30.0, up: bool = True) -> None:
-    """Wait until the port accepts connections (or, with up=False, until it refuses them)."""
-    deadline = time.monotonic() + timeout
-    while port_open(host, port) != up:
-        if time.monotonic() > deadline:
-            state = "accept connections" if up else "close"
-            raise ServiceError(f"{host}:{port} did not {state} within {timeout:.0f}s")
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd: list[str], what: str) -> None:
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise ServiceError(f"cannot start {what}: {cmd[0]} is not installed") from None
-    except subprocess.CalledProcessError as e:
-        raise ServiceError(
-            f"cannot start {what}: {' '.join(cmd)} exited {e.returncode}: {e.stderr.strip()}"
-        ) from None
-
-
-def _start(cmd: list[str], what: str, host: str, port: int) -> None:
-    """Run a service's start command; when it fails because another test process (a
-    pytest-xdist worker) started the service meanwhile, the port answers: that will do."""
-    try:
-        _run(cmd, what)
-    except ServiceError:
-        try:
-            wait_port(host, port, timeout=10)
-        except ServiceError:
-            pass
-        else:
-            return
-        raise
-    wait_port(host, port)
-
-
-def ensure_postgres() -> None:
-    if port_open(PG_HOST, PG_PORT):
-        return
-    conf = Path("/etc/postgresql")
-    versions = sorted(conf.iterdir()) if conf.is_dir() else []
-    if not versions:
-        raise ServiceError(
-            "PostgreSQL is not running and no cluster is configured in /etc/postgresql"
-        )
-    _start(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1].name, "main", "start"],
-        "PostgreSQL",
-        PG_HOST,
-        PG_PORT,
-    )
-
-
-def ensure_redis() -> None:
-    if port_open(REDIS_HOST, REDIS_PORT):
-        return
-    for d in ("/var/lib/redis", "/var/log/redis"):
-        os.makedirs(d, exist_ok=True)
-    # Each argument on its own: "--bind" takes both addresses.
-    _start(
-        [
-            "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1",
-            "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
-            "--dir", "/var/lib/redis", "--logfile", "/var/log/redis/ci.log",
-        ],
-        "Redis",
-        REDIS_HOST,
-        REDIS_PORT,
-    )  # fmt: skip
+from bench.harness import PG_HOST, PG_PORT, PG_USER, ServiceError, ensure_postgres
 
 
 def psql(sql: str, database: str = "postgres") -> str:
@@ -133,48 +37,8 @@ def pg_async_url(name: str) -> str:
     return f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
 
 
-@dataclass
-class RedisServer:
-    """A throwaway redis-server on its own port, which a test may kill and restart."""
-
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{REDIS_HOST}:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        if shutil.which("redis-server") is None:
-            raise ServiceError("redis-server is not installed")
-        self.proc = subprocess.Popen(
-            [
-                "redis-server", "--bind", REDIS_HOST, "--port", str(self.port),
-                "--save", "", "--appendonly", "no", "--daemonize", "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            wait_port(REDIS_HOST, self.port, timeout=10)
-        except ServiceError:
-            self.kill()
-            raise
-        return self
-
-    def pause(self) -> None:
-        """Freeze the server (SIGSTOP): connections hang instead of being refused."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused server must still die
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-        wait_port(REDIS_HOST, self.port, timeout=10, up=False)
+def new_database() -> tuple[str, str]:
+    """A new database, PostgreSQL started first if need be: its name and asyncpg URL."""
+    ensure_postgres()
+    name = create_database()
+    return name, pg_async_url(name)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import redis
 
-from tests import services
+from bench import harness
 from tests.app_fixtures import Server, connect, say, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,7 +18,7 @@ KEY = "pensieve:activity"  # the RedisClock's sorted set: conversation id -> uni
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = services.RedisServer().start()
+    server = harness.RedisServer().start()
     yield server
     server.kill()
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -17,14 +14,14 @@ from app import haproxy
 from app.cluster import forward_key
 from app.directory import Directory
 from app.handoff import FORWARDED, _accept_forwarded, conversation_in
+from bench import harness
 from tests import services
-from tests.app_fixtures import ADMIN, ROOT, auth
-from tests.services import free_port
+from tests.app_fixtures import ADMIN
 
 
 @pytest.fixture
 def redis_url():
-    rs = services.RedisServer().start()
+    rs = harness.RedisServer().start()
     try:
         yield rs.url
     finally:
@@ -112,42 +109,28 @@ def test_only_a_replica_can_mark_a_request_forwarded():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pensieve_cluster_starts_replicas_and_haproxy_and_stops_them(tmp_path):
-    services.ensure_postgres()
-    db = services.create_database()
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
-    env.update(PENSIEVE_ADMIN_TOKEN=ADMIN, PENSIEVE_DEVICE="cpu")
-    cmd = [sys.executable, "-m", "app.cli", "cluster", "--replicas", "2", "--port", str(port),
-           "--model", "dummy:tiny", "--gpu-cache-chunks", "16", "--cpu-cache-chunks", "16",
-           "--database-url", services.pg_async_url(db), "--log-level", "warning"]  # fmt: skip
-    log = open(tmp_path / "cluster.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    db, url = services.new_database()
+    cluster = harness.LocalCluster(
+        url,
+        tmp_path / "cluster.log",
+        env={"PENSIEVE_DEVICE": "cpu"},
+        args=["--model", "dummy:tiny", "--gpu-cache-chunks", "16", "--cpu-cache-chunks", "16"],
+        admin_token=ADMIN,
+        replicas=2,
+    )
     try:
-        deadline = time.monotonic() + 300
-        listing = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/admin/cluster", headers=auth(ADMIN))
-                if r.status_code == 200 and sum(x["alive"] for x in r.json()["replicas"]) == 2:
-                    listing = r.json()
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        assert listing is not None, (tmp_path / "cluster.log").read_text()[-3000:]
+        cluster.start(timeout=300)
+        listing = cluster.listing()
         pids = [r["pid"] for r in listing["replicas"]]
         ports = sorted(int(r["id"].rsplit(":", 1)[1]) for r in listing["replicas"])
-        assert ports == [port + 1, port + 2]
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        assert proc.wait(60) == 0
+        assert ports == [cluster.port + 1, cluster.port + 2]
+        cluster.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert cluster.proc.wait(60) == 0
         for pid in pids:  # every replica is gone, and the front with them
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port}/healthz")
+            httpx.get(f"{cluster.url}/healthz")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        cluster.kill()
         services.drop_database(db)

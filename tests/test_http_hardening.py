@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench import harness
+from bench.harness import ROOT
 from tests import services
-from tests.app_fixtures import ADMIN, ROOT, Server, auth
+from tests.app_fixtures import ADMIN, Server, auth
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -374,8 +376,8 @@ class Blackhole:
 
 
 def test_a_blackholed_database_is_reported_fast_and_recovers(tmp_path, pg_db):
-    hole = Blackhole(services.PG_HOST, services.PG_PORT)
-    url = f"postgresql+asyncpg://{services.PG_USER}@127.0.0.1:{hole.port}/{pg_db}"
+    hole = Blackhole(harness.PG_HOST, harness.PG_PORT)
+    url = f"postgresql+asyncpg://{harness.PG_USER}@127.0.0.1:{hole.port}/{pg_db}"
     env = {**FAST, "PENSIEVE_DATABASE_TIMEOUT_S": "2"}
     srv = Server(url, tmp_path / "server.log", env=env).start()
     try:
@@ -407,7 +409,7 @@ def test_a_blackholed_database_is_reported_fast_and_recovers(tmp_path, pg_db):
 
 
 def test_an_unreachable_database_at_start_is_one_line(tmp_path):
-    port = services.free_port()  # nothing listens there
+    port = harness.free_port()  # nothing listens there
     env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
     url = f"postgresql+asyncpg://postgres:hunter2@127.0.0.1:{port}/pensieve"
     out = subprocess.run(

@@ -6,13 +6,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.app_fixtures import ROOT
-from tests.services import free_port
+from bench import harness
+from bench.harness import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -50,34 +49,27 @@ def test_installed_package_serves_pages_and_migrates(tmp_path):
     assert all(line.startswith(str(target)) for line in where.split()), where
     python("from store.migrate import upgrade, current; upgrade(); assert current() is not None")
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)]
-    cmd += ["--model", "dummy:tiny", "--device", "cpu", "--log-level", "warning"]
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=log)
+    srv = harness.Server(
+        env["PENSIEVE_DATABASE_URL"],
+        tmp_path / "server.log",
+        env={"PYTHONPATH": str(target)},
+        args=["--model", "dummy:tiny", "--device", "cpu"],
+        admin_token="t",
+        cwd=run_dir,
+    )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the installed server did not come up"
-            time.sleep(0.2)
-        page = httpx.get(f"http://127.0.0.1:{port}/")
+        srv.start(timeout=120, healthy=True)
+        url = srv.url
+        page = httpx.get(f"{url}/")
         assert page.status_code == 200 and "/static/chat.js" in page.text
-        script = httpx.get(f"http://127.0.0.1:{port}/static/chat.js")
+        script = httpx.get(f"{url}/static/chat.js")
         assert script.status_code == 200
         assert script.text == (ROOT / "web" / "chat.js").read_text()
         # The vendored libraries ship too, licenses included.
         for name in ("vendor/marked.js", "vendor/purify.min.js", "vendor/uPlot.min.js",
                      "vendor/LICENSE.dompurify", "markdown.js"):  # fmt: skip
-            asset = httpx.get(f"http://127.0.0.1:{port}/static/{name}")
+            asset = httpx.get(f"{url}/static/{name}")
             assert asset.status_code == 200, name
             assert asset.content == (ROOT / "web" / name).read_bytes(), name
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        srv.stop()

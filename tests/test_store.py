@@ -15,9 +15,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event, func, inspect, select, text
 
+from bench import harness
 from store import HistoryConflict, HistoryError, HistoryStore, db, hash_token, migrate
 from store.models import Base, Conversation, Message
-from tests.services import free_port
 
 TABLES = {"users", "conversations", "messages"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,7 +301,7 @@ def test_wal_switch_waits_for_a_busy_database_and_raises_other_errors() -> None:
 
 
 async def test_unreachable_database_is_a_clear_error() -> None:
-    s = HistoryStore(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nowhere")
+    s = HistoryStore(f"postgresql+asyncpg://postgres@127.0.0.1:{harness.free_port()}/nowhere")
     with pytest.raises(RuntimeError, match="cannot reach the database"):
         await s.start()
     await s.close()

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.app_fixtures import ADMIN, ROOT, Server, auth, connect, say
+from bench.harness import ROOT
+from tests.app_fixtures import ADMIN, Server, auth, connect, say
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,115 @@
+"""The chats this process serves now: their live sockets, their running turns, one turn per
+chat at a time, the per-owner turn quota, and the turn tasks shutdown waits for."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import weakref
+from collections import deque
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.chat import ChatSocket
+    from app.live import LiveTurn
+
+# Close codes the hub sends: a newer connection to the chat, the server stopping.
+REPLACED, GOING_AWAY = 4409, 1001
+
+
+class Hub:
+    """Live chat sockets by conversation: a newer connection replaces the older one."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, ChatSocket] = {}
+        self._arrivals = itertools.count()
+        # One turn at a time per chat, across sockets and the API; a lock lives while a turn
+        # holds or awaits it.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._tasks: set[asyncio.Task] = set()  # turns, some still committing after their client
+        self._running: dict[str, LiveTurn] = {}  # chat socket turns by conversation
+        self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
+
+    # --- one turn per chat ---------------------------------------------------------------
+    def lock(self, conversation_id: str) -> asyncio.Lock:
+        lock = self._locks.get(conversation_id)
+        if lock is None:
+            lock = self._locks[conversation_id] = asyncio.Lock()
+        return lock
+
+    def busy(self, conversation_id: str) -> bool:
+        """A socket is connected to the chat, or a turn holds its lock."""
+        lock = self._locks.get(conversation_id)
+        return conversation_id in self._live or (lock is not None and lock.locked())
+
+    def take_turn(self, owner_id: str, per_minute: int) -> float | None:
+        """Count a turn against its owner's quota; seconds to wait when it is spent."""
+        now = time.monotonic()
+        times = self._started.setdefault(owner_id, deque())
+        while times and now - times[0] >= 60.0:
+            times.popleft()
+        if len(times) >= per_minute:
+            return round(60.0 - (now - times[0]), 1)
+        times.append(now)
+        return None
+
+    def track(self, turn: Coroutine) -> asyncio.Task:
+        """Run a turn as a task of its own: it may outlive its client (it still commits),
+        and shutdown waits for it."""
+        task = asyncio.create_task(turn)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # --- chat sockets and their running turns ----------------------------------------------
+    def arrival(self) -> int:
+        """Connection order, taken before any await."""
+        return next(self._arrivals)
+
+    def sockets(self) -> int:
+        return len(self._live)
+
+    def running(self, conversation_id: str) -> LiveTurn | None:
+        """The chat socket turn of the conversation, whichever socket started it."""
+        return self._running.get(conversation_id)
+
+    def begin(self, turn: LiveTurn) -> None:
+        self._running[turn.conversation_id] = turn
+
+    def end(self, turn: LiveTurn) -> None:
+        if self._running.get(turn.conversation_id) is turn:
+            del self._running[turn.conversation_id]
+
+    async def claim(self, chat: ChatSocket) -> bool:
+        """Make `chat` the live socket of its conversation, unless a connection that arrived
+        later already is (their auth lookups may finish in either order)."""
+        old = self._live.get(chat.conversation_id)
+        if old is not None and old.arrival > chat.arrival:
+            await chat.close(REPLACED, "replaced by a newer connection")
+            return False
+        self._live[chat.conversation_id] = chat
+        if old is not None:  # a running reply goes on on the newer connection
+            await old.close(REPLACED, "replaced by a newer connection")
+        return True
+
+    def release(self, chat: ChatSocket) -> None:
+        if self._live.get(chat.conversation_id) is chat:
+            del self._live[chat.conversation_id]
+
+    async def close_chat(self, conversation_id: str, code: int, reason: str) -> None:
+        turn = self._running.get(conversation_id)
+        if turn is not None:  # no one will come back to it
+            turn.cancel()
+        chat = self._live.pop(conversation_id, None)
+        if chat is not None:
+            await chat.close(code, reason)
+
+    async def drain(self) -> None:
+        for turn in list(self._running.values()):
+            turn.cancel()
+        for chat in list(self._live.values()):
+            await chat.close(GOING_AWAY, "server shutting down")
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
