@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import Server
 from bench.lib.common import RESULTS, environment
+from bench.lib.harness import Server
 
 ADMIN = "bench-admin-token"
 CHROMIUM = os.environ.get("PENSIEVE_CHROMIUM", "/usr/bin/chromium")

@@ -35,8 +35,8 @@ import httpx
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.harness import LocalCluster, PostgresServer, RedisServer
 from bench.lib.common import RESULTS, environment
+from bench.lib.harness import LocalCluster, PostgresServer, RedisServer
 
 RECONNECT_S = 120.0  # a chat gives up on a turn after this long without an answer
 

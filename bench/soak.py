@@ -45,7 +45,15 @@ import httpx
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.harness import HOST, ROOT, PostgresServer, RedisServer, Server, ServiceError, port_open
+from bench.lib.harness import (
+    HOST,
+    ROOT,
+    PostgresServer,
+    RedisServer,
+    Server,
+    ServiceError,
+    port_open,
+)
 
 FAULTS = ("redis", "postgres-fast", "postgres-immediate", "postgres-freeze")
 DEFAULT_FAULTS = ("redis", "postgres-fast", "postgres-immediate")

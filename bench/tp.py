@@ -174,7 +174,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, device: str, dim: int, dt
 
 def all_reduce_cost(world: int, device: str, dim: int, dtype) -> dict:
     """Microseconds per all-reduce of [tokens, dim] (back to back, host time), and per layer."""
-    from bench.harness import free_port
+    from bench.lib.harness import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()

@@ -14,7 +14,7 @@ from typing import ClassVar
 import httpx
 import websockets
 
-from bench import harness
+from bench.lib import harness
 from tests import services
 
 ADMIN = "test-admin-token"

@@ -1,6 +1,6 @@
 """A real cluster for tests: N `pensieve serve --cluster` replicas on one PostgreSQL database
 and one Redis, behind HAProxy (the config `pensieve cluster` writes). The replicas are started
-one by one, not by `pensieve cluster` (bench.harness.LocalCluster), so that a test can kill
+one by one, not by `pensieve cluster` (bench.lib.harness.LocalCluster), so that a test can kill
 and restart each itself."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import redis
 
 from app import haproxy
 from app.cluster import replica_id
-from bench import harness
-from bench.harness import Local, free_port, wait_port
+from bench.lib import harness
+from bench.lib.harness import Local, free_port, wait_port
 from tests import services
 from tests.app_fixtures import ADMIN, Server, auth
 

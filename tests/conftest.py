@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import harness
+from bench.lib import harness
 from tests import services
 
 

@@ -1,4 +1,4 @@
-"""A PostgreSQL database of a test's own on the machine's PostgreSQL (bench/harness.py starts
+"""A PostgreSQL database of a test's own on the machine's PostgreSQL (bench/lib/harness.py starts
 it when it is not running)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import uuid
 
-from bench.harness import PG_HOST, PG_PORT, PG_USER, ServiceError, ensure_postgres
+from bench.lib.harness import PG_HOST, PG_PORT, PG_USER, ServiceError, ensure_postgres
 
 
 def psql(sql: str, database: str = "postgres") -> str:

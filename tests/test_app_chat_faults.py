@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from bench import harness
+from bench.lib import harness
 from tests import services
 from tests.app_fixtures import TINY, Reply, Server, auth, connect, recv, say, until_done
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import redis
 
-from bench import harness
+from bench.lib import harness
 from tests.app_fixtures import Server, connect, say, wait_for
 
 pytestmark = pytest.mark.timeout(300)

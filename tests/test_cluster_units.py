@@ -14,7 +14,7 @@ from app import haproxy
 from app.cluster import forward_key
 from app.directory import Directory
 from app.handoff import FORWARDED, _accept_forwarded, conversation_in
-from bench import harness
+from bench.lib import harness
 from tests import services
 from tests.app_fixtures import ADMIN
 

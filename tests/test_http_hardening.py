@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import harness
-from bench.harness import ROOT
+from bench.lib import harness
+from bench.lib.harness import ROOT
 from tests import services
 from tests.app_fixtures import ADMIN, Server, auth
 

@@ -10,8 +10,8 @@ import sys
 import httpx
 import pytest
 
-from bench import harness
-from bench.harness import ROOT
+from bench.lib import harness
+from bench.lib.harness import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

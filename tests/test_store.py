@@ -15,7 +15,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event, func, inspect, select, text
 
-from bench import harness
+from bench.lib import harness
 from store import HistoryConflict, HistoryError, HistoryStore, db, hash_token, migrate
 from store.models import Base, Conversation, Message
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.harness import ROOT
+from bench.lib.harness import ROOT
 from tests.app_fixtures import ADMIN, Server, auth, connect, say
 
 pytestmark = pytest.mark.timeout(300)

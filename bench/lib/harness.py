@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Self
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.lib.common import ROOT
+
 HOST = "127.0.0.1"
 # The machine's own services, shared by the tests.
 PG_HOST, PG_PORT, PG_USER = HOST, 5432, "postgres"
