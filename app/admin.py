@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.api import problem
 from app.auth import is_admin
+from app.rest import problem
 from app.services import services
 from store.models import Conversation
 

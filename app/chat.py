@@ -10,7 +10,6 @@ import time
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app import edits
 from app.auth import origin_allowed, owner_token
 from app.frames import (
     BadFrame,
@@ -22,7 +21,8 @@ from app.frames import (
 )
 from app.live import LiveTurn
 from app.services import Services, services
-from app.turns import DB_ERRORS, ChatTurn
+from app.turns import edits
+from app.turns.pipeline import DB_ERRORS, ChatTurn
 
 log = logging.getLogger("pensieve.chat")
 

@@ -124,7 +124,7 @@ async def _create_user(settings: Settings, name: str) -> str:
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from app import launcher
+    from app.cluster import launcher
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from app.turns import Done, Streamed
+from app.turns.pipeline import Done, Streamed
 
 log = logging.getLogger("pensieve.chat")
 

@@ -12,10 +12,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, api, cluster, openai_api, pages
+from app import admin, openai_api, pages, rest
 from app.auth import admin_token_from_file
 from app.chat import chat_endpoint
-from app.handoff import HandOff
+from app.cluster import replica
+from app.cluster.handoff import HandOff
 from app.limits import RateLimit
 from app.logs import redact_access_logs
 from app.middleware import SameOriginWrites, SecurityHeaders
@@ -79,17 +80,17 @@ async def lifespan(app: Starlette):
             await sv.hub.drain()
 
 
-async def _join_cluster(settings: Settings, sv: Services) -> cluster.Cluster:
-    from app.directory import Directory
+async def _join_cluster(settings: Settings, sv: Services) -> replica.Cluster:
+    from app.cluster.directory import Directory
 
-    me = settings.replica_id or cluster.replica_id(settings.host, settings.port)
-    member = cluster.Cluster(
+    me = settings.replica_id or replica.replica_id(settings.host, settings.port)
+    member = replica.Cluster(
         Directory(
-            settings.redis_url, me, alive_ttl_s=cluster.ALIVE_TTL_S, home_ttl_s=cluster.HOME_TTL_S
+            settings.redis_url, me, alive_ttl_s=replica.ALIVE_TTL_S, home_ttl_s=replica.HOME_TTL_S
         ),
-        settings.replica_url or cluster.replica_url(settings.host, settings.port),
+        settings.replica_url or replica.replica_url(settings.host, settings.port),
         sv,
-        cluster.forward_key(sv.admin_token),
+        replica.forward_key(sv.admin_token),
     )
     await member.start()
     return member
@@ -98,7 +99,7 @@ async def _join_cluster(settings: Settings, sv: Services) -> cluster.Cluster:
 async def database_unavailable(request: Request, exc: Exception) -> Response:
     """A database that fails or does not answer in time: a clear 503 instead of a 500."""
     log.warning("%s %s: database unavailable: %s", request.method, request.url.path, exc)
-    return api.problem(
+    return rest.problem(
         503,
         "database_unavailable",
         "the database is not answering; try again shortly",
@@ -110,10 +111,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     app = Starlette(
         routes=[
-            *api.routes,
+            *rest.routes,
             *openai_api.routes,
             *admin.routes,
-            *cluster.routes,
+            *replica.routes,
             WebSocketRoute("/ws/chat/{conversation_id}", chat_endpoint),
             *pages.routes,
         ],

@@ -2,9 +2,9 @@
 chat socket.
 
 A client resends the whole chat each turn; the request continues the owner's conversation
-that stores the longest prefix of it (app/matching.py), or the one its `X-Session-ID`
+that stores the longest prefix of it (app/turns/matching.py), or the one its `X-Session-ID`
 header / `prompt_cache_key` names. A history the client edited or cut cuts the conversation
-back to the common prefix first. The turn itself is the chat socket's (app/turns.py), so a
+back to the common prefix first. The turn itself is the chat socket's (app/turns/pipeline.py), so a
 /v1 turn is stored exactly like a socket turn."""
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app import handoff, matching
-from app.api import BadRequest, read_body
 from app.auth import bearer
+from app.cluster import handoff
 from app.frames import TurnRequest, check_text
+from app.rest import BadRequest, read_body
 from app.services import Services, services
-from app.stops import StopMatcher
-from app.turns import DB_ERRORS, ChatTurn, Done, Streamed
+from app.turns import matching
+from app.turns.pipeline import DB_ERRORS, ChatTurn, Done, Streamed
+from app.turns.stops import StopMatcher
 from engine.types import SamplingParams
 
 TITLE_CHARS = 80

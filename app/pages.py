@@ -12,9 +12,9 @@ from starlette.responses import FileResponse, HTMLResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from app.api import BadRequest, current_user, parse_body, problem
 from app.auth import ADMIN_COOKIE, OWNER_COOKIE
 from app.limits import retry_after
+from app.rest import BadRequest, current_user, parse_body, problem
 from app.services import services
 
 YEAR = 365 * 24 * 3600

@@ -15,7 +15,7 @@ from app.metrics import Metrics
 from app.settings import Settings
 
 if TYPE_CHECKING:  # the engine loads torch, and the cluster refers back to Services
-    from app.cluster import Cluster
+    from app.cluster.replica import Cluster
     from engine import AsyncEngine
     from engine.history import LocalClock
     from store import HistoryStore, RedisClock

@@ -114,7 +114,7 @@ class Message(Base):
     # is the messages from the last such one on (or from the first message).
     starts_context: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
-    # On a reply: hash of the system prompt and every message up to this one (app/matching.py),
+    # On a reply: hash of the system prompt and every message up to this one (app/turns/matching.py),
     # so that a request resending the whole chat finds where it continues by an index lookup.
     prefix_hash: Mapped[str | None] = mapped_column(String(64), index=True)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from app import haproxy
-from app.cluster import replica_id
+from app.cluster import haproxy
+from app.cluster.replica import replica_id
 from bench.lib import harness
 from bench.lib.harness import Local, free_port, wait_port
 from tests import services

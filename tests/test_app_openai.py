@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from app.stops import StopMatcher
+from app.turns.stops import StopMatcher
 from tests.app_fixtures import TINY, Server, auth, server_on, wait_for
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,11 +10,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.chat import ws_max_size
-from app.detok import Detokenizer
 from app.frames import BadFrame, parse_json, parse_message
-from app.prompt import chat_messages, common_prefix, render_delta
 from app.settings import Settings
-from app.window import NoRoom, plan_turn
+from app.turns.detok import Detokenizer
+from app.turns.prompt import chat_messages, common_prefix, render_delta
+from app.turns.window import NoRoom, plan_turn
 from engine.loader import convert_bundled
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from app.cluster import ALIVE_TTL_S, HEARTBEAT_S, replica_id
+from app.cluster.replica import ALIVE_TTL_S, HEARTBEAT_S, replica_id
 from tests.app_fixtures import ADMIN, auth, connect, recv, say
 from tests.cluster_fixtures import Cluster, start_cluster
 

@@ -10,10 +10,10 @@ import signal
 import httpx
 import pytest
 
-from app import haproxy
-from app.cluster import forward_key
-from app.directory import Directory
-from app.handoff import FORWARDED, _accept_forwarded, conversation_in
+from app.cluster import haproxy
+from app.cluster.directory import Directory
+from app.cluster.handoff import FORWARDED, _accept_forwarded, conversation_in
+from app.cluster.replica import forward_key
 from bench.lib import harness
 from tests import services
 from tests.app_fixtures import ADMIN

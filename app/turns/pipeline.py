@@ -16,11 +16,11 @@ from typing import Protocol
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app import matching
-from app.detok import Detokenizer
 from app.frames import TurnRequest
 from app.services import Services
-from app.window import NoRoom, Plan, plan_turn
+from app.turns import matching
+from app.turns.detok import Detokenizer
+from app.turns.window import NoRoom, Plan, plan_turn
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.types import Turn
 from store import HistoryConflict

@@ -3,7 +3,7 @@ where a conversation is served, and the `/api/admin/cluster` listing.
 
 A conversation is served by its home replica (whose engine holds its cache). A replica asked
 about a conversation claims it when it has no live home (`Directory.claim`); otherwise the
-request is handed to the home (app/handoff.py). A replica that finds a home unreachable
+request is handed to the home (app/cluster/handoff.py). A replica that finds a home unreachable
 takes the conversation over at once instead of waiting for the home's TTL to lapse. Taking a
 conversation over drops any stale copy this engine holds, so the turn rebuilds its context
 from SQL, as after a restart.
@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.auth import is_admin
-from app.directory import Directory, Home
+from app.cluster.directory import Directory, Home
 from app.services import Services, services
 
 log = logging.getLogger("pensieve.cluster")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.prompt import chat_messages, encode, render, render_delta, text_of
+from app.turns.prompt import chat_messages, encode, render, render_delta, text_of
 
 # A fresh window fills at most this share of the limit, the reply's room included, so that
 # the next turns fit again without rebuilding every time.

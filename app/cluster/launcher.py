@@ -2,7 +2,7 @@
 
 The replicas are ordinary `pensieve serve --cluster` processes on ports P+1..P+N (or free
 ports where those are taken), sharing the database, Redis and the admin token; HAProxy
-(app/haproxy.py) listens on P. The launcher migrates the database once before the replicas
+(app/cluster/haproxy.py) listens on P. The launcher migrates the database once before the replicas
 start (so they do not race on it), restarts a replica that exits on its own, and stops them
 all on Ctrl-C or SIGTERM. On real hosts the same layout is run by hand (docs/deploy.md).
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from app import haproxy
-from app.cluster import replica_id
+from app.cluster import haproxy
+from app.cluster.replica import replica_id
 
 log = logging.getLogger("pensieve.cluster")
 

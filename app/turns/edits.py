@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from app.frames import TurnRequest
 from app.services import Services
-from app.turns import Sink
+from app.turns.pipeline import Sink
 
 
 async def _cut_back(

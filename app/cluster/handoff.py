@@ -9,7 +9,7 @@ there, so a turn never rebuilds a cache another replica holds.
 
 A relayed request carries `X-Pensieve-Forwarded` (a MAC only replicas can make) and the
 client's Host: the home serves it as if it had come to it directly, and never hands it on
-again. A home that does not accept the connection is taken over (app/cluster.py) and the
+again. A home that does not accept the connection is taken over (app/cluster/replica.py) and the
 request is served here. The one-live-connection rule needs nothing more: every socket of a
 chat ends at its home, whose Hub closes the older one with 4409.
 """
@@ -30,7 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from app.directory import Home
+from app.cluster.directory import Home
 from app.services import services
 
 log = logging.getLogger("pensieve.cluster")
