@@ -29,7 +29,7 @@ log = logging.getLogger("pensieve")
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette):
     from engine import AsyncEngine
-    from engine.history import LocalClock
+    from engine.persistence import LocalClock
     from store import HistoryStore, RedisClock
     from store.migrate import upgrade_async
 

@@ -17,7 +17,7 @@ from app.settings import Settings
 if TYPE_CHECKING:  # the engine loads torch, and the cluster refers back to Services
     from app.cluster.replica import Cluster
     from engine import AsyncEngine
-    from engine.history import LocalClock
+    from engine.persistence import LocalClock
     from store import HistoryStore, RedisClock
 
 

@@ -14,9 +14,9 @@ import statistics
 import time
 
 from bench.lib.common import environment
-from engine.cache import KVCacheManager
-from engine.history import LocalClock
-from engine.policy import CostModel, Policy
+from engine.cache.manager import KVCacheManager
+from engine.cache.policy import CostModel, Policy
+from engine.persistence import LocalClock
 
 CS = 32
 

@@ -128,7 +128,7 @@ def run_generate_batch(convs, args) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    from engine.loader import model_dir
+    from engine.model.loader import model_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_dir(args.model), dtype=torch.float32).eval()
     gen = GenerationConfig(

@@ -77,7 +77,7 @@ class Layer:
     """One layer's elementwise inputs, and its elementwise work both ways."""
 
     def __init__(self, s: Shape, t: int, dtype: torch.dtype, device: torch.device) -> None:
-        from engine.model import RMSNorm
+        from engine.model.decoder import RMSNorm
 
         self.s, self.t = s, t
         g = torch.Generator(device=device).manual_seed(0)
@@ -104,8 +104,8 @@ class Layer:
         self.norm2 = RMSNorm(s.dim, 1e-5).to(dtype).to(device)
 
     def unfused(self) -> None:
-        """Block.forward's elementwise code (engine/model.py), in its order."""
-        from engine.model import rotate_half
+        """Block.forward's elementwise code (engine/model/decoder.py), in its order."""
+        from engine.model.decoder import rotate_half
         from kernels import write_kv
 
         s, t = self.s, self.t

@@ -152,7 +152,7 @@ def hbm_bandwidth(device, mib: int) -> dict[str, float]:
     """Bytes per second of a large device-to-device copy (each byte read once, written once)."""
     import torch
 
-    from engine.profile import timed
+    from engine.cache.profile import timed
 
     src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
     src.fill_(1)
@@ -291,7 +291,7 @@ def _decode_line(r: dict[str, Any]) -> str:
 
 def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
     """The committed sample; the dry run keeps short pieces of a few conversations that fit."""
-    from engine.loader import model_args
+    from engine.model.loader import model_args
 
     convs, info = read_sample(Path(s.sample))
     limit = model_args(s.model).max_context

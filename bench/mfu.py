@@ -52,7 +52,7 @@ def matmul_rate(device, dtype, sizes: list[int], repeats: int = 10) -> dict[str,
     """Dense n x n x n matmul rate (flop/s) per size; the best is the device's rate."""
     import torch
 
-    from engine.profile import timed
+    from engine.cache.profile import timed
 
     rates = {}
     for n in sizes:

@@ -18,11 +18,12 @@ import time
 import torch
 
 from bench.lib.common import environment
-from engine.cache import CopyPlan
-from engine.conversation import Chunk, ChunkTable, StreamState
+from engine.cache.chunks import Chunk, ChunkTable
+from engine.cache.manager import CopyPlan
 from engine.request import Request
 from engine.runner import Runner
 from engine.scheduler import Piece
+from engine.stream import StreamState
 from engine.types import SamplingParams, Turn, TurnStats
 
 CS = 32

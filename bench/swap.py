@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from bench.lib.common import RESULTS, device_name, environment, git_commit
-from engine.cache import CopyPlan
+from engine.cache.manager import CopyPlan
+from engine.cache.profile import timed
 from engine.kv_pool import KVPool
-from engine.loader import load
-from engine.profile import timed
-from engine.shapes import DUMMY_SHAPES
+from engine.model.loader import load
+from engine.model.shapes import DUMMY_SHAPES
 from kernels import AttentionMetadata
 
 

@@ -37,8 +37,8 @@ import torch.multiprocessing as mp
 
 from bench.lib.common import RESULTS, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
-from engine.loader import model_args
-from engine.shard import check_divisible
+from engine.model.loader import model_args
+from engine.model.shard import check_divisible
 
 DEFAULTS = {  # per device: model, convs, prompt, output, rounds, dtype
     "cuda": ("dummy:llama-2-7b", 16, 256, 64, 2, "bfloat16"),

@@ -1,7 +1,7 @@
 """Pensieve's serving engine: paged KV across turns, unified batching, GPU + CPU tiers."""
 
 from engine.errors import ConversationBusy, EngineOverloaded
-from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
+from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
 from engine.types import EngineConfig, SamplingParams, Turn, TurnResult, TurnStats
 

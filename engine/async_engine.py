@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from engine.engine import Engine
 from engine.errors import ConversationBusy, EngineOverloaded
-from engine.history import ActivityClock, TokenHistory
+from engine.persistence import ActivityClock, TokenHistory
 from engine.request import Request
 from engine.snapshot import EngineSnapshot
 from engine.types import EngineConfig, Turn, TurnResult

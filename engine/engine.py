@@ -11,16 +11,15 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from engine.cache import KVCacheManager, chain_hashes
-from engine.conversation import StreamState
+from engine.cache.manager import KVCacheManager, chain_hashes
+from engine.cache.policy import CostModel, Policy
+from engine.cache.profile import load_or_profile
 from engine.errors import ConversationBusy
 from engine.graphs import DecodeGraphs, bucket_sizes
-from engine.history import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.kv_pool import KVPool
-from engine.loader import cache_root, load
-from engine.packed import pack_linears
-from engine.policy import CostModel, Policy
-from engine.profile import load_or_profile
+from engine.model.loader import cache_root, load
+from engine.model.packed import pack_linears
+from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.request import FINISHED, RUNNING, Request
 from engine.runner import Runner
 from engine.sampler import make_generator
@@ -32,6 +31,7 @@ from engine.snapshot import (
     PoolUsage,
     SharingUsage,
 )
+from engine.stream import StreamState
 from engine.types import EngineConfig, Turn, TurnResult, TurnStats
 from kernels import pick_backend
 

@@ -19,8 +19,8 @@ import weakref
 
 import torch
 
-from engine.cache import CopyPlan
-from engine.shapes import ModelArgs
+from engine.cache.manager import CopyPlan
+from engine.model.shapes import ModelArgs
 from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ processes it spawns.
 
 Rank 0 runs the scheduler and the cache bookkeeping alone. Every forward it broadcasts one
 `Step` (the batch as plain lists, and the copy plans applied since the last step, in order)
-on a gloo group, and every rank runs it on its own shard (engine/shard.py) and its own KV pool
+on a gloo group, and every rank runs it on its own shard (engine/model/shard.py) and its own KV pool
 of n_kv_heads / N heads per chunk in both tiers: a swap, drop or recompute is one decision
 applied N times. The model's all-reduces and the logit gather run on the default group (NCCL
 on CUDA, gloo on the CPU), with a timeout. A worker that dies fails the engine with an error
@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.cache import CopyPlan
+from engine.cache.manager import CopyPlan
 from engine.kv_pool import KVPool
-from engine.loader import Loaded, load, own_tensors
-from engine.model import Decoder
-from engine.packed import pack_linears
+from engine.model.decoder import Decoder
+from engine.model.loader import Loaded, load, own_tensors
+from engine.model.packed import pack_linears
+from engine.model.shapes import ModelArgs
+from engine.model.shard import build_shard, check_divisible, set_group, shard_args
 from engine.runner import Runner, StepInputs
-from engine.shapes import ModelArgs
-from engine.shard import build_shard, check_divisible, set_group, shard_args
 from engine.types import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class TensorParallel:
     """Rank 0's side: the workers, the groups, the messages."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-        from engine.loader import model_args
+        from engine.model.loader import model_args
 
         self.config, self.dtype = config, dtype
         self.world = n = config.tensor_parallel
@@ -421,6 +421,6 @@ def _serve(config, rank, world, device, dtype, control) -> None:
 
 
 def model_args_of(config: EngineConfig) -> ModelArgs:
-    from engine.loader import model_args
+    from engine.model.loader import model_args
 
     return model_args(config.model, config.cache_dir)

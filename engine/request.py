@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from engine.conversation import ChunkTable, StreamState
+from engine.cache.chunks import ChunkTable
+from engine.stream import StreamState
 from engine.types import Turn, TurnResult, TurnStats
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"

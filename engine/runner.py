@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch, StepInputs, Uploader, build
-from engine.cache import CopyPlan
+from engine.cache.manager import CopyPlan
 from engine.graphs import DecodeGraphs
 from engine.kv_pool import KVPool
-from engine.model import Decoder
+from engine.model.decoder import Decoder
 from engine.sampler import Sampler
 from engine.scheduler import Piece
 

@@ -4,7 +4,7 @@
 - `silu_mul`: SiLU(gate) * up of a gated MLP, from the fused gate/up projection's output.
 - `rope_write_kv`: rotary positions on q and k, and k/v written (or quantized) into the pool.
 
-Each rounds to the input dtype wherever the unfused PyTorch code of engine/model.py does
+Each rounds to the input dtype wherever the unfused PyTorch code of engine/model/decoder.py does
 (every elementwise op there rounds its result), computing in float32 in between, so the
 fused results equal the unfused ones up to the reduction order of the norm and the
 implementation of exp/rsqrt. The PyTorch code stays the CPU path and the tests' reference."""

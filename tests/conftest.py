@@ -16,7 +16,7 @@ from tests import services
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """`pytest -m gpu` imports only the test files that hold GPU tests: a lent GPU machine
-    has no web stack, which the other files import. (tests/test_bare_gpu.py checks that this
+    has no web stack, which the other files import. (tests/bench/test_bare_gpu.py checks that this
     collects the same GPU tests as a full collection does.)"""
     if not _gpu_selected(config) or not collection_path.name.startswith("test_"):
         return None

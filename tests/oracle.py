@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine
-from engine.loader import dummy_state, model_dir
+from engine.model.loader import dummy_state, model_dir
 
 
 def hf_model(engine: Engine):

@@ -44,7 +44,7 @@ def size_pools(preset: Preset) -> Preset:
 
 def model_args(model: str):
     """The model's shape without loading its weights."""
-    from engine.loader import model_args as shape
+    from engine.model.loader import model_args as shape
 
     return shape(model)
 

