@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-chunks", type=int, default=128)
     p.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default=None, help="result name (default cluster_<device>)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON and PNG go")
     args = p.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     name = args.out or f"cluster_{args.device}"
     pg, redis = PostgresServer(), RedisServer()
     log = Path(tempfile.gettempdir()) / f"pensieve-{name}.log"  # the replicas' and HAProxy's
@@ -342,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop(60)
         redis.kill()
         pg.destroy()
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, RESULTS / f"{name}.png")
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out_dir / f"{name}.png")
     keys = ("wall_s", "turns_answered", "turns_per_s", "completion_tokens_per_s",
             "share_recomputed", "share_cached", "turns_resent", "affected_chats",
             "affected_chats_finished", "affected_turns_after_kill_recomputed")  # fmt: skip

@@ -1,4 +1,5 @@
-"""The soak harness (bench.soak): its log scan, and a small run end to end."""
+"""The system scenarios of bench.soak (faults and hostile clients against a server) and
+bench.cluster (replicas, one killed): their parts, and a small run of each end to end."""
 
 from __future__ import annotations
 
@@ -83,3 +84,20 @@ def test_small_soak_loses_nothing(tmp_path):
     assert r["asgi_exceptions"] == 0, r["exceptions"]
     assert r["shutdown"]["clean"], r["shutdown"]
     assert proc.returncode == 0, stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_small_cluster_load_loses_nothing_when_a_replica_dies(tmp_path):
+    """bench.cluster end to end at a small size: two replicas behind HAProxy, one killed
+    mid-run and restarted; every turn is answered and stored in the right chat."""
+    cmd = [sys.executable, "-m", "bench.cluster", "--replicas", "2", "--chats", "4",
+           "--turns", "2", "--max-tokens", "4", "--think", "1", "--model", "dummy:tiny",
+           "--out", "cluster_test", "--out-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360)
+    out = tmp_path / "cluster_test.json"
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["check"]["ok"], r["check"]
+    assert r["turns_answered"] == 4 * 2
+    assert proc.returncode == 0
