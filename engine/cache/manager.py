@@ -521,8 +521,14 @@ class KVCacheManager:
     def prefetch(self, t: ChunkTable) -> tuple[CopyPlan, bool]:
         """Copy the idle table's CPU chunks back to the GPU, back of the CPU run first, into
         free blocks or blocks reclaimed at no cost from idle chunks worth less. Returns the
-        swap-ins and whether nothing is left to bring back."""
+        swap-ins and whether nothing is left to bring back.
+
+        Its turn must be expected (`Policy.expect`): making room then takes none of its own
+        chunks (an unexpected table's CPU copies could be dropped, or its shared run let go,
+        to make room for its own swap-ins)."""
         copies = CopyPlan()
+        if not self._expected(t):
+            raise ValueError(f"prefetch of {t.id!r} whose turn is not expected (Policy.expect)")
         if not self.on_cpu(t):
             return copies, True
         for i in range(t.n_off_gpu - 1, t.n_dropped - 1, -1):

@@ -247,6 +247,7 @@ def test_prefetch_swaps_in_back_first_and_keeps_the_copies():
     cpu_blocks = [c.cpu for c in a.chunks[:2]]
     now.t = 1030.0
     clock.touch("a")  # typing: a is worth more than b, idle for 20 s
+    m.policy.expect("a", 1045.0)  # as the engine marks it before a prefetch
     m.begin_step()
     copies, done = m.prefetch(a)
     assert done and a.tiers() == ["gpu"] * 4
@@ -308,6 +309,7 @@ def test_prefetch_takes_no_running_blocks():
     m.begin_step()
     m.admit(m.tables["b"], 16, 16)  # b runs: its blocks are pinned
     before = m.tables["a"].tiers()
+    m.policy.expect("a", 1015.0)
     copies, done = m.prefetch(m.tables["a"])
     assert not copies and not done and m.tables["a"].tiers() == before == ["cpu", "cpu"]
     m.release(m.tables["b"], 16)
@@ -315,10 +317,11 @@ def test_prefetch_takes_no_running_blocks():
     # a prefetched conversation that does not send is evicted again like any idle one
     now.t = 1100.0
     clock.touch("a")
+    m.policy.expect("a", 1115.0)
     m.begin_step()
     copies, done = m.prefetch(m.tables["a"])
     assert done and m.tables["a"].tiers() == ["gpu", "gpu"]
-    now.t = 2000.0
+    now.t = 2000.0  # its user never sent: no longer expected
     clock.touch("b")
     m.begin_step()
     adm = m.admit(m.tables["b"], 16, 16)
@@ -354,3 +357,12 @@ def test_an_expected_turn_keeps_its_chunks_until_it_comes():
     m.policy.unexpect("typist")
     assert m.policy.last_active(m.tables["typist"], 1001.0) == 1000.0
     m.check()
+
+
+def test_prefetch_refuses_a_table_whose_turn_is_not_expected():
+    """Making room for a prefetch relies on its own chunks being expected: without that, the
+    cache could drop its CPU copies (or let go of its shared run) to make room for them."""
+    m, clock, now = manager(gpu=4, cpu=4)
+    turn(m, clock, "a", 8, when=1000.0)
+    with pytest.raises(ValueError, match="not expected"):
+        m.prefetch(m.tables["a"])

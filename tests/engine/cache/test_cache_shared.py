@@ -125,6 +125,7 @@ class Sim:
         """The user is typing: swap the CPU chunks in, or recompute a dropped prefix."""
         t, kv = self.m.tables[cid], self.kv_len[cid]
         self.clock.touch(cid)
+        self.m.policy.expect(cid, self.now.t + 15)  # as the engine does: its turn is coming
         if t.n_dropped:
             if self.m.can_admit(t, kv):
                 adm = self.m.admit(t, kv, kv, prefetch=True)
