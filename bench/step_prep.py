@@ -18,8 +18,8 @@ import time
 import torch
 
 from bench.common import environment
-from engine.cache import CopyPlan
 from engine.conversation import Chunk, ChunkTable, StreamState
+from engine.copies import CopyPlan
 from engine.request import Request
 from engine.runner import Runner
 from engine.scheduler import Piece

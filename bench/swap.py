@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, device_name, environment, git_commit
-from engine.cache import CopyPlan
+from engine.copies import CopyPlan
 from engine.kv_pool import KVPool
 from engine.loader import load
 from engine.profile import timed

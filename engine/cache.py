@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from engine.blocks import BlockPool
 from engine.conversation import Chunk, ChunkTable
+from engine.copies import CopyPlan
 from engine.policy import Policy
 
 
@@ -54,26 +55,6 @@ def chain_hashes(tokens: list[int], chunk_size: int, prev: bytes = b"") -> list[
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
         out.append(prev)
     return out
-
-
-@dataclass
-class CopyPlan:
-    """Copies for a step, carried out in this order:
-    swap_out (gpu -> cpu) before the freed GPU blocks are written again, then swap_in
-    (cpu -> gpu, pipelined layer by layer with the forward); background (gpu -> cpu, ahead of
-    time) after the forward; the GPU blocks stay in use until reclaimed."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    background: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.background)
-
-    def extend(self, other: CopyPlan) -> None:
-        self.swap_out += other.swap_out
-        self.swap_in += other.swap_in
-        self.background += other.background
 
 
 @dataclass

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from engine.cache import CopyPlan
+from engine.copies import CopyPlan
 from engine.shapes import ModelArgs
 from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 

@@ -25,8 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.cache import CopyPlan, KVCacheManager
+from engine.cache import KVCacheManager
 from engine.conversation import ChunkTable
+from engine.copies import CopyPlan
 from engine.request import FINISHED, RUNNING, WAITING, Request
 
 # What a history read of a waiting turn says (see `Scheduler.fetch`).

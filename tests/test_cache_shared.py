@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cache import CopyPlan, KVCacheManager, chain_hashes
+from engine.cache import KVCacheManager, chain_hashes
+from engine.copies import CopyPlan
 from engine.policy import CostModel
 from tests.test_cache import CS, manager
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import CopyPlan
+from engine.copies import CopyPlan
 from engine.kv_pool import KVPool, runs
 from engine.shapes import DUMMY_SHAPES
 
