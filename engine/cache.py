@@ -44,6 +44,7 @@ from engine.blocks import BlockPool
 from engine.conversation import Chunk, ChunkTable
 from engine.copies import CopyPlan
 from engine.policy import Policy
+from engine.snapshot import EngineCounters
 
 
 def chain_hashes(tokens: list[int], chunk_size: int, prev: bytes = b"") -> list[bytes]:
@@ -64,18 +65,6 @@ class Admission:
     recompute_tokens: int  # leading positions [0, n) to recompute from raw history
     prefetched_tokens: int = 0  # of cached_tokens: those a prefetch brought back
     copies: CopyPlan = field(default_factory=CopyPlan)  # swap-outs to make room, swap-ins
-
-
-@dataclass
-class Counters:
-    swapped_in_tokens: int = 0
-    swapped_out_tokens: int = 0
-    recomputed_tokens: int = 0
-    cached_tokens: int = 0
-    dropped_tokens: int = 0
-    suspensions: int = 0
-    shared_tokens: int = 0  # prompt tokens of new conversations found in shared chunks
-    prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
 
 
 class _LazyHeap:
@@ -139,6 +128,7 @@ class KVCacheManager:
         swap_out_threshold: float = 0.25,
         now: Callable[[], float] = time.time,
         share: bool = False,
+        counters: EngineCounters | None = None,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks)
         self.cpu = BlockPool(cpu_blocks if mode == "pensieve" else 0)
@@ -152,7 +142,7 @@ class KVCacheManager:
         self.tables: dict[str, ChunkTable] = {}
         self.shared: dict[Chunk, None] = {}  # every live shared chunk
         self.index: dict[bytes, Chunk] = {}  # hash chain -> shared chunk that can be linked
-        self.counters = Counters()
+        self.counters = EngineCounters() if counters is None else counters  # adds to it
         self._now = now()
         self._stale: list[int] = []  # CPU blocks to free once this step's swap-in has read them
         self._pinned_gpu = 0  # GPU blocks of pinned tables and of shared chunks they hold

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 
 import torch
 
@@ -126,6 +127,7 @@ class Engine:
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock() if clock is None else clock
+        self.counters = EngineCounters()  # the cache and prefetch add to it too
         if config.eviction == "pensieve" and config.cache_mode != "stateless":
             cost = load_or_profile(
                 self.model,
@@ -148,6 +150,7 @@ class Engine:
             config.admit_reserve,
             config.swap_out_threshold,
             share=config.share_prefixes,
+            counters=self.counters,
         )
         cuda = self.device.type == "cuda"
         share = config.prefetch_share
@@ -183,7 +186,6 @@ class Engine:
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self._prefetching: dict[str, Request] = {}  # recompute prefetches in flight
 
     @property
@@ -271,7 +273,7 @@ class Engine:
             state.tail = []
             if self.owns_history:
                 self.history.append(state.id, list(turn.prompt_token_ids))
-            self.counters["prompt_tokens"] += len(turn.prompt_token_ids)
+            self.counters.prompt_tokens += len(turn.prompt_token_ids)
             if prefetch is not None and prefetch.status == RUNNING:
                 self._take_over(prefetch, req)
             else:
@@ -344,7 +346,7 @@ class Engine:
         s.cached_tokens = p.cached_tokens + p.swapped_in_tokens + done
         s.prefetched_tokens = p.swapped_in_tokens + done
         s.recomputed_tokens = p.recomputed_tokens - done
-        self.cache.counters.prefetched_tokens += done
+        self.counters.prefetched_tokens += done
         req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
         req.admitted_once = True
         req.stats.admitted_s = time.time()
@@ -360,7 +362,7 @@ class Engine:
         if req.status != FINISHED:
             self.scheduler.finish(req, reason)
         if reason == "prefetched":  # its recompute is done
-            self.cache.counters.prefetched_tokens += req.stats.recomputed_tokens
+            self.counters.prefetched_tokens += req.stats.recomputed_tokens
         if self._prefetching.get(req.state.id) is req:
             del self._prefetching[req.state.id]
 
@@ -470,7 +472,7 @@ class Engine:
                 if req.chain and req.finish_reason != "error":
                     n = req.state.kv_len // self.cache.chunk_size
                     self.cache.publish(req.table, req.chain[:n])
-            self.counters["steps"] += 1
+            self.counters.steps += 1
             return ended
 
     def _accept(self, req: Request, token: int, now: float) -> list[Request]:
@@ -479,7 +481,7 @@ class Engine:
         req.tokens.append(token)
         req.output.append(token)
         req.stats.completion_tokens += 1
-        self.counters["generated_tokens"] += 1
+        self.counters.generated_tokens += 1
         if req.on_token is not None:
             req.on_token(token)
         sp = req.turn.sampling
@@ -584,9 +586,8 @@ class Engine:
                 eviction=self.config.eviction,
                 gpu=PoolUsage(c.gpu.num_blocks, c.gpu.num_used, c.gpu.num_free),
                 cpu=PoolUsage(c.cpu.num_blocks, c.cpu.num_used, c.cpu.num_free),
-                counters=EngineCounters(
-                    **vars(c.counters),
-                    **self.counters,
+                counters=replace(
+                    self.counters,
                     running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting),
                 ),
