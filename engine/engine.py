@@ -25,7 +25,7 @@ from engine.profile import load_or_profile
 from engine.request import FINISHED, RUNNING, Request
 from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import FAILED, PENDING, PREFETCH_WAIT_S, READY, Scheduler
+from engine.scheduler import FAILED, PENDING, READY, Scheduler
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -186,7 +186,6 @@ class Engine:
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
-        self._prefetching: dict[str, Request] = {}  # recompute prefetches in flight
 
     @property
     def graphs_enabled(self) -> bool:
@@ -243,7 +242,8 @@ class Engine:
                 )
             self.streams[state.id] = state
             table = self.cache.table(state.id)
-            prefetch = self._supersede(state.id, keep=length == state.length)
+            # Its prefetch ends; a running one goes on if the context stays, to be taken over.
+            prefetch = self.scheduler.prefetch.supersede(state.id, keep=length == state.length)
             if length != state.length:
                 self._resync(state, length)
             now = time.time()
@@ -274,97 +274,24 @@ class Engine:
             if self.owns_history:
                 self.history.append(state.id, list(turn.prompt_token_ids))
             self.counters.prompt_tokens += len(turn.prompt_token_ids)
-            if prefetch is not None and prefetch.status == RUNNING:
-                self._take_over(prefetch, req)
-            else:
-                if prefetch is not None and prefetch.base == req.base:  # its history read
-                    req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
-                self.scheduler.add(req)
+            self.scheduler.add(req, prefetch)
             return req
 
     # ---- prefetch ----------------------------------------------------------------------------
 
     def prefetch(self, conversation_id: str) -> None:
-        """The user of an idle conversation is typing: start bringing its context back to
-        the GPU tier at low priority (swap-in of its CPU chunks, or an internal turn that
-        recomputes a dropped prefix and samples nothing), so that the message that follows
-        finds it there. A no-op for unknown, busy or already prefetching conversations, the
-        baseline cache modes, and a context that is all on the GPU already."""
+        """The user of an idle conversation is typing: a hint for the scheduler's prefetch
+        (`engine/prefetch.py`) to start bringing its context back to the GPU tier at low
+        priority, so that the message that follows finds it there. A no-op for unknown,
+        busy or already prefetching conversations, the baseline cache modes, and a context
+        that is all on the GPU already."""
         with self.lock:
             state = self.streams.get(conversation_id)
-            table = self.cache.tables.get(conversation_id)
-            if self.cache.mode != "pensieve" or state is None or table is None:
-                return
-            if state.busy or table.pinned or state.kv_len == 0:
+            if state is None:
                 return
             now = time.time()
-            # Its turn is coming: until it does (or a while passes), its chunks are the last
-            # idle ones to go, so that running turns do not evict what prefetch brings back.
-            self.cache.policy.expect(conversation_id, now + PREFETCH_WAIT_S)
-            current = self._prefetching.get(conversation_id)
-            if (current is not None and current.status != FINISHED) or (
-                table in self.scheduler.swap_prefetch
-            ):
-                return  # typing frames come often: one prefetch at a time
-            if table.n_dropped:
+            if self.scheduler.prefetch.hint(state, next(self._seq), now):
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
-                req = Request(
-                    turn=Turn(conversation_id, []),
-                    state=state,
-                    table=table,
-                    seq=next(self._seq),
-                    base=state.kv_len,
-                    tokens=[],
-                    stats=TurnStats(arrival_s=now),
-                    prefetch=True,
-                )
-                self._prefetching[conversation_id] = req
-                self.scheduler.add_prefetch(req)
-            elif self.cache.on_cpu(table):
-                self.clock.touch(conversation_id, now)
-                self.scheduler.swap_prefetch[table] = now + PREFETCH_WAIT_S
-
-    def _supersede(self, conversation_id: str, keep: bool) -> Request | None:
-        """A real turn comes: the conversation's prefetch ends. A running one is left
-        running if `keep` (the context stays as it is), for the turn to take over."""
-        self.cache.policy.unexpect(conversation_id)
-        table = self.cache.tables.get(conversation_id)
-        if table is not None:
-            self.scheduler.swap_prefetch.pop(table, None)
-        req = self._prefetching.pop(conversation_id, None)
-        if req is None or req.status == FINISHED:
-            return None
-        if not (keep and req.status == RUNNING):
-            self.scheduler.finish(req, "superseded")
-        return req
-
-    def _take_over(self, prefetch: Request, req: Request) -> None:
-        """The real turn `req` goes on from where the running prefetch is: in its place in
-        the running batch, with the recompute left to do, then its own prompt."""
-        done = prefetch.pending[0][0] if prefetch.pending else prefetch.stats.recomputed_tokens
-        p, s = prefetch.stats, req.stats
-        s.cached_tokens = p.cached_tokens + p.swapped_in_tokens + done
-        s.prefetched_tokens = p.swapped_in_tokens + done
-        s.recomputed_tokens = p.recomputed_tokens - done
-        self.counters.prefetched_tokens += done
-        req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
-        req.admitted_once = True
-        req.stats.admitted_s = time.time()
-        req.pending = list(prefetch.pending)
-        if req.state.kv_len < req.total:
-            req.pending.append((req.state.kv_len, req.total))
-        req.status = RUNNING
-        running = self.scheduler.running
-        running[running.index(prefetch)] = req
-        prefetch.status, prefetch.finish_reason = FINISHED, "superseded"
-
-    def _end_prefetch(self, req: Request, reason: str) -> None:
-        if req.status != FINISHED:
-            self.scheduler.finish(req, reason)
-        if reason == "prefetched":  # its recompute is done
-            self.counters.prefetched_tokens += req.stats.recomputed_tokens
-        if self._prefetching.get(req.state.id) is req:
-            del self._prefetching[req.state.id]
 
     def _resync(self, state: StreamState, length: int) -> None:
         """The caller's durable history says the stream has `length` tokens before this turn."""
@@ -420,7 +347,7 @@ class Engine:
             state = self.streams.get(conversation_id)
             if state is not None and state.busy:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
-            self._supersede(conversation_id, keep=False)
+            self.scheduler.prefetch.supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
             if self.owns_history:
@@ -465,8 +392,7 @@ class Engine:
                 state.kv_len = max(state.kv_len, p.end)
                 if p.sample:
                     ended += self._accept(p.req, next(sampled), now)
-                elif p.req.prefetch and p.req.status == RUNNING and not p.req.pending:
-                    self._end_prefetch(p.req, "prefetched")
+            self.scheduler.computed(plan)
             self.pool.end_step(plan.after)
             for req in ended:  # after the step's copies: publishing may free blocks
                 if req.chain and req.finish_reason != "error":
@@ -497,10 +423,11 @@ class Engine:
         return [req]
 
     def _end(self, req: Request, reason: str, now: float) -> None:
-        if req.prefetch:
-            self._end_prefetch(req, reason)
-            return
         self.scheduler.finish(req, reason)
+        self._close(req, now)
+
+    def _close(self, req: Request, now: float) -> None:
+        """The turn ended: its stream goes on from its tokens, and it is free again."""
         state = req.state
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
@@ -522,27 +449,22 @@ class Engine:
         return ended
 
     def fail_all(self, error: BaseException) -> list[Request]:
-        """End every turn in flight with `error` (a step failed: the state may be broken)."""
+        """End every turn in flight with `error` (a step failed: the state may be broken);
+        returns them."""
         with self.lock:
-            failed = [*self.scheduler.running, *self.scheduler.waiting]
-            failed += self.scheduler.prefetching
+            failed = self.scheduler.fail_all(error)
             now = time.time()
             for req in failed:
-                req.error = error
                 try:
-                    self._end(req, "error", now)
+                    self._close(req, now)
                 except Exception:  # the turn is failed regardless
-                    log.exception("could not release %s", req.state.id)
-                    req.status, req.finish_reason, req.state.busy = FINISHED, "error", False
-            self.scheduler.running.clear()
-            self.scheduler.waiting.clear()
-            self.scheduler.prefetching.clear()
-            self.scheduler.swap_prefetch.clear()
+                    log.exception("could not close %s", req.state.id)
+                    req.state.busy = False
             return failed
 
     def wait_for_io(self, timeout: float = 0.05) -> None:
         """Nothing could be scheduled: wait until a history read finishes."""
-        queued = [*self.scheduler.waiting, *self.scheduler.prefetching]
+        queued = [*self.scheduler.waiting, *self.scheduler.prefetch.queue]
         futures = [r.fetch for r in queued if r.fetch is not None]
         if futures:
             wait(futures, timeout=timeout)

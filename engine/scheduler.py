@@ -9,30 +9,33 @@ A step is a value: `schedule` returns a `StepPlan` with everything the engine mu
 out (the batch, the copies before and after the forward, the turns that must end).
 Reading history is I/O and may fail: that is a status of one turn, never an exception.
 
-Prefetch (a user is typing in an idle conversation) is the lowest priority: its swap-ins go
-in the step's copies and its recomputes run as internal turns that sample nothing. New ones
-start only when no turn waits for admission (and, with no `prefetch_share`, no real turn
-runs); running ones get what real turns leave of the budget (at most `prefetch_share` of
-it while real turns run, never more than `prefetch_step_tokens`), are the first suspended,
-give their room up to a waiting turn that cannot be admitted, and end when a real turn of
-their conversation comes.
+Prefetch (a user is typing in an idle conversation; `engine/prefetch.py`, owned here) is the
+lowest priority: its swap-ins go in the step's copies and its recomputes run as internal
+turns that sample nothing. New ones start only when no turn waits for admission (and, with
+no `prefetch_share`, no real turn runs); running ones get what real turns leave of the
+budget (at most `prefetch_share` of it while real turns run, never more than
+`prefetch_step_tokens`), are the first suspended, give their room up to a waiting turn that
+cannot be admitted, and end when a real turn of their conversation comes (a running one is
+taken over by it: `take_over`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache import KVCacheManager
-from engine.conversation import ChunkTable
 from engine.copies import CopyPlan
+from engine.prefetch import Prefetcher
 from engine.request import FINISHED, RUNNING, WAITING, Request
+
+log = logging.getLogger(__name__)
 
 # What a history read of a waiting turn says (see `Scheduler.fetch`).
 READY, PENDING, FAILED = "ready", "pending", "failed"
-PREFETCH_WAIT_S = 15.0  # a prefetch that found no room by then is given up
 
 
 @dataclass
@@ -67,8 +70,6 @@ class Scheduler:
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
-        self.prefetch_share = prefetch_share
-        self.prefetch_step_tokens = prefetch_step_tokens or max_batch_tokens
         self.max_running = max_running
         self.unified = unified
         # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
@@ -77,21 +78,35 @@ class Scheduler:
             lambda req, n: READY if req.prefix is not None and len(req.prefix) >= n else PENDING
         )
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.prefetching: deque[Request] = deque()  # recompute prefetches not admitted yet
-        # tables to swap in ahead of a turn, and until when to keep trying
-        self.swap_prefetch: dict[ChunkTable, float] = {}
+        self.running: list[Request] = []  # real turns and admitted recompute prefetches
+        self.prefetch = Prefetcher(
+            cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, self._release
+        )
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, prefetch: Request | None = None) -> None:
+        """Queue a real turn. `prefetch`: the recompute prefetch of its conversation that
+        its coming superseded (`Prefetcher.supersede`): a running one is taken over, a
+        queued one hands its history read on."""
+        if prefetch is not None and prefetch.status == RUNNING:
+            self.take_over(prefetch, req)
+            return
+        if prefetch is not None and prefetch.base == req.base:
+            req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
         req.status = WAITING
         self.waiting.append(req)
 
-    def add_prefetch(self, req: Request) -> None:
-        req.status = WAITING
-        self.prefetching.append(req)
+    def take_over(self, prefetch: Request, req: Request) -> None:
+        """The real turn `req` goes on from where the running `prefetch` of its conversation
+        is: in its place in the running batch, with the recompute left to do, then its own
+        prompt."""
+        self.prefetch.take_over(prefetch, req)
+        req.admitted_once = True
+        req.stats.admitted_s = time.time()
+        self.running[self.running.index(prefetch)] = req
+        self._run(req, list(prefetch.pending))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefetching or self.swap_prefetch)
+        return bool(self.waiting or self.running or self.prefetch.has_work())
 
     # ---- planning a step ---------------------------------------------------------------------
 
@@ -109,9 +124,9 @@ class Scheduler:
         if prefill_step:
             budget = self._admit(budget, plan)
         budget = self._continue([r for r in self.running if r.prefetch], budget, plan, prefill_step)
-        if prefill_step and not self.waiting and (self._idle() or self.prefetch_share > 0):
+        if prefill_step and not self.waiting and self.prefetch.may_start(self._idle()):
             budget = self._admit(budget, plan, prefetch=True)
-            self._swap_prefetch(plan)
+            plan.before.extend(self.prefetch.swap_in())
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
         return plan
 
@@ -124,7 +139,7 @@ class Scheduler:
                 continue
             if not self.unified and req.in_prefill != prefill:
                 continue
-            budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+            budget -= self._take(req, self._budget(req, budget), plan)
         return budget
 
     def _wants_prefill(self) -> bool:
@@ -140,18 +155,9 @@ class Scheduler:
         """No real turn runs: only prefetches, if anything."""
         return all(r.prefetch for r in self.running)
 
-    def _prefetch_budget(self, req: Request, budget: int) -> int:
-        """A prefetch takes at most `prefetch_share` of the step's tokens while real turns
-        run, so that their decode steps stay short, and `prefetch_step_tokens` in any step."""
-        if not req.prefetch:
-            return budget
-        budget = min(budget, self.prefetch_step_tokens)
-        if self._idle():
-            return budget
-        if self.prefetch_share <= 0:
-            return 0
-        share = int(self.max_batch_tokens * self.prefetch_share)
-        return min(budget, max(self.cache.chunk_size, share))
+    def _budget(self, req: Request, budget: int) -> int:
+        """What `req` may take of the step's `budget`: a prefetch only its share."""
+        return self.prefetch.budget(budget, self._idle()) if req.prefetch else budget
 
     def _take(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Schedule up to `budget` of a running turn's pending tokens; returns how many."""
@@ -174,7 +180,8 @@ class Scheduler:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
         while (copies := self.cache.grow(req.table, req.state.kv_len, upto)) is None:
             alive = [r for r in self.running if r.status == RUNNING]
-            if alive == [req]:  # it alone fills the GPU tier: it cannot grow any further
+            if alive == [req] and not req.prefetch:  # it alone fills the GPU tier: it
+                # cannot grow any further (a prefetch never grows: it is suspended below)
                 plan.full.append(req)
                 return False
             victim = max(alive, key=lambda r: (r.prefetch, r.seq))
@@ -195,7 +202,7 @@ class Scheduler:
             plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
             n = req.stats.recomputed_tokens
             req.pending = [(0, n)] if n else []
-            self.finish(req, "suspended")
+            self.prefetch.end(req, "suspended")
             return
         self._discard_partial_recompute(req)
         plan.before.extend(self.cache.suspend(req.table, req.state.kv_len))
@@ -216,8 +223,8 @@ class Scheduler:
         """Admit waiting turns in order while the cache has room for each one's context.
         `prefetch`: admit recompute prefetches instead, the same way (making room evicts
         idle chunks by value, as for a turn: the typing conversation is worth the most); one
-        that waited longer than PREFETCH_WAIT_S is given up."""
-        queue = self.prefetching if prefetch else self.waiting
+        that waited too long is given up."""
+        queue = self.prefetch.queue if prefetch else self.waiting
         skipped: list[Request] = []
         try:
             while queue and budget > 0 and len(self.running) < self.max_running:
@@ -228,12 +235,12 @@ class Scheduler:
                     continue
                 if status == FAILED:
                     if prefetch:  # the real turn will read (and report) it again
-                        self.finish(req, "error")
+                        self.prefetch.end(req, "error")
                     else:
                         plan.failed.append(queue.popleft())
                     continue
-                if prefetch and time.time() - req.stats.arrival_s > PREFETCH_WAIT_S:
-                    self.finish(req, "expired")  # the moment passed
+                if prefetch and self.prefetch.too_late(req):
+                    self.prefetch.end(req, "expired")
                     continue
                 if not self._can_admit(req):
                     if not prefetch and self._yield_prefetch(plan):
@@ -241,7 +248,7 @@ class Scheduler:
                     break
                 queue.popleft()
                 self._start(req, plan)
-                budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+                budget -= self._take(req, self._budget(req, budget), plan)
         finally:  # whatever happens, a turn whose history is being read stays queued
             queue.extendleft(reversed(skipped))
         return budget
@@ -267,34 +274,55 @@ class Scheduler:
             req.stats.swapped_in_tokens = adm.swapped_in_tokens
             req.stats.prefetched_tokens = adm.prefetched_tokens
         req.stats.recomputed_tokens += adm.recompute_tokens
-        req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
+        self.running.append(req)
+        self._run(req, [(0, adm.recompute_tokens)] if adm.recompute_tokens else [])
+
+    def _run(self, req: Request, pending: list[tuple[int, int]]) -> None:
+        """`req` is in the running batch: it computes `pending`, then its tokens that have
+        no KV yet."""
+        req.pending = pending
         if req.state.kv_len < req.total:
             req.pending.append((req.state.kv_len, req.total))
         req.status = RUNNING
-        self.running.append(req)
-
-    def _swap_prefetch(self, plan: StepPlan) -> None:
-        """Swap in the CPU chunks of conversations whose user is typing, where there is room."""
-        for table in list(self.swap_prefetch):
-            if self.cache.tables.get(table.id) is not table:  # forgotten meanwhile
-                del self.swap_prefetch[table]
-                continue
-            copies, done = self.cache.prefetch(table)
-            plan.before.extend(copies)
-            if done or time.time() > self.swap_prefetch[table]:
-                del self.swap_prefetch[table]
 
     # ---- after a step ----------------------------------------------------------------------
 
+    def computed(self, plan: StepPlan) -> None:
+        """The plan's forward ran: recompute prefetches with nothing left to compute end."""
+        self.prefetch.end_done(p.req for p in plan.pieces)
+
     def finish(self, req: Request, reason: str) -> None:
-        """End a turn (running or waiting): release its pins, keep its KV."""
+        """End a real turn (running or waiting): release its pins, keep its KV."""
         if req.status == RUNNING:
-            self._discard_partial_recompute(req)
-            self.running.remove(req)
-            self.cache.release(req.table, req.state.kv_len)
+            self._release(req)
         elif req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)
-        elif req.status == WAITING and req in self.prefetching:
-            self.prefetching.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
+
+    def _release(self, req: Request) -> None:
+        """A running request leaves the batch: its pins go, its KV stays (but for a
+        recompute cut short)."""
+        self._discard_partial_recompute(req)
+        self.running.remove(req)
+        self.cache.release(req.table, req.state.kv_len)
+
+    def fail_all(self, error: BaseException) -> list[Request]:
+        """End everything in flight (a step failed: the state may be broken): the real turns
+        with "error" (returned, `error` set, for the engine to close) and every prefetch.
+        A request whose pins cannot be released still ends."""
+        turns = [r for r in [*self.running, *self.waiting] if not r.prefetch]
+        for req in [*self.running, *self.waiting, *self.prefetch.queue]:
+            try:
+                if req.prefetch:
+                    self.prefetch.end(req, "error")
+                else:
+                    req.error = error
+                    self.finish(req, "error")
+            except Exception:  # it is failed regardless
+                log.exception("could not release %s", req.state.id)
+                req.status, req.finish_reason = FINISHED, "error"
+        self.running.clear()
+        self.waiting.clear()
+        self.prefetch.clear()
+        return turns
