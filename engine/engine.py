@@ -22,10 +22,10 @@ from engine.loader import cache_root, load
 from engine.packed import pack_linears
 from engine.policy import CostModel, Policy
 from engine.profile import load_or_profile
-from engine.request import FINISHED, RUNNING, Request
+from engine.request import Request, Status
 from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import FAILED, PENDING, READY, Scheduler
+from engine.scheduler import Fetch, Scheduler
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -33,7 +33,7 @@ from engine.snapshot import (
     PoolUsage,
     SharingUsage,
 )
-from engine.types import EngineConfig, Turn, TurnResult, TurnStats
+from engine.types import EngineConfig, FinishReason, Turn, TurnResult, TurnStats
 from kernels import pick_backend
 
 log = logging.getLogger(__name__)
@@ -308,35 +308,35 @@ class Engine:
             state.tail = []
         state.length = length
 
-    def _fetch(self, req: Request, n: int) -> str:
+    def _fetch(self, req: Request, n: int) -> Fetch:
         """READY once req.prefix holds history [0, n); PENDING while it is read off the step
         loop; FAILED (with req.error) if the read failed: a status, never an exception."""
         if req.prefix is not None and len(req.prefix) >= n:
-            return READY
+            return Fetch.READY
         if req.fetch is None:
             if not self.owns_history:
                 req.fetch = self._reader.submit(self.history.read, req.state.id, 0, req.base)
-                return PENDING
+                return Fetch.PENDING
             try:  # in memory: no I/O to wait for
                 req.prefix = self.history.read(req.state.id, 0, req.base)
             except Exception as e:
                 req.error = e
-                return FAILED
+                return Fetch.FAILED
         elif not req.fetch.done():
-            return PENDING
+            return Fetch.PENDING
         else:
             fut, req.fetch = req.fetch, None
             error = fut.exception()
             if error is not None:
                 req.error = error
-                return FAILED
+                return Fetch.FAILED
             req.prefix = fut.result()
         if len(req.prefix) < n:
             req.error = LookupError(
                 f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
             )
-            return FAILED
-        return READY
+            return Fetch.FAILED
+        return Fetch.READY
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -373,11 +373,11 @@ class Engine:
             now = time.time()
             for req in plan.failed:  # its history could not be read: that turn alone fails
                 log.error("history read for %s failed: %s", req.state.id, req.error)
-                self._end(req, "error", now)
+                self._end(req, FinishReason.ERROR, now)
                 ended.append(req)
             for req in plan.full:  # no room to generate more: ends as if by max_tokens
-                if req.status == RUNNING:
-                    self._end(req, "length", now)
+                if req.status == Status.RUNNING:
+                    self._end(req, FinishReason.LENGTH, now)
                     ended.append(req)
             if plan.pieces:
                 tokens = self.runner.step(plan.pieces, plan.before)
@@ -395,7 +395,7 @@ class Engine:
             self.scheduler.computed(plan)
             self.pool.end_step(plan.after)
             for req in ended:  # after the step's copies: publishing may free blocks
-                if req.chain and req.finish_reason != "error":
+                if req.chain and req.finish_reason is not FinishReason.ERROR:
                     n = req.state.kv_len // self.cache.chunk_size
                     self.cache.publish(req.table, req.chain[:n])
             self.counters.steps += 1
@@ -413,16 +413,16 @@ class Engine:
         sp = req.turn.sampling
         reason = None
         if not sp.ignore_eos and (token in self.stop_token_ids or token in sp.stop_token_ids):
-            reason = "stop"
+            reason = FinishReason.STOP
         elif len(req.output) >= sp.max_tokens or req.total >= self.max_context:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is None:
             req.pending.append((req.total - 1, req.total))
             return []
         self._end(req, reason, now)
         return [req]
 
-    def _end(self, req: Request, reason: str, now: float) -> None:
+    def _end(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(req, reason)
         self._close(req, now)
 
@@ -443,8 +443,8 @@ class Engine:
         ended = []
         now = time.time()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            if req.cancelled and req.status != FINISHED:
-                self._end(req, "cancelled", now)
+            if req.cancelled and req.status != Status.FINISHED:
+                self._end(req, FinishReason.CANCELLED, now)
                 ended.append(req)
         return ended
 
@@ -473,9 +473,9 @@ class Engine:
 
     def run(self, turns: list[Turn]) -> list[TurnResult]:
         reqs = [self.submit(t) for t in turns]
-        while any(r.status != FINISHED for r in reqs):
+        while any(r.status != Status.FINISHED for r in reqs):
             ended = self.step()
-            if not ended and not any(r.status == RUNNING for r in reqs):
+            if not ended and not any(r.status == Status.RUNNING for r in reqs):
                 self.wait_for_io()
         return [r.result() for r in reqs]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from engine.cache import KVCacheManager
 from engine.conversation import ChunkTable, StreamState
 from engine.copies import CopyPlan
-from engine.request import FINISHED, RUNNING, WAITING, Request
+from engine.request import PrefetchEnd, Request, Status
 from engine.types import Turn, TurnStats
 
 WAIT_S = 15.0  # a prefetch that found no room by then is given up
@@ -91,8 +91,8 @@ class Prefetcher:
         if table is not None:
             self.swaps.pop(table, None)
         req = self.current.pop(conversation_id, None)
-        if req is not None and not (keep and req.status == RUNNING):
-            self.end(req, "superseded")
+        if req is not None and not (keep and req.status == Status.RUNNING):
+            self.end(req, PrefetchEnd.SUPERSEDED)
         return req
 
     def take_over(self, prefetch: Request, req: Request) -> None:
@@ -105,7 +105,7 @@ class Prefetcher:
         s.recomputed_tokens = p.recomputed_tokens - done
         self.cache.counters.prefetched_tokens += done
         req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
-        prefetch.status, prefetch.finish_reason = FINISHED, "superseded"
+        prefetch.status, prefetch.prefetch_end = Status.FINISHED, PrefetchEnd.SUPERSEDED
 
     # ---- in the scheduler's steps ----------------------------------------------------------
 
@@ -144,17 +144,18 @@ class Prefetcher:
     def end_done(self, reqs: Iterable[Request]) -> None:
         """After a step: the running recomputes among `reqs` with nothing left end."""
         for req in reqs:
-            if req.prefetch and req.status == RUNNING and not req.pending:
-                self.end(req, "prefetched")
+            if req.prefetch and req.status == Status.RUNNING and not req.pending:
+                self.end(req, PrefetchEnd.DONE)
 
-    def end(self, req: Request, reason: str) -> None:
+    def end(self, req: Request, why: PrefetchEnd) -> None:
         """End a recompute prefetch, running or queued: its pins go, its KV stays."""
-        if req.status == RUNNING:
+        req.prefetch_end = why
+        if req.status == Status.RUNNING:
             self.release(req)
-        elif req.status == WAITING and req in self.queue:
+        elif req.status == Status.WAITING and req in self.queue:
             self.queue.remove(req)
-        req.status, req.finish_reason = FINISHED, reason
-        if reason == "prefetched":  # its recompute is done
+        req.status = Status.FINISHED
+        if why is PrefetchEnd.DONE:
             self.cache.counters.prefetched_tokens += req.stats.recomputed_tokens
         if self.current.get(req.state.id) is req:
             del self.current[req.state.id]

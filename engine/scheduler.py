@@ -26,16 +26,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from engine.cache import KVCacheManager
 from engine.copies import CopyPlan
 from engine.prefetch import Prefetcher
-from engine.request import FINISHED, RUNNING, WAITING, Request
+from engine.request import PrefetchEnd, Request, Status
+from engine.types import FinishReason
 
 log = logging.getLogger(__name__)
 
-# What a history read of a waiting turn says (see `Scheduler.fetch`).
-READY, PENDING, FAILED = "ready", "pending", "failed"
+
+class Fetch(StrEnum):
+    """What a history read of a waiting turn says (see `Scheduler.fetch`)."""
+
+    READY = "ready"
+    PENDING = "pending"
+    FAILED = "failed"
 
 
 @dataclass
@@ -53,8 +60,8 @@ class StepPlan:
     pieces: list[Piece] = field(default_factory=list)
     before: CopyPlan = field(default_factory=CopyPlan)  # swap-outs, swap-ins: with the forward
     after: CopyPlan = field(default_factory=CopyPlan)  # ahead-of-time copies: after it
-    full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end "length"
-    failed: list[Request] = field(default_factory=list)  # history read failed: end "error"
+    full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end LENGTH
+    failed: list[Request] = field(default_factory=list)  # history read failed: end ERROR
 
 
 class Scheduler:
@@ -64,7 +71,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         unified: bool = True,
-        fetch: Callable[[Request, int], str] | None = None,
+        fetch: Callable[[Request, int], Fetch] | None = None,
         prefetch_share: float = 0.25,
         prefetch_step_tokens: int | None = None,
     ) -> None:
@@ -75,7 +82,9 @@ class Scheduler:
         # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
         # being read; FAILED if the read failed (req.error says why).
         self.fetch = fetch or (
-            lambda req, n: READY if req.prefix is not None and len(req.prefix) >= n else PENDING
+            lambda req, n: (
+                Fetch.READY if req.prefix is not None and len(req.prefix) >= n else Fetch.PENDING
+            )
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # real turns and admitted recompute prefetches
@@ -87,12 +96,12 @@ class Scheduler:
         """Queue a real turn. `prefetch`: the recompute prefetch of its conversation that
         its coming superseded (`Prefetcher.supersede`): a running one is taken over, a
         queued one hands its history read on."""
-        if prefetch is not None and prefetch.status == RUNNING:
+        if prefetch is not None and prefetch.status == Status.RUNNING:
             self.take_over(prefetch, req)
             return
         if prefetch is not None and prefetch.base == req.base:
             req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
-        req.status = WAITING
+        req.status = Status.WAITING
         self.waiting.append(req)
 
     def take_over(self, prefetch: Request, req: Request) -> None:
@@ -135,7 +144,7 @@ class Scheduler:
         for req in sorted(reqs, key=lambda r: r.seq):
             if budget <= 0:
                 break
-            if req.status != RUNNING:  # suspended earlier in this step
+            if req.status != Status.RUNNING:  # suspended earlier in this step
                 continue
             if not self.unified and req.in_prefill != prefill:
                 continue
@@ -179,7 +188,7 @@ class Scheduler:
     def _room(self, req: Request, upto: int, plan: StepPlan) -> bool:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
         while (copies := self.cache.grow(req.table, req.state.kv_len, upto)) is None:
-            alive = [r for r in self.running if r.status == RUNNING]
+            alive = [r for r in self.running if r.status == Status.RUNNING]
             if alive == [req] and not req.prefetch:  # it alone fills the GPU tier: it
                 # cannot grow any further (a prefetch never grows: it is suspended below)
                 plan.full.append(req)
@@ -202,12 +211,12 @@ class Scheduler:
             plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
             n = req.stats.recomputed_tokens
             req.pending = [(0, n)] if n else []
-            self.prefetch.end(req, "suspended")
+            self.prefetch.end(req, PrefetchEnd.SUSPENDED)
             return
         self._discard_partial_recompute(req)
         plan.before.extend(self.cache.suspend(req.table, req.state.kv_len))
         self.running.remove(req)
-        req.status = WAITING
+        req.status = Status.WAITING
         req.stats.suspensions += 1
         self.waiting.appendleft(req)
 
@@ -230,17 +239,17 @@ class Scheduler:
             while queue and budget > 0 and len(self.running) < self.max_running:
                 req = queue[0]
                 status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
-                if status == PENDING:
+                if status == Fetch.PENDING:
                     skipped.append(queue.popleft())  # its history is still being read
                     continue
-                if status == FAILED:
+                if status == Fetch.FAILED:
                     if prefetch:  # the real turn will read (and report) it again
-                        self.prefetch.end(req, "error")
+                        self.prefetch.end(req, PrefetchEnd.FAILED)
                     else:
                         plan.failed.append(queue.popleft())
                     continue
                 if prefetch and self.prefetch.too_late(req):
-                    self.prefetch.end(req, "expired")
+                    self.prefetch.end(req, PrefetchEnd.EXPIRED)
                     continue
                 if not self._can_admit(req):
                     if not prefetch and self._yield_prefetch(plan):
@@ -256,7 +265,7 @@ class Scheduler:
     def _yield_prefetch(self, plan: StepPlan) -> bool:
         """End the latest running prefetch, if any, so that its context no longer holds the
         GPU tier's room that a waiting real turn needs."""
-        prefetches = [r for r in self.running if r.prefetch and r.status == RUNNING]
+        prefetches = [r for r in self.running if r.prefetch and r.status == Status.RUNNING]
         if not prefetches:
             return False
         self._suspend(max(prefetches, key=lambda r: r.seq), plan)
@@ -283,7 +292,7 @@ class Scheduler:
         req.pending = pending
         if req.state.kv_len < req.total:
             req.pending.append((req.state.kv_len, req.total))
-        req.status = RUNNING
+        req.status = Status.RUNNING
 
     # ---- after a step ----------------------------------------------------------------------
 
@@ -291,14 +300,14 @@ class Scheduler:
         """The plan's forward ran: recompute prefetches with nothing left to compute end."""
         self.prefetch.end_done(p.req for p in plan.pieces)
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: FinishReason) -> None:
         """End a real turn (running or waiting): release its pins, keep its KV."""
-        if req.status == RUNNING:
-            self._release(req)
-        elif req.status == WAITING and req in self.waiting:
-            self.waiting.remove(req)
-        req.status = FINISHED
         req.finish_reason = reason
+        if req.status == Status.RUNNING:
+            self._release(req)
+        elif req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
 
     def _release(self, req: Request) -> None:
         """A running request leaves the batch: its pins go, its KV stays (but for a
@@ -309,19 +318,19 @@ class Scheduler:
 
     def fail_all(self, error: BaseException) -> list[Request]:
         """End everything in flight (a step failed: the state may be broken): the real turns
-        with "error" (returned, `error` set, for the engine to close) and every prefetch.
+        with ERROR (returned, `error` set, for the engine to close) and every prefetch.
         A request whose pins cannot be released still ends."""
         turns = [r for r in [*self.running, *self.waiting] if not r.prefetch]
         for req in [*self.running, *self.waiting, *self.prefetch.queue]:
             try:
                 if req.prefetch:
-                    self.prefetch.end(req, "error")
+                    self.prefetch.end(req, PrefetchEnd.FAILED)
                 else:
                     req.error = error
-                    self.finish(req, "error")
+                    self.finish(req, FinishReason.ERROR)
             except Exception:  # it is failed regardless
                 log.exception("could not release %s", req.state.id)
-                req.status, req.finish_reason = FINISHED, "error"
+                req.status = Status.FINISHED  # its reason is set already
         self.running.clear()
         self.waiting.clear()
         self.prefetch.clear()

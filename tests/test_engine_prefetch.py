@@ -11,6 +11,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.request import PrefetchEnd
 from tests.oracle import hf_greedy, hf_model
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -151,7 +152,8 @@ def test_a_waiting_turn_takes_the_room_of_a_running_prefetch(prompts):
     assert not engine.cache.can_admit(engine.cache.table("c"), len(c))
     req = engine.submit(Turn("c", c, SP))
     engine.step()
-    assert running.status == "finished" and running.finish_reason == "suspended"
+    assert running.status == "finished" and running.prefetch_end == PrefetchEnd.SUSPENDED
+    assert running.finish_reason is None  # a prefetch has no public finish reason
     assert req.status == "running"
     while req.status != "finished":
         engine.step()
@@ -192,7 +194,7 @@ def test_prefetch_share_of_steps_with_real_turns(prompts, share):
         assert pf.status == "running" and pf.pending[0][0] == 64  # a quarter of 256
     while pf.status == "running" or req.status == "running":
         engine.step()
-    assert pf.finish_reason == "prefetched" and engine.cache.tables["a"].n_dropped == 0
+    assert pf.prefetch_end == PrefetchEnd.DONE and engine.cache.tables["a"].n_dropped == 0
     engine.cache.check()
 
 
@@ -212,7 +214,8 @@ def test_fail_all_ends_prefetches_and_turns(prompts):
     req = engine.submit(Turn("c", c, SP))
     error = RuntimeError("a step failed")
     assert engine.fail_all(error) == [req]
-    assert req.finish_reason == "error" and req.error is error and pf.status == "finished"
+    assert req.finish_reason == "error" and req.error is error
+    assert pf.prefetch_end == PrefetchEnd.FAILED and pf.finish_reason is None
     assert not engine.has_work() and not engine.scheduler.prefetch.current
     engine.cache.check()
     again = engine.run([Turn("a", [5, 6], SP), Turn("c", c, SP)])
