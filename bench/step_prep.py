@@ -19,7 +19,7 @@ import torch
 
 from bench.lib.common import environment
 from engine.cache.chunks import Chunk, ChunkTable
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.request import Request
 from engine.runner import Runner
 from engine.scheduler import Piece

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from bench.lib.common import RESULTS, device_name, environment, git_commit
-from engine.cache.manager import CopyPlan
 from engine.cache.profile import timed
+from engine.copies import CopyPlan
 from engine.kv_pool import KVPool
 from engine.model.loader import load
 from engine.model.shapes import DUMMY_SHAPES

@@ -93,13 +93,13 @@ def run_engine(a, name: str, tp: int, force: bool) -> dict:
 
             engine.tp.send = timed_send
         sync(a.device)
-        steps0 = engine.counters["steps"]
+        steps0 = engine.counters.steps
         t = time.perf_counter()
         for r in range(a.rounds):
             engine.run([Turn(f"c{r}-{i}", ids, sp) for i in range(a.convs)])
         sync(a.device)
         wall = time.perf_counter() - t
-        steps = engine.counters["steps"] - steps0
+        steps = engine.counters.steps - steps0
         row = {
             "name": name,
             "tensor_parallel": tp,

@@ -33,12 +33,12 @@ def run(tp: int, rounds: int, prompt: int, output: int, convs: int, threads: int
         sp = SamplingParams(max_tokens=output, ignore_eos=True)
         ids = list(range(100, 100 + prompt))
         engine.run([Turn(f"warm{i}", ids, sp) for i in range(convs)])  # warm-up
-        steps0 = engine.counters["steps"]
+        steps0 = engine.counters.steps
         t = time.perf_counter()
         for _ in range(rounds):
             engine.run([Turn(f"c{i}", ids, sp) for i in range(convs)])
         wall = time.perf_counter() - t
-        steps = engine.counters["steps"] - steps0
+        steps = engine.counters.steps - steps0
         row = {
             "name": f"TP={tp}",
             "tensor_parallel": tp,

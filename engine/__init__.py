@@ -3,7 +3,7 @@
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
-from engine.types import EngineConfig, SamplingParams, Turn, TurnResult, TurnStats
+from engine.types import EngineConfig, FinishReason, SamplingParams, Turn, TurnResult, TurnStats
 
 __all__ = [
     "ActivityClock",
@@ -15,6 +15,7 @@ __all__ = [
     "EngineCounters",
     "EngineOverloaded",
     "EngineSnapshot",
+    "FinishReason",
     "LocalClock",
     "MemoryHistory",
     "PoolUsage",

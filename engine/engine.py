@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 
 import torch
 
@@ -20,10 +21,10 @@ from engine.kv_pool import KVPool
 from engine.model.loader import cache_root, load
 from engine.model.packed import pack_linears
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
-from engine.request import FINISHED, RUNNING, Request
+from engine.request import Request, Status
 from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import FAILED, PENDING, PREFETCH_WAIT_S, READY, Scheduler
+from engine.scheduler import Fetch, Scheduler
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -32,7 +33,7 @@ from engine.snapshot import (
     SharingUsage,
 )
 from engine.stream import StreamState
-from engine.types import EngineConfig, Turn, TurnResult, TurnStats
+from engine.types import EngineConfig, FinishReason, Turn, TurnResult, TurnStats
 from kernels import pick_backend
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Engine:
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock() if clock is None else clock
+        self.counters = EngineCounters()  # the cache and prefetch add to it too
         if config.eviction == "pensieve" and config.cache_mode != "stateless":
             cost = load_or_profile(
                 self.model,
@@ -148,6 +150,7 @@ class Engine:
             config.admit_reserve,
             config.swap_out_threshold,
             share=config.share_prefixes,
+            counters=self.counters,
         )
         cuda = self.device.type == "cuda"
         share = config.prefetch_share
@@ -183,8 +186,6 @@ class Engine:
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
-        self._prefetching: dict[str, Request] = {}  # recompute prefetches in flight
 
     @property
     def graphs_enabled(self) -> bool:
@@ -241,7 +242,8 @@ class Engine:
                 )
             self.streams[state.id] = state
             table = self.cache.table(state.id)
-            prefetch = self._supersede(state.id, keep=length == state.length)
+            # Its prefetch ends; a running one goes on if the context stays, to be taken over.
+            prefetch = self.scheduler.prefetch.supersede(state.id, keep=length == state.length)
             if length != state.length:
                 self._resync(state, length)
             now = time.time()
@@ -271,98 +273,25 @@ class Engine:
             state.tail = []
             if self.owns_history:
                 self.history.append(state.id, list(turn.prompt_token_ids))
-            self.counters["prompt_tokens"] += len(turn.prompt_token_ids)
-            if prefetch is not None and prefetch.status == RUNNING:
-                self._take_over(prefetch, req)
-            else:
-                if prefetch is not None and prefetch.base == req.base:  # its history read
-                    req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
-                self.scheduler.add(req)
+            self.counters.prompt_tokens += len(turn.prompt_token_ids)
+            self.scheduler.add(req, prefetch)
             return req
 
     # ---- prefetch ----------------------------------------------------------------------------
 
     def prefetch(self, conversation_id: str) -> None:
-        """The user of an idle conversation is typing: start bringing its context back to
-        the GPU tier at low priority (swap-in of its CPU chunks, or an internal turn that
-        recomputes a dropped prefix and samples nothing), so that the message that follows
-        finds it there. A no-op for unknown, busy or already prefetching conversations, the
-        baseline cache modes, and a context that is all on the GPU already."""
+        """The user of an idle conversation is typing: a hint for the scheduler's prefetch
+        (`engine/prefetch.py`) to start bringing its context back to the GPU tier at low
+        priority, so that the message that follows finds it there. A no-op for unknown,
+        busy or already prefetching conversations, the baseline cache modes, and a context
+        that is all on the GPU already."""
         with self.lock:
             state = self.streams.get(conversation_id)
-            table = self.cache.tables.get(conversation_id)
-            if self.cache.mode != "pensieve" or state is None or table is None:
-                return
-            if state.busy or table.pinned or state.kv_len == 0:
+            if state is None:
                 return
             now = time.time()
-            # Its turn is coming: until it does (or a while passes), its chunks are the last
-            # idle ones to go, so that running turns do not evict what prefetch brings back.
-            self.cache.policy.expect(conversation_id, now + PREFETCH_WAIT_S)
-            current = self._prefetching.get(conversation_id)
-            if (current is not None and current.status != FINISHED) or (
-                table in self.scheduler.swap_prefetch
-            ):
-                return  # typing frames come often: one prefetch at a time
-            if table.n_dropped:
+            if self.scheduler.prefetch.hint(state, next(self._seq), now):
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
-                req = Request(
-                    turn=Turn(conversation_id, []),
-                    state=state,
-                    table=table,
-                    seq=next(self._seq),
-                    base=state.kv_len,
-                    tokens=[],
-                    stats=TurnStats(arrival_s=now),
-                    prefetch=True,
-                )
-                self._prefetching[conversation_id] = req
-                self.scheduler.add_prefetch(req)
-            elif self.cache.on_cpu(table):
-                self.clock.touch(conversation_id, now)
-                self.scheduler.swap_prefetch[table] = now + PREFETCH_WAIT_S
-
-    def _supersede(self, conversation_id: str, keep: bool) -> Request | None:
-        """A real turn comes: the conversation's prefetch ends. A running one is left
-        running if `keep` (the context stays as it is), for the turn to take over."""
-        self.cache.policy.unexpect(conversation_id)
-        table = self.cache.tables.get(conversation_id)
-        if table is not None:
-            self.scheduler.swap_prefetch.pop(table, None)
-        req = self._prefetching.pop(conversation_id, None)
-        if req is None or req.status == FINISHED:
-            return None
-        if not (keep and req.status == RUNNING):
-            self.scheduler.finish(req, "superseded")
-        return req
-
-    def _take_over(self, prefetch: Request, req: Request) -> None:
-        """The real turn `req` goes on from where the running prefetch is: in its place in
-        the running batch, with the recompute left to do, then its own prompt."""
-        done = prefetch.pending[0][0] if prefetch.pending else prefetch.stats.recomputed_tokens
-        p, s = prefetch.stats, req.stats
-        s.cached_tokens = p.cached_tokens + p.swapped_in_tokens + done
-        s.prefetched_tokens = p.swapped_in_tokens + done
-        s.recomputed_tokens = p.recomputed_tokens - done
-        self.cache.counters.prefetched_tokens += done
-        req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
-        req.admitted_once = True
-        req.stats.admitted_s = time.time()
-        req.pending = list(prefetch.pending)
-        if req.state.kv_len < req.total:
-            req.pending.append((req.state.kv_len, req.total))
-        req.status = RUNNING
-        running = self.scheduler.running
-        running[running.index(prefetch)] = req
-        prefetch.status, prefetch.finish_reason = FINISHED, "superseded"
-
-    def _end_prefetch(self, req: Request, reason: str) -> None:
-        if req.status != FINISHED:
-            self.scheduler.finish(req, reason)
-        if reason == "prefetched":  # its recompute is done
-            self.cache.counters.prefetched_tokens += req.stats.recomputed_tokens
-        if self._prefetching.get(req.state.id) is req:
-            del self._prefetching[req.state.id]
 
     def _resync(self, state: StreamState, length: int) -> None:
         """The caller's durable history says the stream has `length` tokens before this turn."""
@@ -379,35 +308,35 @@ class Engine:
             state.tail = []
         state.length = length
 
-    def _fetch(self, req: Request, n: int) -> str:
+    def _fetch(self, req: Request, n: int) -> Fetch:
         """READY once req.prefix holds history [0, n); PENDING while it is read off the step
         loop; FAILED (with req.error) if the read failed: a status, never an exception."""
         if req.prefix is not None and len(req.prefix) >= n:
-            return READY
+            return Fetch.READY
         if req.fetch is None:
             if not self.owns_history:
                 req.fetch = self._reader.submit(self.history.read, req.state.id, 0, req.base)
-                return PENDING
+                return Fetch.PENDING
             try:  # in memory: no I/O to wait for
                 req.prefix = self.history.read(req.state.id, 0, req.base)
             except Exception as e:
                 req.error = e
-                return FAILED
+                return Fetch.FAILED
         elif not req.fetch.done():
-            return PENDING
+            return Fetch.PENDING
         else:
             fut, req.fetch = req.fetch, None
             error = fut.exception()
             if error is not None:
                 req.error = error
-                return FAILED
+                return Fetch.FAILED
             req.prefix = fut.result()
         if len(req.prefix) < n:
             req.error = LookupError(
                 f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
             )
-            return FAILED
-        return READY
+            return Fetch.FAILED
+        return Fetch.READY
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -418,7 +347,7 @@ class Engine:
             state = self.streams.get(conversation_id)
             if state is not None and state.busy:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
-            self._supersede(conversation_id, keep=False)
+            self.scheduler.prefetch.supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
             if self.owns_history:
@@ -444,11 +373,11 @@ class Engine:
             now = time.time()
             for req in plan.failed:  # its history could not be read: that turn alone fails
                 log.error("history read for %s failed: %s", req.state.id, req.error)
-                self._end(req, "error", now)
+                self._end(req, FinishReason.ERROR, now)
                 ended.append(req)
             for req in plan.full:  # no room to generate more: ends as if by max_tokens
-                if req.status == RUNNING:
-                    self._end(req, "length", now)
+                if req.status == Status.RUNNING:
+                    self._end(req, FinishReason.LENGTH, now)
                     ended.append(req)
             if plan.pieces:
                 tokens = self.runner.step(plan.pieces, plan.before)
@@ -463,14 +392,13 @@ class Engine:
                 state.kv_len = max(state.kv_len, p.end)
                 if p.sample:
                     ended += self._accept(p.req, next(sampled), now)
-                elif p.req.prefetch and p.req.status == RUNNING and not p.req.pending:
-                    self._end_prefetch(p.req, "prefetched")
+            self.scheduler.computed(plan)
             self.pool.end_step(plan.after)
             for req in ended:  # after the step's copies: publishing may free blocks
-                if req.chain and req.finish_reason != "error":
+                if req.chain and req.finish_reason is not FinishReason.ERROR:
                     n = req.state.kv_len // self.cache.chunk_size
                     self.cache.publish(req.table, req.chain[:n])
-            self.counters["steps"] += 1
+            self.counters.steps += 1
             return ended
 
     def _accept(self, req: Request, token: int, now: float) -> list[Request]:
@@ -479,26 +407,27 @@ class Engine:
         req.tokens.append(token)
         req.output.append(token)
         req.stats.completion_tokens += 1
-        self.counters["generated_tokens"] += 1
+        self.counters.generated_tokens += 1
         if req.on_token is not None:
             req.on_token(token)
         sp = req.turn.sampling
         reason = None
         if not sp.ignore_eos and (token in self.stop_token_ids or token in sp.stop_token_ids):
-            reason = "stop"
+            reason = FinishReason.STOP
         elif len(req.output) >= sp.max_tokens or req.total >= self.max_context:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is None:
             req.pending.append((req.total - 1, req.total))
             return []
         self._end(req, reason, now)
         return [req]
 
-    def _end(self, req: Request, reason: str, now: float) -> None:
-        if req.prefetch:
-            self._end_prefetch(req, reason)
-            return
+    def _end(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(req, reason)
+        self._close(req, now)
+
+    def _close(self, req: Request, now: float) -> None:
+        """The turn ended: its stream goes on from its tokens, and it is free again."""
         state = req.state
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
@@ -514,33 +443,28 @@ class Engine:
         ended = []
         now = time.time()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            if req.cancelled and req.status != FINISHED:
-                self._end(req, "cancelled", now)
+            if req.cancelled and req.status != Status.FINISHED:
+                self._end(req, FinishReason.CANCELLED, now)
                 ended.append(req)
         return ended
 
     def fail_all(self, error: BaseException) -> list[Request]:
-        """End every turn in flight with `error` (a step failed: the state may be broken)."""
+        """End every turn in flight with `error` (a step failed: the state may be broken);
+        returns them."""
         with self.lock:
-            failed = [*self.scheduler.running, *self.scheduler.waiting]
-            failed += self.scheduler.prefetching
+            failed = self.scheduler.fail_all(error)
             now = time.time()
             for req in failed:
-                req.error = error
                 try:
-                    self._end(req, "error", now)
+                    self._close(req, now)
                 except Exception:  # the turn is failed regardless
-                    log.exception("could not release %s", req.state.id)
-                    req.status, req.finish_reason, req.state.busy = FINISHED, "error", False
-            self.scheduler.running.clear()
-            self.scheduler.waiting.clear()
-            self.scheduler.prefetching.clear()
-            self.scheduler.swap_prefetch.clear()
+                    log.exception("could not close %s", req.state.id)
+                    req.state.busy = False
             return failed
 
     def wait_for_io(self, timeout: float = 0.05) -> None:
         """Nothing could be scheduled: wait until a history read finishes."""
-        queued = [*self.scheduler.waiting, *self.scheduler.prefetching]
+        queued = [*self.scheduler.waiting, *self.scheduler.prefetch.queue]
         futures = [r.fetch for r in queued if r.fetch is not None]
         if futures:
             wait(futures, timeout=timeout)
@@ -549,9 +473,9 @@ class Engine:
 
     def run(self, turns: list[Turn]) -> list[TurnResult]:
         reqs = [self.submit(t) for t in turns]
-        while any(r.status != FINISHED for r in reqs):
+        while any(r.status != Status.FINISHED for r in reqs):
             ended = self.step()
-            if not ended and not any(r.status == RUNNING for r in reqs):
+            if not ended and not any(r.status == Status.RUNNING for r in reqs):
                 self.wait_for_io()
         return [r.result() for r in reqs]
 
@@ -584,9 +508,8 @@ class Engine:
                 eviction=self.config.eviction,
                 gpu=PoolUsage(c.gpu.num_blocks, c.gpu.num_used, c.gpu.num_free),
                 cpu=PoolUsage(c.cpu.num_blocks, c.cpu.num_used, c.cpu.num_free),
-                counters=EngineCounters(
-                    **vars(c.counters),
-                    **self.counters,
+                counters=replace(
+                    self.counters,
                     running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting),
                 ),

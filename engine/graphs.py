@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch, StepInputs
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.model.shapes import ModelArgs
 from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 

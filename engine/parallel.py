@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.kv_pool import KVPool
 from engine.model.decoder import Decoder
 from engine.model.loader import Loaded, load, own_tensors

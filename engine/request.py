@@ -5,15 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
 
 from engine.cache.chunks import ChunkTable
 from engine.stream import StreamState
-from engine.types import Turn, TurnResult, TurnStats
+from engine.types import FinishReason, Turn, TurnResult, TurnStats
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+class Status(StrEnum):
+    WAITING = "waiting"  # queued for admission (or suspended)
+    RUNNING = "running"  # in the running batch
+    FINISHED = "finished"
+
+
+class PrefetchEnd(StrEnum):
+    """Why a prefetch ended. Internal: a prefetch is no turn and has no result, so this is
+    kept apart from the public `FinishReason`."""
+
+    DONE = "done"  # its recompute is done: the context is on the GPU tier
+    SUPERSEDED = "superseded"  # its conversation's real turn came (or it was forgotten)
+    SUSPENDED = "suspended"  # gave its room up to real turns
+    EXPIRED = "expired"  # found no room in time
+    FAILED = "failed"  # its history read, or a step, failed
 
 
 @dataclass(eq=False)
@@ -31,11 +47,12 @@ class Request:
     fetch: Future | None = None
     pending: list[tuple[int, int]] = field(default_factory=list)  # position ranges to compute
     output: list[int] = field(default_factory=list)
-    status: str = WAITING
-    finish_reason: str | None = None
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None  # a real turn's, once it ended
+    prefetch_end: PrefetchEnd | None = None  # a prefetch's, once it ended
     cancelled: bool = False
     admitted_once: bool = False
-    error: BaseException | None = None  # why it ended with finish_reason "error"
+    error: BaseException | None = None  # why it ended with FinishReason.ERROR
     prefetch: bool = False  # an internal turn that only recomputes the context (typing)
     handle: Any = None  # the front end's object for this turn (AsyncEngine: its TurnStream)
     # A conversation's first turn: hash chain of its prompt's full chunks, published when
@@ -67,6 +84,5 @@ class Request:
         return out
 
     def result(self) -> TurnResult:
-        return TurnResult(
-            self.state.id, list(self.output), self.finish_reason or "cancelled", self.stats
-        )
+        reason = self.finish_reason or FinishReason.CANCELLED
+        return TurnResult(self.state.id, list(self.output), reason.value, self.stats)

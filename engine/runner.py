@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch, StepInputs, Uploader, build
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.graphs import DecodeGraphs
 from engine.kv_pool import KVPool
 from engine.model.decoder import Decoder

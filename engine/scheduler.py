@@ -9,29 +9,40 @@ A step is a value: `schedule` returns a `StepPlan` with everything the engine mu
 out (the batch, the copies before and after the forward, the turns that must end).
 Reading history is I/O and may fail: that is a status of one turn, never an exception.
 
-Prefetch (a user is typing in an idle conversation) is the lowest priority: its swap-ins go
-in the step's copies and its recomputes run as internal turns that sample nothing. New ones
-start only when no turn waits for admission (and, with no `prefetch_share`, no real turn
-runs); running ones get what real turns leave of the budget (at most `prefetch_share` of
-it while real turns run, never more than `prefetch_step_tokens`), are the first suspended,
-give their room up to a waiting turn that cannot be admitted, and end when a real turn of
-their conversation comes.
+Prefetch (a user is typing in an idle conversation; `engine/prefetch.py`, owned here) is the
+lowest priority: its swap-ins go in the step's copies and its recomputes run as internal
+turns that sample nothing. New ones start only when no turn waits for admission (and, with
+no `prefetch_share`, no real turn runs); running ones get what real turns leave of the
+budget (at most `prefetch_share` of it while real turns run, never more than
+`prefetch_step_tokens`), are the first suspended, give their room up to a waiting turn that
+cannot be admitted, and end when a real turn of their conversation comes (a running one is
+taken over by it: `take_over`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-from engine.cache.chunks import ChunkTable
-from engine.cache.manager import CopyPlan, KVCacheManager
-from engine.request import FINISHED, RUNNING, WAITING, Request
+from engine.cache.manager import KVCacheManager
+from engine.copies import CopyPlan
+from engine.prefetch import Prefetcher
+from engine.request import PrefetchEnd, Request, Status
+from engine.types import FinishReason
 
-# What a history read of a waiting turn says (see `Scheduler.fetch`).
-READY, PENDING, FAILED = "ready", "pending", "failed"
-PREFETCH_WAIT_S = 15.0  # a prefetch that found no room by then is given up
+log = logging.getLogger(__name__)
+
+
+class Fetch(StrEnum):
+    """What a history read of a waiting turn says (see `Scheduler.fetch`)."""
+
+    READY = "ready"
+    PENDING = "pending"
+    FAILED = "failed"
 
 
 @dataclass
@@ -49,8 +60,8 @@ class StepPlan:
     pieces: list[Piece] = field(default_factory=list)
     before: CopyPlan = field(default_factory=CopyPlan)  # swap-outs, swap-ins: with the forward
     after: CopyPlan = field(default_factory=CopyPlan)  # ahead-of-time copies: after it
-    full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end "length"
-    failed: list[Request] = field(default_factory=list)  # history read failed: end "error"
+    full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end LENGTH
+    failed: list[Request] = field(default_factory=list)  # history read failed: end ERROR
 
 
 class Scheduler:
@@ -60,37 +71,51 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         unified: bool = True,
-        fetch: Callable[[Request, int], str] | None = None,
+        fetch: Callable[[Request, int], Fetch] | None = None,
         prefetch_share: float = 0.25,
         prefetch_step_tokens: int | None = None,
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
-        self.prefetch_share = prefetch_share
-        self.prefetch_step_tokens = prefetch_step_tokens or max_batch_tokens
         self.max_running = max_running
         self.unified = unified
         # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
         # being read; FAILED if the read failed (req.error says why).
         self.fetch = fetch or (
-            lambda req, n: READY if req.prefix is not None and len(req.prefix) >= n else PENDING
+            lambda req, n: (
+                Fetch.READY if req.prefix is not None and len(req.prefix) >= n else Fetch.PENDING
+            )
         )
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.prefetching: deque[Request] = deque()  # recompute prefetches not admitted yet
-        # tables to swap in ahead of a turn, and until when to keep trying
-        self.swap_prefetch: dict[ChunkTable, float] = {}
+        self.running: list[Request] = []  # real turns and admitted recompute prefetches
+        self.prefetch = Prefetcher(
+            cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, self._release
+        )
 
-    def add(self, req: Request) -> None:
-        req.status = WAITING
+    def add(self, req: Request, prefetch: Request | None = None) -> None:
+        """Queue a real turn. `prefetch`: the recompute prefetch of its conversation that
+        its coming superseded (`Prefetcher.supersede`): a running one is taken over, a
+        queued one hands its history read on."""
+        if prefetch is not None and prefetch.status == Status.RUNNING:
+            self.take_over(prefetch, req)
+            return
+        if prefetch is not None and prefetch.base == req.base:
+            req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
+        req.status = Status.WAITING
         self.waiting.append(req)
 
-    def add_prefetch(self, req: Request) -> None:
-        req.status = WAITING
-        self.prefetching.append(req)
+    def take_over(self, prefetch: Request, req: Request) -> None:
+        """The real turn `req` goes on from where the running `prefetch` of its conversation
+        is: in its place in the running batch, with the recompute left to do, then its own
+        prompt."""
+        self.prefetch.take_over(prefetch, req)
+        req.admitted_once = True
+        req.stats.admitted_s = time.time()
+        self.running[self.running.index(prefetch)] = req
+        self._run(req, list(prefetch.pending))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefetching or self.swap_prefetch)
+        return bool(self.waiting or self.running or self.prefetch.has_work())
 
     # ---- planning a step ---------------------------------------------------------------------
 
@@ -108,9 +133,9 @@ class Scheduler:
         if prefill_step:
             budget = self._admit(budget, plan)
         budget = self._continue([r for r in self.running if r.prefetch], budget, plan, prefill_step)
-        if prefill_step and not self.waiting and (self._idle() or self.prefetch_share > 0):
+        if prefill_step and not self.waiting and self.prefetch.may_start(self._idle()):
             budget = self._admit(budget, plan, prefetch=True)
-            self._swap_prefetch(plan)
+            plan.before.extend(self.prefetch.swap_in())
         plan.after.extend(self.cache.swap_out_ahead(busy=swap_in_busy))
         return plan
 
@@ -119,11 +144,11 @@ class Scheduler:
         for req in sorted(reqs, key=lambda r: r.seq):
             if budget <= 0:
                 break
-            if req.status != RUNNING:  # suspended earlier in this step
+            if req.status != Status.RUNNING:  # suspended earlier in this step
                 continue
             if not self.unified and req.in_prefill != prefill:
                 continue
-            budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+            budget -= self._take(req, self._budget(req, budget), plan)
         return budget
 
     def _wants_prefill(self) -> bool:
@@ -139,18 +164,9 @@ class Scheduler:
         """No real turn runs: only prefetches, if anything."""
         return all(r.prefetch for r in self.running)
 
-    def _prefetch_budget(self, req: Request, budget: int) -> int:
-        """A prefetch takes at most `prefetch_share` of the step's tokens while real turns
-        run, so that their decode steps stay short, and `prefetch_step_tokens` in any step."""
-        if not req.prefetch:
-            return budget
-        budget = min(budget, self.prefetch_step_tokens)
-        if self._idle():
-            return budget
-        if self.prefetch_share <= 0:
-            return 0
-        share = int(self.max_batch_tokens * self.prefetch_share)
-        return min(budget, max(self.cache.chunk_size, share))
+    def _budget(self, req: Request, budget: int) -> int:
+        """What `req` may take of the step's `budget`: a prefetch only its share."""
+        return self.prefetch.budget(budget, self._idle()) if req.prefetch else budget
 
     def _take(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Schedule up to `budget` of a running turn's pending tokens; returns how many."""
@@ -172,8 +188,9 @@ class Scheduler:
     def _room(self, req: Request, upto: int, plan: StepPlan) -> bool:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
         while (copies := self.cache.grow(req.table, req.state.kv_len, upto)) is None:
-            alive = [r for r in self.running if r.status == RUNNING]
-            if alive == [req]:  # it alone fills the GPU tier: it cannot grow any further
+            alive = [r for r in self.running if r.status == Status.RUNNING]
+            if alive == [req] and not req.prefetch:  # it alone fills the GPU tier: it
+                # cannot grow any further (a prefetch never grows: it is suspended below)
                 plan.full.append(req)
                 return False
             victim = max(alive, key=lambda r: (r.prefetch, r.seq))
@@ -194,12 +211,12 @@ class Scheduler:
             plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
             n = req.stats.recomputed_tokens
             req.pending = [(0, n)] if n else []
-            self.finish(req, "suspended")
+            self.prefetch.end(req, PrefetchEnd.SUSPENDED)
             return
         self._discard_partial_recompute(req)
         plan.before.extend(self.cache.suspend(req.table, req.state.kv_len))
         self.running.remove(req)
-        req.status = WAITING
+        req.status = Status.WAITING
         req.stats.suspensions += 1
         self.waiting.appendleft(req)
 
@@ -215,24 +232,24 @@ class Scheduler:
         """Admit waiting turns in order while the cache has room for each one's context.
         `prefetch`: admit recompute prefetches instead, the same way (making room evicts
         idle chunks by value, as for a turn: the typing conversation is worth the most); one
-        that waited longer than PREFETCH_WAIT_S is given up."""
-        queue = self.prefetching if prefetch else self.waiting
+        that waited too long is given up."""
+        queue = self.prefetch.queue if prefetch else self.waiting
         skipped: list[Request] = []
         try:
             while queue and budget > 0 and len(self.running) < self.max_running:
                 req = queue[0]
                 status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
-                if status == PENDING:
+                if status == Fetch.PENDING:
                     skipped.append(queue.popleft())  # its history is still being read
                     continue
-                if status == FAILED:
+                if status == Fetch.FAILED:
                     if prefetch:  # the real turn will read (and report) it again
-                        self.finish(req, "error")
+                        self.prefetch.end(req, PrefetchEnd.FAILED)
                     else:
                         plan.failed.append(queue.popleft())
                     continue
-                if prefetch and time.time() - req.stats.arrival_s > PREFETCH_WAIT_S:
-                    self.finish(req, "expired")  # the moment passed
+                if prefetch and self.prefetch.too_late(req):
+                    self.prefetch.end(req, PrefetchEnd.EXPIRED)
                     continue
                 if not self._can_admit(req):
                     if not prefetch and self._yield_prefetch(plan):
@@ -240,7 +257,7 @@ class Scheduler:
                     break
                 queue.popleft()
                 self._start(req, plan)
-                budget -= self._take(req, self._prefetch_budget(req, budget), plan)
+                budget -= self._take(req, self._budget(req, budget), plan)
         finally:  # whatever happens, a turn whose history is being read stays queued
             queue.extendleft(reversed(skipped))
         return budget
@@ -248,7 +265,7 @@ class Scheduler:
     def _yield_prefetch(self, plan: StepPlan) -> bool:
         """End the latest running prefetch, if any, so that its context no longer holds the
         GPU tier's room that a waiting real turn needs."""
-        prefetches = [r for r in self.running if r.prefetch and r.status == RUNNING]
+        prefetches = [r for r in self.running if r.prefetch and r.status == Status.RUNNING]
         if not prefetches:
             return False
         self._suspend(max(prefetches, key=lambda r: r.seq), plan)
@@ -266,34 +283,55 @@ class Scheduler:
             req.stats.swapped_in_tokens = adm.swapped_in_tokens
             req.stats.prefetched_tokens = adm.prefetched_tokens
         req.stats.recomputed_tokens += adm.recompute_tokens
-        req.pending = [(0, adm.recompute_tokens)] if adm.recompute_tokens else []
+        self.running.append(req)
+        self._run(req, [(0, adm.recompute_tokens)] if adm.recompute_tokens else [])
+
+    def _run(self, req: Request, pending: list[tuple[int, int]]) -> None:
+        """`req` is in the running batch: it computes `pending`, then its tokens that have
+        no KV yet."""
+        req.pending = pending
         if req.state.kv_len < req.total:
             req.pending.append((req.state.kv_len, req.total))
-        req.status = RUNNING
-        self.running.append(req)
-
-    def _swap_prefetch(self, plan: StepPlan) -> None:
-        """Swap in the CPU chunks of conversations whose user is typing, where there is room."""
-        for table in list(self.swap_prefetch):
-            if self.cache.tables.get(table.id) is not table:  # forgotten meanwhile
-                del self.swap_prefetch[table]
-                continue
-            copies, done = self.cache.prefetch(table)
-            plan.before.extend(copies)
-            if done or time.time() > self.swap_prefetch[table]:
-                del self.swap_prefetch[table]
+        req.status = Status.RUNNING
 
     # ---- after a step ----------------------------------------------------------------------
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a turn (running or waiting): release its pins, keep its KV."""
-        if req.status == RUNNING:
-            self._discard_partial_recompute(req)
-            self.running.remove(req)
-            self.cache.release(req.table, req.state.kv_len)
-        elif req.status == WAITING and req in self.waiting:
-            self.waiting.remove(req)
-        elif req.status == WAITING and req in self.prefetching:
-            self.prefetching.remove(req)
-        req.status = FINISHED
+    def computed(self, plan: StepPlan) -> None:
+        """The plan's forward ran: recompute prefetches with nothing left to compute end."""
+        self.prefetch.end_done(p.req for p in plan.pieces)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a real turn (running or waiting): release its pins, keep its KV."""
         req.finish_reason = reason
+        if req.status == Status.RUNNING:
+            self._release(req)
+        elif req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        """A running request leaves the batch: its pins go, its KV stays (but for a
+        recompute cut short)."""
+        self._discard_partial_recompute(req)
+        self.running.remove(req)
+        self.cache.release(req.table, req.state.kv_len)
+
+    def fail_all(self, error: BaseException) -> list[Request]:
+        """End everything in flight (a step failed: the state may be broken): the real turns
+        with ERROR (returned, `error` set, for the engine to close) and every prefetch.
+        A request whose pins cannot be released still ends."""
+        turns = [r for r in [*self.running, *self.waiting] if not r.prefetch]
+        for req in [*self.running, *self.waiting, *self.prefetch.queue]:
+            try:
+                if req.prefetch:
+                    self.prefetch.end(req, PrefetchEnd.FAILED)
+                else:
+                    req.error = error
+                    self.finish(req, FinishReason.ERROR)
+            except Exception:  # it is failed regardless
+                log.exception("could not release %s", req.state.id)
+                req.status = Status.FINISHED  # its reason is set already
+        self.running.clear()
+        self.waiting.clear()
+        self.prefetch.clear()
+        return turns

@@ -14,9 +14,12 @@ class PoolUsage:
     free: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class EngineCounters:
-    """Totals since the engine started, and the turns queued and running now."""
+    """Totals since the engine started, and the turns queued and running now. One tally,
+    shared: the engine counts prompts, tokens and steps, the cache what moved between the
+    tiers, prefetch what it brought back. A snapshot holds a copy, with running and waiting
+    filled in (the tally leaves them 0)."""
 
     swapped_in_tokens: int = 0
     swapped_out_tokens: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 CACHE_MODES = ("pensieve", "gpu", "stateless")
 EVICTION_POLICIES = ("pensieve", "lru")
@@ -145,9 +146,18 @@ class TurnStats:
         return self.finish_s - self.arrival_s
 
 
+class FinishReason(StrEnum):
+    """Why a turn ended: its result's `finish_reason` (the value, a plain string)."""
+
+    STOP = "stop"  # it sampled a stop token
+    LENGTH = "length"  # max_tokens, the model's window, or the whole GPU tier reached
+    CANCELLED = "cancelled"
+    ERROR = "error"  # its history read, or a step, failed
+
+
 @dataclass
 class TurnResult:
     conversation_id: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # a FinishReason's value: "stop" | "length" | "cancelled" | "error"
     stats: TurnStats

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from engine.cache.blocks import BlockPool
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.policy import Policy
+from engine.copies import CopyPlan
+from engine.snapshot import EngineCounters
 
 
 def chain_hashes(tokens: list[int], chunk_size: int, prev: bytes = b"") -> list[bytes]:
@@ -57,44 +59,12 @@ def chain_hashes(tokens: list[int], chunk_size: int, prev: bytes = b"") -> list[
 
 
 @dataclass
-class CopyPlan:
-    """Copies for a step, carried out in this order:
-    swap_out (gpu -> cpu) before the freed GPU blocks are written again, then swap_in
-    (cpu -> gpu, pipelined layer by layer with the forward); background (gpu -> cpu, ahead of
-    time) after the forward; the GPU blocks stay in use until reclaimed."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    background: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.background)
-
-    def extend(self, other: CopyPlan) -> None:
-        self.swap_out += other.swap_out
-        self.swap_in += other.swap_in
-        self.background += other.background
-
-
-@dataclass
 class Admission:
     cached_tokens: int  # context already on the GPU
     swapped_in_tokens: int  # context coming back from the CPU
     recompute_tokens: int  # leading positions [0, n) to recompute from raw history
     prefetched_tokens: int = 0  # of cached_tokens: those a prefetch brought back
     copies: CopyPlan = field(default_factory=CopyPlan)  # swap-outs to make room, swap-ins
-
-
-@dataclass
-class Counters:
-    swapped_in_tokens: int = 0
-    swapped_out_tokens: int = 0
-    recomputed_tokens: int = 0
-    cached_tokens: int = 0
-    dropped_tokens: int = 0
-    suspensions: int = 0
-    shared_tokens: int = 0  # prompt tokens of new conversations found in shared chunks
-    prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
 
 
 class _LazyHeap:
@@ -158,6 +128,7 @@ class KVCacheManager:
         swap_out_threshold: float = 0.25,
         now: Callable[[], float] = time.time,
         share: bool = False,
+        counters: EngineCounters | None = None,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks)
         self.cpu = BlockPool(cpu_blocks if mode == "pensieve" else 0)
@@ -171,7 +142,7 @@ class KVCacheManager:
         self.tables: dict[str, ChunkTable] = {}
         self.shared: dict[Chunk, None] = {}  # every live shared chunk
         self.index: dict[bytes, Chunk] = {}  # hash chain -> shared chunk that can be linked
-        self.counters = Counters()
+        self.counters = EngineCounters() if counters is None else counters  # adds to it
         self._now = now()
         self._stale: list[int] = []  # CPU blocks to free once this step's swap-in has read them
         self._pinned_gpu = 0  # GPU blocks of pinned tables and of shared chunks they hold

@@ -124,7 +124,7 @@ def test_top_k_one_is_greedy(tiny):
 
 def test_stop_token_ends_turn_and_is_included(smol):
     r = smol.run([Turn("stop", chat(smol, "Say hi."), SamplingParams(max_tokens=200))])[0]
-    assert r.finish_reason == "stop"
+    assert r.finish_reason == "stop" and type(r.finish_reason) is str  # the value, not the enum
     assert r.token_ids[-1] in smol.stop_token_ids
     r = smol.run(
         [Turn("eos", chat(smol, "Say hi."), SamplingParams(max_tokens=30, ignore_eos=True))]

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.request import PrefetchEnd
 from tests.devices import DEVICES
 from tests.oracle import hf_greedy, hf_model
 
@@ -125,7 +126,7 @@ def test_no_op_cases(prompts):
     engine.prefetch("unknown")
     req = engine.submit(Turn("a", prompts[2], SP))
     engine.prefetch("a")  # busy: its own turn brings the context
-    assert not engine.scheduler.prefetching and not engine.scheduler.swap_prefetch
+    assert not engine.scheduler.prefetch.queue and not engine.scheduler.prefetch.swaps
     while req.status != "finished":
         engine.step()
     engine.prefetch("a")  # all on the GPU already
@@ -161,20 +162,21 @@ def test_a_waiting_turn_takes_the_room_of_a_running_prefetch(prompts):
     engine.free("b")
     engine.prefetch("a")
     engine.step()
-    running = engine._prefetching["a"]
+    running = engine.scheduler.prefetch.current["a"]
     assert running.status == "running" and running.pending  # still recomputing a's prefix
     c = [t + 1 for t in b1]  # 10 chunks: more than the tier has beside a's pinned context
     assert not engine.cache.can_admit(engine.cache.table("c"), len(c))
     req = engine.submit(Turn("c", c, SP))
     engine.step()
-    assert running.status == "finished" and running.finish_reason == "suspended"
+    assert running.status == "finished" and running.prefetch_end == PrefetchEnd.SUSPENDED
+    assert running.finish_reason is None  # a prefetch has no public finish reason
     assert req.status == "running"
     while req.status != "finished":
         engine.step()
     engine.cache.check()
     assert req.output == hf_greedy(hf_model(engine), c, 4, set())
     engine.prefetch("a")  # the user types again: a new prefetch
-    assert engine._prefetching["a"] is not running
+    assert engine.scheduler.prefetch.current["a"] is not running
     assert engine.has_work()
 
 
@@ -194,7 +196,7 @@ def test_prefetch_share_of_steps_with_real_turns(prompts, share):
     req = engine.submit(Turn("c", c, SamplingParams(max_tokens=8, ignore_eos=True)))
     engine.step()  # c's prompt
     engine.prefetch("a")
-    pf = engine._prefetching["a"]
+    pf = engine.scheduler.prefetch.current["a"]
     engine.step()  # a decode step of c
     assert req.status == "running"
     if share is None:
@@ -208,5 +210,30 @@ def test_prefetch_share_of_steps_with_real_turns(prompts, share):
         assert pf.status == "running" and pf.pending[0][0] == 64  # a quarter of 256
     while pf.status == "running" or req.status == "running":
         engine.step()
-    assert pf.finish_reason == "prefetched" and engine.cache.tables["a"].n_dropped == 0
+    assert pf.prefetch_end == PrefetchEnd.DONE and engine.cache.tables["a"].n_dropped == 0
+    engine.cache.check()
+
+
+def test_fail_all_ends_prefetches_and_turns(prompts):
+    """A failed step ends everything in flight: the real turns with "error" (the only ones
+    returned), the running prefetch too; nothing is left pinned or queued, and both
+    conversations take turns again."""
+    a1, b1, c = prompts
+    engine = tight_engine(cpu=0, max_batch_tokens=64)
+    engine.run([Turn("a", a1, SP)])
+    engine.run([Turn("b", b1, SP)])
+    engine.free("b")
+    engine.prefetch("a")
+    engine.step()
+    pf = engine.scheduler.prefetch.current["a"]
+    assert pf.status == "running"
+    req = engine.submit(Turn("c", c, SP))
+    error = RuntimeError("a step failed")
+    assert engine.fail_all(error) == [req]
+    assert req.finish_reason == "error" and req.error is error
+    assert pf.prefetch_end == PrefetchEnd.FAILED and pf.finish_reason is None
+    assert not engine.has_work() and not engine.scheduler.prefetch.current
+    engine.cache.check()
+    again = engine.run([Turn("a", [5, 6], SP), Turn("c", c, SP)])
+    assert [r.finish_reason for r in again] == ["length", "length"]
     engine.cache.check()

@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.batch import StepInputs, build
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.graphs import DecodeGraphs, bucket_of, bucket_sizes, is_decode_only, pad
 from kernels import paged_attention, write_kv
 

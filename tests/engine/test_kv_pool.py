@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.kv_pool import KVPool, runs
 from engine.model.shapes import DUMMY_SHAPES
 

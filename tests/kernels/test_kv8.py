@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
-from engine.cache.manager import CopyPlan
+from engine.copies import CopyPlan
 from engine.engine import _pool_sizes
 from engine.kv_pool import KVPool
 from engine.model.shapes import DUMMY_SHAPES

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cache.manager import CopyPlan, KVCacheManager, chain_hashes
+from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.policy import CostModel
+from engine.copies import CopyPlan
 from tests.engine.cache.test_cache import CS, manager
 
 # Two system prompts that share their first chunk (a branching chain), 2 and 3 chunks long.
