@@ -82,9 +82,12 @@ class Engine:
         config: EngineConfig | None = None,
         history: TokenHistory | None = None,
         clock: ActivityClock | None = None,
+        now: Callable[[], float] | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         config.validate()
+        # Every time the engine and its parts read: wall time, or a simulation's virtual time.
+        self.now = time.time if now is None else now
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
@@ -126,7 +129,7 @@ class Engine:
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history
-        self.clock = LocalClock() if clock is None else clock
+        self.clock = LocalClock(self.now) if clock is None else clock
         self.counters = EngineCounters()  # the cache and prefetch add to it too
         if config.eviction == "pensieve" and config.cache_mode != "stateless":
             cost = load_or_profile(
@@ -149,6 +152,7 @@ class Engine:
             config.cache_mode,
             config.admit_reserve,
             config.swap_out_threshold,
+            now=self.now,
             share=config.share_prefixes,
             counters=self.counters,
         )
@@ -167,6 +171,7 @@ class Engine:
             self._fetch,
             prefetch_share=share,
             prefetch_step_tokens=quantum,
+            now=self.now,
         )
         if self.tp is None:
             self.runner = Runner(self.model, self.pool, cs, self.backend)
@@ -246,7 +251,7 @@ class Engine:
             prefetch = self.scheduler.prefetch.supersede(state.id, keep=length == state.length)
             if length != state.length:
                 self._resync(state, length)
-            now = time.time()
+            now = self.now()
             self.clock.touch(state.id, now)
             state.busy = True
             prompt = list(turn.prompt_token_ids)
@@ -289,7 +294,7 @@ class Engine:
             state = self.streams.get(conversation_id)
             if state is None:
                 return
-            now = time.time()
+            now = self.now()
             if self.scheduler.prefetch.hint(state, next(self._seq), now):
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
 
@@ -370,7 +375,7 @@ class Engine:
         with self.lock:
             ended = self._drop_cancelled()
             plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
-            now = time.time()
+            now = self.now()
             for req in plan.failed:  # its history could not be read: that turn alone fails
                 log.error("history read for %s failed: %s", req.state.id, req.error)
                 self._end(req, FinishReason.ERROR, now)
@@ -385,7 +390,7 @@ class Engine:
                 self.pool.begin_step(plan.before)
                 self.pool.swap_in_now()  # no forward to pipeline it with
                 tokens = []
-            now = time.time()
+            now = self.now()
             sampled = iter(tokens)
             for p in plan.pieces:
                 state = p.req.state
@@ -441,7 +446,7 @@ class Engine:
 
     def _drop_cancelled(self) -> list[Request]:
         ended = []
-        now = time.time()
+        now = self.now()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             if req.cancelled and req.status != Status.FINISHED:
                 self._end(req, FinishReason.CANCELLED, now)
@@ -453,7 +458,7 @@ class Engine:
         returns them."""
         with self.lock:
             failed = self.scheduler.fail_all(error)
-            now = time.time()
+            now = self.now()
             for req in failed:
                 try:
                     self._close(req, now)
@@ -483,7 +488,7 @@ class Engine:
 
     def snapshot(self) -> EngineSnapshot:
         with self.lock:
-            now = time.time()
+            now = self.now()
             c = self.cache
             convs = []
             for table in c.tables.values():

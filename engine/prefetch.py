@@ -32,12 +32,14 @@ class Prefetcher:
         share: float,
         step_tokens: int | None,
         release: Callable[[Request], None],
+        now: Callable[[], float] = time.time,
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.share = share  # of a step's tokens while real turns run
         self.step_tokens = step_tokens or max_batch_tokens  # most in any step
         self.release = release  # the scheduler's: a running request leaves the batch
+        self.now = now  # the engine's clock
         self.queue: deque[Request] = deque()  # recompute prefetches not admitted yet
         self.swaps: dict[ChunkTable, float] = {}  # tables to swap in, and until when to try
         self.current: dict[str, Request] = {}  # each conversation's recompute, until it ends
@@ -127,7 +129,7 @@ class Prefetcher:
 
     def too_late(self, req: Request) -> bool:
         """It waited for room longer than WAIT_S: the moment passed."""
-        return time.time() - req.stats.arrival_s > WAIT_S
+        return self.now() - req.stats.arrival_s > WAIT_S
 
     def swap_in(self) -> CopyPlan:
         """Swap in the CPU chunks of conversations whose user is typing, where there is room."""
@@ -138,7 +140,7 @@ class Prefetcher:
                 continue
             more, done = self.cache.prefetch(table)
             copies.extend(more)
-            if done or time.time() > self.swaps[table]:
+            if done or self.now() > self.swaps[table]:
                 del self.swaps[table]
         return copies
 

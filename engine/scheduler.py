@@ -74,8 +74,10 @@ class Scheduler:
         fetch: Callable[[Request, int], Fetch] | None = None,
         prefetch_share: float = 0.25,
         prefetch_step_tokens: int | None = None,
+        now: Callable[[], float] = time.time,
     ) -> None:
         self.cache = cache
+        self.now = now  # the engine's clock: wall time, or a simulation's
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.unified = unified
@@ -89,7 +91,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # real turns and admitted recompute prefetches
         self.prefetch = Prefetcher(
-            cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, self._release
+            cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, self._release, now
         )
 
     def add(self, req: Request, prefetch: Request | None = None) -> None:
@@ -110,7 +112,7 @@ class Scheduler:
         prompt."""
         self.prefetch.take_over(prefetch, req)
         req.admitted_once = True
-        req.stats.admitted_s = time.time()
+        req.stats.admitted_s = self.now()
         self.running[self.running.index(prefetch)] = req
         self._run(req, list(prefetch.pending))
 
@@ -278,7 +280,7 @@ class Scheduler:
         plan.before.extend(adm.copies)
         if not req.admitted_once:  # a resumed turn keeps the figures of its first admission
             req.admitted_once = True
-            req.stats.admitted_s = time.time()
+            req.stats.admitted_s = self.now()
             req.stats.cached_tokens = adm.cached_tokens
             req.stats.swapped_in_tokens = adm.swapped_in_tokens
             req.stats.prefetched_tokens = adm.prefetched_tokens
