@@ -25,6 +25,7 @@ from engine.request import Request, Status
 from engine.runner import Runner
 from engine.sampler import make_generator
 from engine.scheduler import Fetch, Scheduler
+from engine.sim import is_simulated
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -42,9 +43,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def _pool_sizes(
-    config: EngineConfig, bytes_per_block: int, device: torch.device
+    config: EngineConfig,
+    bytes_per_block: int,
+    device: torch.device,
+    simulated: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
+    """Tiers in blocks: the config's, else from free memory (a simulated device's own)."""
     gpu, cpu = config.gpu_cache_chunks, config.cpu_cache_chunks
+    if simulated is not None:
+        gpu = simulated[0] if gpu is None else gpu
+        cpu = simulated[1] if cpu is None else cpu
     if gpu is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -64,6 +72,14 @@ def _pool_sizes(
     if gpu < 2:
         raise ValueError(f"the KV pool holds only {gpu} blocks: not enough memory")
     return gpu, cpu
+
+
+def _dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
 
 
 def _check_kv_dtype(kv_dtype: str, backend: str, device: torch.device) -> None:
@@ -86,43 +102,27 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         config.validate()
-        # Every time the engine and its parts read: wall time, or a simulation's virtual time.
-        self.now = time.time if now is None else now
-        self.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        self._use_device()
-        if config.dtype is None:
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        elif config.dtype in _DTYPES:
-            self.dtype = _DTYPES[config.dtype]
-        else:
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {config.dtype!r}")
         self.tp = None  # tensor parallelism: the other ranks (engine/parallel.py)
-        if config.tensor_parallel > 1 or config.force_tensor_parallel:
-            from engine.parallel import TensorParallel
-
-            self.tp = TensorParallel(config, self.device, self.dtype)
-            self.device = self.tp.device  # rank 0's own GPU, with its index
-            loaded = self.tp.load()  # rank 0's shard; args stay the full model's
+        self.sim = None  # on "sim:<device>": the cost model and virtual clock (engine/sim)
+        if is_simulated(config.device):
+            self._simulate(config)
         else:
-            loaded = load(config.model, self.device, self.dtype, config.cache_dir, config.seed)
-        self.model, self.args = loaded.model, loaded.args
-        self.tokenizer = loaded.tokenizer
-        self.stop_token_ids = loaded.stop_token_ids
-        self.max_context = loaded.args.max_context  # a sliding window caps it
-        if config.pack_cpu_weights:
-            pack_linears(self.model)  # float32 CPU layers only; a no-op elsewhere
-        self.backend = pick_backend(self.device, config.attention_backend)
+            self._load_model(config)
+        # Every time the engine and its parts read: wall time, or a simulation's virtual time.
+        self.now = self.sim.clock if self.sim else time.time if now is None else now
+        self.max_context = self.args.max_context  # a sliding window caps it
+        self.backend = None if self.sim else pick_backend(self.device, config.attention_backend)
 
         cs = config.chunk_size
         kv = config.kv_dtype
         _check_kv_dtype(kv, self.backend, self.device)
         pool_args = self.args if self.tp is None else self.tp.args  # a rank's KV heads
-        gpu, cpu = _pool_sizes(
-            config, KVPool.bytes_per_block(pool_args, cs, self.dtype, kv), self.device
-        )
-        if self.tp is None:
+        per_block = KVPool.bytes_per_block(pool_args, cs, self.dtype, kv)
+        simulated = None if self.sim is None else self.sim.pool_sizes(per_block)
+        gpu, cpu = _pool_sizes(config, per_block, self.device, simulated)
+        if self.sim is not None:
+            self.pool = self.sim.pool(per_block, cpu)
+        elif self.tp is None:
             self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype, kv)
         else:
             self.pool = self.tp.pool(gpu, cpu, self.backend)
@@ -131,7 +131,9 @@ class Engine:
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock(self.now) if clock is None else clock
         self.counters = EngineCounters()  # the cache and prefetch add to it too
-        if config.eviction == "pensieve" and config.cache_mode != "stateless":
+        if config.eviction == "pensieve" and config.cache_mode != "stateless" and self.sim:
+            cost = self.sim.policy_cost(cs, config.max_batch_tokens)
+        elif config.eviction == "pensieve" and config.cache_mode != "stateless":
             cost = load_or_profile(
                 self.model,
                 config.model if self.tp is None else self.tp.profile_name,
@@ -156,7 +158,7 @@ class Engine:
             share=config.share_prefixes,
             counters=self.counters,
         )
-        cuda = self.device.type == "cuda"
+        cuda = self.device.type == "cuda" or (self.sim is not None and self.sim.gpu)
         share = config.prefetch_share
         if share is None:
             share = 0.25 if cuda else 0.0
@@ -173,7 +175,9 @@ class Engine:
             prefetch_step_tokens=quantum,
             now=self.now,
         )
-        if self.tp is None:
+        if self.sim is not None:
+            self.runner = self.sim.runner(self.pool)
+        elif self.tp is None:
             self.runner = Runner(self.model, self.pool, cs, self.backend)
         else:
             self.runner = self.tp.runner(self.model, self.pool, self.backend)
@@ -191,6 +195,37 @@ class Engine:
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.lock = threading.RLock()  # guards all state below; held for a whole step
+
+    def _load_model(self, config: EngineConfig) -> None:
+        """The model, its tokenizer and its device (a tensor-parallel one: rank 0's share)."""
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self._use_device()
+        self.dtype = _dtype(config.dtype, self.device)
+        if config.tensor_parallel > 1 or config.force_tensor_parallel:
+            from engine.parallel import TensorParallel
+
+            self.tp = TensorParallel(config, self.device, self.dtype)
+            self.device = self.tp.device  # rank 0's own GPU, with its index
+            loaded = self.tp.load()  # rank 0's shard; args stay the full model's
+        else:
+            loaded = load(config.model, self.device, self.dtype, config.cache_dir, config.seed)
+        self.model, self.args = loaded.model, loaded.args
+        self.tokenizer = loaded.tokenizer
+        self.stop_token_ids = loaded.stop_token_ids
+        if config.pack_cpu_weights:
+            pack_linears(self.model)  # float32 CPU layers only; a no-op elsewhere
+
+    def _simulate(self, config: EngineConfig) -> None:
+        """No model: its shape, and the device's cost model in place of the forward."""
+        from engine.sim.simulated import Simulated
+
+        self.sim = Simulated(config)
+        self.device = torch.device("cpu")  # where the few tensors the engine makes live
+        self.dtype = _DTYPES[self.sim.dtype]
+        self.model, self.args, self.tokenizer = None, self.sim.args, None
+        self.stop_token_ids = ()
 
     @property
     def graphs_enabled(self) -> bool:

@@ -1,0 +1,174 @@
+"""The `cpu` device model, calibrated on the machine it runs on: real steps of the real
+engine over a grid of prompt lengths, decode batches and contexts, fitted by least squares
+on the features of `engine/sim/cost.py`; the tiers' copy rate from real pool copies.
+
+Cached per model, dtype and torch thread count (a step on one thread costs about twice a
+step on two), like the eviction policy's cost profile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from engine.copies import CopyPlan
+from engine.model.loader import cache_root
+from engine.sim.cost import Features, Fitted, Work
+from engine.sim.devices import VERSION, Copies, Device
+from engine.types import EngineConfig, SamplingParams, Turn
+
+log = logging.getLogger(__name__)
+
+PROMPTS = (32, 64, 128, 256, 384, 512)  # one prompt alone per step
+BATCHES = (1, 4, 16, 32)  # decode batches ...
+CONTEXTS = (128, 768)  # ... at these contexts
+DECODE_TOKENS = 4
+
+
+def cpu_device(config: EngineConfig) -> Device:
+    """The fitted CPU model of `config.model`, calibrated now if this machine has none."""
+    path = _path(config)
+    if not path.exists():
+        t = time.perf_counter()
+        fit = calibrate(config)
+        log.info("calibrated the cpu cost model in %.0fs", time.perf_counter() - t)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fit, indent=1))
+        tmp.replace(path)
+    return device_from(json.loads(path.read_text()))
+
+
+def device_from(fit: dict) -> Device:
+    copies = Copies(fit["swap_in_bps"], fit["swap_out_bps"], 0.0, synchronous=True)
+    cost = Fitted("cpu", tuple(fit["weights"]))
+    return Device("cpu", cost, copies, float("inf"), (fit["file"],))
+
+
+def _path(config: EngineConfig) -> Path:
+    dtype = config.dtype or "float32"
+    name = f"cpu-{config.model}-{dtype}-{torch.get_num_threads()}t-v{VERSION}.json"
+    return cache_root(config.cache_dir) / "sim" / name.replace(":", "_").replace("/", "_")
+
+
+def calibrate(config: EngineConfig) -> dict:
+    """Steps of the real engine, each timed whole (scheduling, forward, sampling)."""
+    from engine.engine import Engine
+
+    real = Engine(
+        EngineConfig(
+            model=config.model,
+            device="cpu",
+            dtype=config.dtype or "float32",
+            max_batch_tokens=config.max_batch_tokens,
+            gpu_cache_chunks=4096,
+            cpu_cache_chunks=0,
+            cache_mode="gpu",
+            eviction="lru",  # nothing is evicted here: no need to profile Cost(l)
+            cache_dir=config.cache_dir,
+        )
+    )
+    rows: list[list[float]] = []
+    times: list[float] = []
+    seen: list[Features] = []
+    step = real.runner.step
+
+    def recorded(pieces, plan):
+        seen.append(Features.of([Work(p.end - p.start, p.start, p.sample) for p in pieces]))
+        return step(pieces, plan)
+
+    real.runner.step = recorded
+    rng = random.Random(0)
+    vocab = real.args.vocab_size
+
+    def run(turns: list[Turn]) -> None:
+        for t in turns:
+            real.submit(t)
+        while real.has_work():
+            seen.clear()
+            t0 = time.perf_counter()
+            real.step()
+            dt = time.perf_counter() - t0
+            if seen:
+                rows.append(seen[0].row())
+                times.append(dt)
+
+    def turn(cid: str, n: int, out: int) -> Turn:
+        ids = [rng.randrange(1, vocab) for _ in range(n)]
+        return Turn(cid, ids, SamplingParams(max_tokens=out, ignore_eos=True))
+
+    run([turn("warm-up", 64, 4)])
+    rows.clear()
+    times.clear()
+    for n in PROMPTS:
+        for k in range(2):
+            run([turn(f"p{n}-{k}", n, 1)])
+    for ctx in CONTEXTS:
+        for b in BATCHES:
+            run([turn(f"d{ctx}-{b}-{i}", ctx, DECODE_TOKENS) for i in range(b)])
+    weights = _nonnegative_fit(rows, times)
+    pred = [sum(w * x for w, x in zip(weights, r, strict=True)) for r in rows]
+    errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
+    swap_in, swap_out = _copy_rates(real)
+    real.close()
+    return {
+        "file": _path(config).name,
+        "model": config.model,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "features": ["1", "tokens", "sampled", "pairs", "kv_tokens", "pieces"],
+        "weights": weights,
+        "steps": len(rows),
+        "median_abs_error": errors[len(errors) // 2],
+        "p90_abs_error": errors[int(len(errors) * 0.9)],
+        "swap_in_bps": swap_in,
+        "swap_out_bps": swap_out,
+    }
+
+
+def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares with every weight >= 0 (each feature only adds work): a weight that
+    comes out negative is dropped and the rest refitted. Fitted on relative error, so that
+    short decode steps count as much as long prompts."""
+    x = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(times, dtype=torch.float64)
+    scale = 1.0 / y
+    active = list(range(x.shape[1]))
+    while True:
+        sol = torch.linalg.lstsq(x[:, active] * scale[:, None], y * scale).solution
+        if (sol >= 0).all():
+            break
+        active = [a for a, w in zip(active, sol.tolist(), strict=True) if w > 0]
+    weights = [0.0] * x.shape[1]
+    for a, w in zip(active, sol.tolist(), strict=True):
+        weights[a] = w
+    return weights
+
+
+def _copy_rates(real) -> tuple[float, float]:
+    """Bytes per second of the pool's swap-in and swap-out on this machine (median of 5)."""
+    from engine.kv_pool import KVPool
+
+    n = 256
+    pool = KVPool(real.args, n, n, real.config.chunk_size, real.device, real.dtype)
+    pairs = list(zip(random.Random(1).sample(range(n), n), range(n), strict=True))
+    per = KVPool.bytes_per_block(real.args, real.config.chunk_size, real.dtype)
+
+    def rate(plan: CopyPlan) -> float:
+        runs = []
+        for _ in range(5):
+            t = time.perf_counter()
+            pool.begin_step(plan)
+            pool.swap_in_now()
+            pool.end_step(CopyPlan())
+            runs.append(time.perf_counter() - t)
+        return n * per / sorted(runs)[2]
+
+    return rate(CopyPlan(swap_in=pairs)), rate(CopyPlan(swap_out=pairs))

@@ -1,0 +1,184 @@
+"""The simulated devices: each constant traced to a committed measurement or a spec sheet.
+
+- `h100`: an H100 80GB HBM3 (SXM), from this project's own measurements on one:
+  - `bench/results/kernel-nvidia-h100-80gb-hbm3.json`: the paged attention kernel. Decode
+    points fit time = launch + KV bytes / bandwidth (a least-squares line, refitted without
+    outliers); the best multi-token/mixed rate is the prefill attention FLOP/s; the best
+    decode bandwidth is the achieved HBM read rate for weights.
+  - `bench/results/swap-NVIDIA_H100_80GB_HBM3.json`: swap-in and swap-out GB/s through the
+    engine's pool, the share of a swap-in hidden behind a 2048-token prefill, and that
+    prefill's forward time, which sets the per-token cost of everything but matmuls and
+    attention (norms, RoPE, activations, residuals: the engine does not fuse them yet).
+  - Matmul: the spec sheet's 989 TFLOP/s dense bf16 at the 81% (798 TFLOP/s) that the best
+    bf16 matmul reached on the lent H100 (`bench.mfu`'s probe; `make gpu-check` records it
+    in `bench/results/gpu-report-*.json`); half of it at 64 tokens per step (assumed: the
+    usual shape of cuBLAS efficiency against M at N, K of 5k-14k).
+  - Host work per step: `bench/results/step_prep_cpu.json` (a 64-piece step's metadata on a
+    2-core CPU; a GPU host is faster, so this is pessimistic).
+- `a100-80gb`: the paper's GPU. Spec sheet (A100 SXM 80GB): 312 TFLOP/s dense bf16, 2.039
+  TB/s HBM2e, PCIe 4.0 x16 (32 GB/s a direction). Achieved shares are taken from the H100's
+  (matmul 81% of peak, attention and weights' reads the same share of HBM, swaps the same
+  share of the link: 52.3 of PCIe 5's 64 GB/s), a stated assumption until one is measured.
+- `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps.
+
+`VERSION` goes up whenever a figure or the model changes: every simulated result names it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
+
+VERSION = 1
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
+SWAP_H100 = RESULTS / "swap-NVIDIA_H100_80GB_HBM3.json"
+STEP_PREP = RESULTS / "step_prep_cpu.json"
+
+H100_PEAK_FLOPS = 989e12  # H100 SXM5 dense bf16 (spec sheet)
+H100_MATMUL_SHARE = 0.81  # 798 TFLOP/s measured
+H100_HBM_SPEC = 3.35e12
+PCIE5_BPS = 64e9  # x16, one direction
+A100_PEAK_FLOPS = 312e12  # A100 SXM 80GB dense bf16 (spec sheet)
+A100_HBM_SPEC = 2.039e12
+PCIE4_BPS = 32e9
+MATMUL_HALF_TOKENS = 64.0
+
+
+@dataclass(frozen=True)
+class Copies:
+    """How the tiers' copies cost: bytes / bandwidth; on a GPU a side stream overlaps them
+    with the forward, on a CPU they run in the step."""
+
+    swap_in_bps: float
+    swap_out_bps: float
+    swap_in_hidden: float  # share of a swap-in hidden behind the forward it runs beside
+    synchronous: bool  # the CPU: every copy is on the step's critical path
+
+
+@dataclass(frozen=True)
+class Device:
+    """A simulated device for one model: what a step and a copy cost, and its memory."""
+
+    name: str
+    cost: StepCost
+    copies: Copies
+    memory_bytes: float
+    sources: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} cost model v{VERSION}"
+
+
+def _robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares y = a + b x, refitted without points off by more than 3 median
+    absolute residuals (one noisy kernel timing must not set the launch cost)."""
+
+    def fit(pts):
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        return my - b * mx, b
+
+    a, b = fit(points)
+    res = [abs(y - a - b * x) for x, y in points]
+    mad = statistics.median(res)
+    kept = [p for p, r in zip(points, res, strict=True) if r <= 3 * mad]
+    return fit(kept) if len(kept) >= 3 else (a, b)
+
+
+def _h100_attention() -> tuple[float, float, float, float]:
+    """(launch s, KV bytes/s, prefill FLOP/s, best decode bytes/s) of the measured kernel."""
+    pts = json.loads(KERNEL_H100.read_text())["points"]
+    triton = [p for p in pts if p["method"] == "triton"]
+    decode = [(p["gbps"] * 1e9 * p["ms"] * 1e-3, p["ms"] * 1e-3) for p in triton
+              if p["scenario"] == "decode"]  # fmt: skip
+    launch, per_byte = _robust_line(decode)
+    flops = max(p["tflops"] * 1e12 for p in triton if p["scenario"] != "decode")
+    best = max(p["gbps"] * 1e9 for p in triton if p["scenario"] == "decode")
+    return max(launch, 0.0), 1.0 / per_byte, flops, best
+
+
+def _step_overhead() -> float:
+    return json.loads(STEP_PREP.read_text())["after"]["median_us"] * 1e-6
+
+
+def h100_spec() -> GPUSpec:
+    launch, attn_bps, attn_flops, hbm = _h100_attention()
+    swap = json.loads(SWAP_H100.read_text())
+    return GPUSpec(
+        name="h100",
+        matmul_flops=H100_PEAK_FLOPS * H100_MATMUL_SHARE,
+        matmul_half_tokens=MATMUL_HALF_TOKENS,
+        hbm_bps=hbm,
+        attn_launch_s=launch,
+        attn_bps=attn_bps,
+        attn_flops=attn_flops,
+        token_layer_s=0.0,  # set from the measured forward below
+        step_overhead_s=_step_overhead(),
+        swap_in_bps=swap["swap_in_GBps"] * 1e9,
+        swap_out_bps=swap["swap_out_GBps"] * 1e9,
+        swap_in_hidden=swap["swap_in_hidden_share"],
+        memory_bytes=80e9,
+        sources=(KERNEL_H100.name, SWAP_H100.name, STEP_PREP.name, "H100 SXM5 spec sheet"),
+    )
+
+
+def _fit_token_cost(spec: GPUSpec, shape: Shape, tokens: int, measured_s: float) -> GPUSpec:
+    """The per-token, per-layer cost of the unfused elementwise work: what a measured
+    prefill forward of `tokens` took beyond the model's matmuls and attention."""
+    bare = Roofline(spec, shape).forward_s([Work(tokens, 0, True)])
+    extra = max(0.0, measured_s - bare) / (shape.layers * tokens)
+    return replace(spec, token_layer_s=extra)
+
+
+def _h100(measured_shape: Shape) -> GPUSpec:
+    swap = json.loads(SWAP_H100.read_text())
+    # The swap benchmark's forward: a 2048-token prefill of dummy:llama-2-13b-gqa10, bf16.
+    return _fit_token_cost(h100_spec(), measured_shape, 2048, swap["forward_s"])
+
+
+def a100_spec(h100: GPUSpec) -> GPUSpec:
+    """The H100's achieved shares applied to the A100's spec sheet."""
+    hbm_share = h100.hbm_bps / H100_HBM_SPEC
+    link_share = h100.swap_in_bps / PCIE5_BPS
+    slower = H100_HBM_SPEC / A100_HBM_SPEC  # elementwise work is bound by HBM
+    return replace(
+        h100,
+        name="a100-80gb",
+        matmul_flops=A100_PEAK_FLOPS * H100_MATMUL_SHARE,
+        hbm_bps=A100_HBM_SPEC * hbm_share,
+        attn_bps=h100.attn_bps * A100_HBM_SPEC / H100_HBM_SPEC,
+        attn_flops=h100.attn_flops * A100_PEAK_FLOPS / H100_PEAK_FLOPS,
+        token_layer_s=h100.token_layer_s * slower,
+        swap_in_bps=PCIE4_BPS * link_share,
+        swap_out_bps=PCIE4_BPS * h100.swap_out_bps / PCIE5_BPS,
+        memory_bytes=80e9,
+        sources=(*h100.sources, "A100 SXM 80GB spec sheet"),
+    )
+
+
+GPUS = ("h100", "a100-80gb")
+DEVICES = (*GPUS, "cpu")
+
+
+def gpu_device(name: str, shape: Shape) -> Device:
+    """A simulated GPU running a model of `shape`."""
+    from engine.model.loader import model_args
+
+    measured = Shape.of(model_args("dummy:llama-2-13b-gqa10"), "bfloat16")
+    spec = _h100(measured)
+    if name == "a100-80gb":
+        spec = a100_spec(spec)
+    elif name != "h100":
+        raise ValueError(f"unknown simulated device {name!r}; known: {', '.join(DEVICES)}")
+    copies = Copies(spec.swap_in_bps, spec.swap_out_bps, spec.swap_in_hidden, False)
+    return Device(spec.name, Roofline(spec, shape), copies, spec.memory_bytes, spec.sources)
+
+
+__all__ = ["Device", "Copies", "Features", "gpu_device", "DEVICES", "GPUS", "VERSION"]

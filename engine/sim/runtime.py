@@ -1,0 +1,104 @@
+"""The simulated runtime: the KV pool and the runner of an engine on `sim:<device>`.
+
+They hold no tensors. The engine's own scheduler and cache decide every step and copy as
+they do on a real device; here a step only moves the virtual clock on by what the device
+model says the forward and the copies take, with the overlap the real pool implements:
+- swap-outs before the forward run first and the forward waits for them (blocks are freed);
+- the swap-in is copied layer by layer beside the forward: its measured hidden share is
+  hidden, and the forward cannot end before the copy does;
+- ahead-of-time swap-outs after the forward run in the background on the copy stream (the
+  next step's copies queue behind them; `swap_in_busy` tells the scheduler of a swap-in
+  still running), off the critical path;
+- on a CPU every copy runs in the step, one after the other.
+Every sampled token is 0: benchmarks replay reply lengths (`ignore_eos`), and the
+scheduler never looks at token ids.
+"""
+
+from __future__ import annotations
+
+from engine.copies import CopyPlan
+from engine.sim.clock import VirtualClock
+from engine.sim.cost import Work
+from engine.sim.devices import Device
+
+
+class SimPool:
+    """The copy stream of a simulated device and its bookkeeping of time."""
+
+    def __init__(self, device: Device, clock: VirtualClock, bytes_per_block: int, cpu: int):
+        self.device = device
+        self.clock = clock
+        self.block_bytes = bytes_per_block
+        self.cpu_blocks = cpu
+        self.copy_free_at = 0.0  # when the copy stream has done all it was given
+        self.swap_in_until = 0.0  # when the last swap-in is copied
+        self._out_s = 0.0  # this step's swap-outs, before its forward
+        self._in_s = 0.0  # this step's swap-in, beside its forward
+        self.copied_bytes = 0
+
+    def _seconds(self, blocks: int, bps: float) -> float:
+        self.copied_bytes += blocks * self.block_bytes
+        return blocks * self.block_bytes / bps
+
+    def begin_step(self, plan: CopyPlan) -> None:
+        c = self.device.copies
+        self._out_s = self._seconds(len(plan.swap_out), c.swap_out_bps)
+        self._in_s = self._seconds(len(plan.swap_in), c.swap_in_bps)
+
+    def run(self, forward_s: float) -> None:
+        """The step's copies and its forward: move the clock to the step's end."""
+        c, now = self.device.copies, self.clock()
+        if c.synchronous:
+            self.clock.advance(self._out_s + self._in_s + forward_s)
+            return
+        start = max(now, self.copy_free_at)  # behind earlier background copies
+        out_done = start + self._out_s
+        forward_start = out_done if self._out_s else now
+        in_done = out_done + self._in_s
+        end = forward_start + forward_s
+        if self._in_s:
+            end = max(end + (1 - c.swap_in_hidden) * self._in_s, in_done)
+            self.swap_in_until = in_done
+        self.copy_free_at = max(self.copy_free_at, in_done)
+        self._out_s = self._in_s = 0.0
+        self.clock.advance_to(end)
+
+    def swap_in_now(self) -> None:
+        """No forward this step: the copies alone."""
+        self.run(0.0)
+
+    def end_step(self, plan: CopyPlan) -> None:
+        if not plan.background:
+            return
+        c = self.device.copies
+        seconds = self._seconds(len(plan.background), c.swap_out_bps)
+        if c.synchronous:
+            self.clock.advance(seconds)
+        else:
+            self.copy_free_at = max(self.copy_free_at, self.clock()) + seconds
+
+    def swap_in_busy(self) -> bool:
+        return self.swap_in_until > self.clock()
+
+    def before_attention(self, layer: int) -> None:  # the real pool's hook; nothing to wait on
+        pass
+
+
+class SimRunner:
+    """Carries out a planned step in virtual time; samples token 0 for every sampling piece."""
+
+    def __init__(self, device: Device, pool: SimPool) -> None:
+        self.device = device
+        self.pool = pool
+        self.graphs = None
+        self.steps = 0
+        self.busy_s = 0.0  # virtual seconds of forwards
+
+    def step(self, pieces, plan: CopyPlan) -> list[int]:
+        batch = [Work(p.end - p.start, p.start, p.sample) for p in pieces]
+        forward = self.device.cost.forward_s(batch)
+        self.pool.begin_step(plan)
+        self.pool.run(forward)
+        self.steps += 1
+        self.busy_s += forward
+        return [0] * sum(w.sample for w in batch)

@@ -1,0 +1,56 @@
+"""What an engine on `sim:<device>` is built from in place of the model and its tensors."""
+
+from __future__ import annotations
+
+import math
+
+from engine.cache.policy import CostModel
+from engine.model.loader import model_args
+from engine.sim import PREFIX
+from engine.sim.clock import VirtualClock
+from engine.sim.cost import Shape, chunk_costs
+from engine.sim.devices import GPUS, Device, gpu_device
+from engine.sim.runtime import SimPool, SimRunner
+from engine.types import EngineConfig
+
+KV_BYTES = {"auto": None, "fp8": 1, "int8": 1}
+
+
+class Simulated:
+    """The model's shape, the device's cost model and the virtual clock of one engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        name = config.device.removeprefix(PREFIX)
+        self.args = model_args(config.model, config.cache_dir)
+        self.dtype = config.dtype or ("float32" if name == "cpu" else "bfloat16")
+        self.shape = Shape.of(self.args, self.dtype, KV_BYTES[config.kv_dtype])
+        if name in GPUS:
+            self.device: Device = gpu_device(name, self.shape)
+        elif name == "cpu":
+            from engine.sim.calibrate import cpu_device
+
+            self.device = cpu_device(config)
+        else:
+            raise ValueError(f"unknown simulated device {config.device!r}")
+        self.gpu = name in GPUS  # the engine's GPU defaults apply (prefetch shares)
+        self.clock = VirtualClock()
+
+    def pool_sizes(self, bytes_per_block: int) -> tuple[int, int]:
+        """Tiers when the config leaves them out: the device's memory less the weights (and
+        a tenth for activations); the CPU tier four times that."""
+        weights = self.shape.weight_bytes * (
+            self.shape.layers * self.shape.layer_params + 2 * self.shape.head_params
+        )
+        if math.isinf(self.device.memory_bytes):  # the CPU: as the real engine sizes it
+            return max(64, (1 << 30) // bytes_per_block), 4 * max(64, (1 << 30) // bytes_per_block)
+        gpu = int(self.device.memory_bytes * 0.9 - weights) // bytes_per_block
+        return gpu, 4 * gpu
+
+    def policy_cost(self, chunk_size: int, batch_tokens: int) -> CostModel:
+        return chunk_costs(self.device.cost, chunk_size, self.args.max_context, batch_tokens)
+
+    def pool(self, bytes_per_block: int, cpu_blocks: int) -> SimPool:
+        return SimPool(self.device, self.clock, bytes_per_block, cpu_blocks)
+
+    def runner(self, pool: SimPool) -> SimRunner:
+        return SimRunner(self.device, pool)
