@@ -33,6 +33,7 @@ from bench.lib.metrics import claims, merge_runs, run_line, run_record
 from bench.lib.pools import (
     engine_config,
     fit_pools,
+    for_mode,
     history_chunks,
     kv_bytes_per_chunk,
     model_args,
@@ -40,7 +41,7 @@ from bench.lib.pools import (
 )
 from bench.lib.presets import MODES, PRESETS, Preset, dry_run
 from bench.lib.samples import load_workload, save_sample
-from bench.lib.sweep import measure, next_rate, over, plan, replay
+from bench.lib.sweep import ladder, measure, plan, replay, then
 
 
 def _log(*a) -> None:
@@ -68,15 +69,15 @@ async def bench_engine(
     }
     log(f"pools: {workload['pools']}")
     runs: list[dict[str, Any]] = []
-    bound = preset.latency_bound
     for mode_name in modes:
         mode = MODES[mode_name]
-        engine = AsyncEngine(engine_config(preset, mode))
+        engine = AsyncEngine(engine_config(for_mode(preset, mode, convs), mode))
         await engine.start()
         try:
             for think in preset.think_s:
-                rates = list(preset.rates)
-                for rate in rates:  # grows while the mode has not crossed the bound
+                rates = ladder(preset, mode_name, log)
+                rate = next(rates)
+                while rate is not None:  # grows while the mode has not crossed the bound
                     driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
                     plans = plan(convs, rate, think, preset.time_scale, preset.seed)
                     desc = f"{mode_name} rate {rate:g}"
@@ -88,13 +89,7 @@ async def bench_engine(
                     log(run_line(run))
                     if on_run is not None:
                         on_run({"workload": workload, "runs": runs})
-                    if over(run, bound * preset.stop_past_bound):
-                        log(f"{mode_name}: past the latency bound, skipping higher rates")
-                        break
-                    nxt = next_rate(rates, rate, preset.max_rate)
-                    if nxt is not None:
-                        log(f"{mode_name}: under the bound at {rate:g}/s, going on to {nxt:g}/s")
-                        rates.append(nxt)
+                    rate = then(rates, run)
         finally:
             await engine.stop()
     return {"workload": workload, "runs": runs}

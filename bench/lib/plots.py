@@ -17,6 +17,7 @@ STYLE = {
     "gpu": ("tab:blue", "^"),
     "stateless": ("tab:gray", "D"),
     "server": ("tab:green", "o"),
+    "oracle": ("black", "*"),
 }
 
 

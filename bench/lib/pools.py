@@ -29,8 +29,9 @@ def engine_config(preset: Preset, mode: Mode):
     )
 
 
-def size_pools(preset: Preset) -> Preset:
-    """Turn the preset's GB pool sizes into chunk counts from the model's KV bytes per chunk."""
+def size_pools(preset: Preset, host: bool = True) -> Preset:
+    """Turn the preset's GB pool sizes into chunk counts from the model's KV bytes per chunk.
+    `host`: the CPU tier is capped by this machine's memory (not in a simulation)."""
     if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
         return preset
     per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16", preset.kv_dtype)
@@ -38,7 +39,8 @@ def size_pools(preset: Preset) -> Preset:
     if preset.gpu_cache_gb is not None:
         gpu = int(preset.gpu_cache_gb * 2**30 // per)
     if preset.cpu_cache_gb is not None:
-        cpu = int(_cpu_pool_gb(preset.cpu_cache_gb) * 2**30 // per)
+        gb = _cpu_pool_gb(preset.cpu_cache_gb) if host else preset.cpu_cache_gb
+        cpu = int(gb * 2**30 // per)
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
 
 
@@ -82,6 +84,18 @@ def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> 
         per8 = kv_bytes_per_chunk(preset.model, dtype, preset.kv_dtype, chunk)
         gpu, cpu = gpu * per // per8, cpu * per // per8
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+
+
+def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset:
+    """The preset a mode runs: the oracle's tiers hold every conversation of the sample."""
+    if not mode.holds_all:
+        return preset
+    every = int(history_chunks(convs) * 1.1) + 64
+    return replace(
+        preset,
+        gpu_cache_chunks=max(preset.gpu_cache_chunks or 0, every),
+        cpu_cache_chunks=max(preset.cpu_cache_chunks or 0, every),
+    )
 
 
 def _cpu_pool_gb(wanted: float) -> float:

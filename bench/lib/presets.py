@@ -13,6 +13,7 @@ class Mode:
     cache_mode: str = "pensieve"
     eviction: str = "pensieve"
     unified: bool = True
+    holds_all: bool = False  # the oracle: tiers that hold every conversation, never evicting
 
 
 MODES = {
@@ -23,6 +24,7 @@ MODES = {
         Mode("stateless", cache_mode="stateless"),
         Mode("pensieve-lru", eviction="lru"),
         Mode("pensieve-separate", unified=False),
+        Mode("oracle", holds_all=True),
     )
 }
 
@@ -149,6 +151,26 @@ PRESETS: dict[str, Preset] = {
         latency_bound=1.0,
     ),
 }
+
+
+# The paper's two settings for the simulator (`bench.sim`): think times as they are (60 s,
+# and 600 s with --think), many more conversations than a real run could replay, and the
+# paper's latency bounds. OPT-13B's positions stop at 2048 tokens: contexts are capped there.
+PAPER = replace(
+    GPU,
+    name="paper-gqa",
+    conversations=600,
+    rates=[0.25, 0.5, 1.0, 2.0],
+    max_rate=64.0,
+    time_scale=1.0,
+    modes=["pensieve", "stateless", "gpu", "pensieve-lru", "oracle"],
+    sample_file=None,
+    note="simulated; think time as recorded; CPU pool 200 GB",
+)
+PRESETS["paper-gqa"] = PAPER
+PRESETS["paper-opt"] = replace(
+    PAPER, name="paper-opt", model="dummy:opt-13b", context_cap=2048, latency_bound=0.12
+)
 
 
 def dry_run(preset: Preset) -> Preset:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Generator
 from typing import Any
 
 from bench.lib import workload as wl
@@ -60,6 +61,30 @@ def _bar(total: int, desc: str):
     except ImportError:  # a bare GPU box may lack it; the bar is only a nicety
         return _NoBar()
     return tqdm(total=total, desc=desc, unit="turn", leave=False, disable=None, file=sys.stderr)
+
+
+def ladder(preset, mode: str, log) -> Generator[float, dict[str, Any], None]:
+    """The rates of one mode's sweep at one think time: the preset's, then doubling (up to
+    max_rate) while under the bound; it stops once a run is past bound x stop_past_bound.
+    Send each run back (`then`) to get the next rate."""
+    rates = list(preset.rates)
+    for rate in rates:
+        run = yield rate
+        if over(run, preset.latency_bound * preset.stop_past_bound):
+            log(f"{mode}: past the latency bound, skipping higher rates")
+            return
+        nxt = next_rate(rates, rate, preset.max_rate)
+        if nxt is not None:
+            log(f"{mode}: under the bound at {rate:g}/s, going on to {nxt:g}/s")
+            rates.append(nxt)
+
+
+def then(rates: Generator[float, dict[str, Any], None], run: dict[str, Any]) -> float | None:
+    """The ladder's next rate after `run`, or None: the sweep is over."""
+    try:
+        return rates.send(run)
+    except StopIteration:
+        return None
 
 
 def next_rate(rates: list[float], rate: float, max_rate: float | None) -> float | None:

@@ -18,8 +18,8 @@ import pickle
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -459,6 +459,68 @@ class Reply:
 SendFn = Callable[[str, int, TurnSpec, int], Awaitable[Reply]]
 
 
+@dataclass
+class Wait:
+    """A replayed conversation waits this long (an arrival, a think time)."""
+
+    seconds: float
+
+
+@dataclass
+class Send:
+    """A replayed conversation sends a turn and waits for the whole reply."""
+
+    conversation: str
+    index: int
+    spec: TurnSpec
+    context: int  # tokens of context before it
+
+
+def script(
+    p: Plan,
+    elapsed: Callable[[], float],
+    time_scale: float = 1.0,
+    stop_s: float | None = None,
+    on_record: Callable[[TurnRecord], None] = lambda r: None,
+) -> Generator[Wait | Send, Reply | None, None]:
+    """One conversation's replay as the steps a replayer carries out, in real time
+    (`replay`) or in a simulation's virtual time: it yields a `Wait` (sent back nothing)
+    or a `Send` (sent back the `Reply`), and records each turn. `elapsed()` is the time
+    since the replay started; the Reply sent back has its times on that clock too.
+    `stop_s`: no turn is sent later than this (seconds of replay): a run of bounded length."""
+    conv = p.conversation
+    if stop_s is not None and p.arrival_s * time_scale > stop_s:
+        return
+    yield Wait(p.arrival_s * time_scale - elapsed())
+    context = 0
+    for i, spec in enumerate(conv.turns):
+        if i:
+            think = p.think_s[i - 1] * time_scale
+            if stop_s is not None and elapsed() + think > stop_s:
+                return  # its next turn would come after the end of the run
+            yield Wait(think)
+        sent = elapsed()
+        reply = yield Send(conv.id, i, spec, context)
+        assert reply is not None
+        on_record(
+            TurnRecord(
+                conversation=conv.id,
+                index=i,
+                sent_s=sent,
+                first_token_s=reply.first_token_at,
+                done_s=reply.done_at,
+                output_tokens=reply.output_tokens,
+                prompt_tokens=len(spec.prompt),
+                context_tokens=context,
+                stats=reply.stats,
+                error=reply.error,
+            )
+        )
+        if reply.error is not None:
+            return  # the conversation's context is no longer what the next turn expects
+        context += len(spec.prompt) + reply.output_tokens
+
+
 async def replay(
     plans: list[Plan],
     send: SendFn,
@@ -468,52 +530,35 @@ async def replay(
     on_turn: Callable[[TurnRecord], None] | None = None,
     stop_s: float | None = None,
 ) -> list[TurnRecord]:
-    """Replay the plans: one task per conversation, each turn sent only after the last reply.
-
-    `send(conversation_id, turn_index, spec, context_len)` must return when the reply is
-    complete. Planned times are multiplied by `time_scale` (a CPU preset compresses them).
-    `stop_s`: no turn is sent later than this (seconds of replay): a run of bounded length.
-    """
+    """Replay the plans in real time: one task per conversation (`script`), each turn sent
+    only after the last reply. `send(conversation_id, turn_index, spec, context_len)` must
+    return when the reply is complete, with times on `clock`. Planned times are multiplied
+    by `time_scale` (a CPU preset compresses them)."""
     start = clock()
     records: list[TurnRecord] = []
 
-    async def wait_until(t: float) -> None:
-        delay = t - (clock() - start)
-        if delay > 0:
-            await sleep(delay)
+    def record(rec: TurnRecord) -> None:
+        records.append(rec)
+        if on_turn is not None:
+            on_turn(rec)
 
     async def run(p: Plan) -> None:
-        conv = p.conversation
-        if stop_s is not None and p.arrival_s * time_scale > stop_s:
-            return
-        await wait_until(p.arrival_s * time_scale)
-        context = 0
-        for i, spec in enumerate(conv.turns):
-            if i:
-                think = p.think_s[i - 1] * time_scale
-                if stop_s is not None and clock() - start + think > stop_s:
-                    return  # its next turn would come after the end of the run
-                await sleep(think)
-            sent = clock() - start
-            reply = await send(conv.id, i, spec, context)
-            rec = TurnRecord(
-                conversation=conv.id,
-                index=i,
-                sent_s=sent,
-                first_token_s=reply.first_token_at - start,
-                done_s=reply.done_at - start,
-                output_tokens=reply.output_tokens,
-                prompt_tokens=len(spec.prompt),
-                context_tokens=context,
-                stats=reply.stats,
-                error=reply.error,
-            )
-            records.append(rec)
-            if on_turn is not None:
-                on_turn(rec)
-            if reply.error is not None:
-                return  # the conversation's context is no longer what the next turn expects
-            context += len(spec.prompt) + reply.output_tokens
+        steps = script(p, lambda: clock() - start, time_scale, stop_s, record)
+        reply = None
+        while True:
+            try:
+                step = steps.send(reply)
+            except StopIteration:
+                return
+            reply = None
+            if isinstance(step, Wait):
+                if step.seconds > 0:
+                    await sleep(step.seconds)
+            else:
+                r = await send(step.conversation, step.index, step.spec, step.context)
+                reply = replace(
+                    r, first_token_at=r.first_token_at - start, done_at=r.done_at - start
+                )
 
     await asyncio.gather(*(run(p) for p in plans))
     return records

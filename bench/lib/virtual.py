@@ -1,0 +1,121 @@
+"""The workload replayed against an engine on a simulated device, in its virtual time.
+
+The same conversations, arrivals and think times as the real replay (`workload.script`),
+driven by events instead of tasks: a conversation's next action is due at a virtual time;
+the engine steps while it has work, each step moving the clock on by what the device model
+says it took; when it is idle the clock jumps to the next event. A turn is sent at its own
+due time (within a step: it waits for the step to end, as a real one does).
+
+Besides the replay's records it measures the real host time of the engine's steps: the
+project's scheduler and cache, which the simulation runs for real.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.lib import workload as wl
+from bench.lib.drivers import turn_stats
+
+
+@dataclass
+class HostTime:
+    """Real seconds the engine's own steps took (the simulated forward costs nothing)."""
+
+    steps: int = 0
+    seconds: list[float] = field(default_factory=list)  # per step
+    virtual_s: list[float] = field(default_factory=list)  # per step: its simulated time
+    conversations: list[int] = field(default_factory=list)  # per step: tables in the cache
+
+    def summary(self) -> dict[str, Any]:
+        if not self.seconds:
+            return {"steps": 0}
+        host = sorted(self.seconds)
+        share = sorted(h / v for h, v in zip(self.seconds, self.virtual_s, strict=True) if v > 0)
+        return {
+            "steps": len(host),
+            "host_ms_mean": 1e3 * sum(host) / len(host),
+            "host_ms_p50": 1e3 * wl.percentile(host, 50),
+            "host_ms_p90": 1e3 * wl.percentile(host, 90),
+            "step_ms_mean": 1e3 * sum(self.virtual_s) / len(self.virtual_s),
+            "host_share_mean": sum(share) / len(share) if share else None,
+            "host_share_p50": wl.percentile(share, 50) if share else None,
+            "conversations_max": max(self.conversations),
+        }
+
+
+def replay(
+    engine,
+    plans: list[wl.Plan],
+    tag: str,
+    time_scale: float = 1.0,
+    stop_s: float | None = None,
+    host: HostTime | None = None,
+) -> tuple[list[wl.TurnRecord], float]:
+    """Every plan replayed to its end: the turn records and the virtual seconds it took."""
+    from engine import SamplingParams, Turn
+
+    clock = engine.now
+    start = clock()
+    due = [start]  # the time of the event being handled: a turn is sent at its own time
+    records: list[wl.TurnRecord] = []
+    events: list[tuple[float, int, Any]] = []  # (due, order, conversation's script)
+    order = itertools.count()
+    waiting: dict[int, Any] = {}  # id of the request in flight -> its conversation's script
+
+    def advance(steps, reply: wl.Reply | None) -> None:
+        try:
+            step = steps.send(reply)
+        except StopIteration:
+            return
+        if isinstance(step, wl.Wait):
+            heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), steps))
+            return
+        sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
+        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
+        try:
+            req = engine.submit(turn)
+        except ValueError as e:  # refused (too long for the tiers): a result, not a crash
+            now = due[0]
+            advance(steps, wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}"))
+            return
+        waiting[id(req)] = steps
+
+    for p in plans:
+        advance(wl.script(p, lambda: due[0] - start, time_scale, stop_s, records.append), None)
+    while events or engine.has_work():
+        while events and events[0][0] <= clock():
+            due[0], _, steps = heapq.heappop(events)
+            advance(steps, None)
+        if not engine.has_work():
+            if events:
+                clock.advance_to(events[0][0])
+            continue
+        before = clock()
+        t = time.perf_counter()
+        ended = engine.step()
+        if host is not None:
+            host.seconds.append(time.perf_counter() - t)
+            host.virtual_s.append(clock() - before)
+            host.conversations.append(len(engine.cache.tables))
+        due[0] = clock()
+        for req in ended:
+            s = req.stats
+            error = None if req.finish_reason == "length" else str(req.finish_reason)
+            reply = wl.Reply(
+                s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
+            )
+            advance(waiting.pop(id(req)), reply)
+        if clock() == before and not ended and events:
+            clock.advance_to(events[0][0])  # nothing could run: wait for the next event
+    return records, clock() - start
+
+
+def free(engine, tag: str) -> None:
+    """Forget the run's conversations, so the next run starts from an empty cache."""
+    for cid in [c for c in engine.streams if c.startswith(f"{tag}/")]:
+        engine.free(cid)

@@ -1,0 +1,317 @@
+"""The serving benchmark in virtual time: the real scheduler, cache and policy against a
+device's cost model (`engine/sim`). Every figure it writes is SIMULATED.
+
+    python -m bench.sim --preset paper-gqa --device a100-80gb          # the paper's setting
+    python -m bench.sim --preset paper-opt --device h100 --think 600
+    python -m bench.sim --preset cpu --device cpu                      # against real CPU runs
+    python -m bench.sim --scale 10000,50000,100000 --device h100       # host time per step
+    python -m bench.sim --compare real_1.json,real_2.json --out sim_cpu.json   # error table
+
+The replay is `bench.serve`'s (the same sample, arrivals, think times and metrics), driven
+by events in virtual time (`bench/lib/virtual.py`). After a mode's sweep crosses the latency
+bound, the rates either side are bisected (geometric mean) to place its capacity better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench.lib import workload as wl
+from bench.lib.common import RESULTS, ROOT, environment
+from bench.lib.metrics import claims, counters_delta, run_line, run_record
+from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
+from bench.lib.presets import MODES, PRESETS, Preset
+from bench.lib.samples import load_workload
+from bench.lib.sweep import ladder, over, plan, then
+from bench.lib.virtual import HostTime, free, replay
+
+SIM = RESULTS / "sim"
+REFINE = 2  # bisections of the crossing per mode
+
+
+def _log(*a) -> None:
+    print(*a, flush=True)
+
+
+def label(device: str) -> str:
+    from engine.sim.devices import VERSION
+
+    return f"SIMULATED {device} (cost model v{VERSION})"
+
+
+def sim_preset(preset: Preset, device: str) -> Preset:
+    return replace(preset, device=f"sim:{device}")
+
+
+def workload_of(preset: Preset, sample_file=None, log=_log):
+    """The preset's conversations (capped at the model's positions) and tier sizes."""
+    preset = size_pools(preset, host=False)
+    max_context = model_args(preset.model).max_context
+    convs, workload = load_workload(preset, max_context, sample_file)
+    capped = [wl.cap_conversation(c, max_context - 1, preset.max_output) for c in convs]
+    convs = [c for c in capped if c is not None]
+    if preset.gpu_fraction is not None:
+        preset = fit_pools(preset, convs)
+    workload["summary"] = wl.summarize(convs)
+    log(wl.format_summary(workload["summary"]))
+    workload["pools"] = {
+        "gpu_cache_chunks": preset.gpu_cache_chunks,
+        "cpu_cache_chunks": preset.cpu_cache_chunks,
+    }
+    return preset, convs, workload
+
+
+def run_mode(preset: Preset, mode_name: str, convs, log=_log, refine: int = REFINE) -> list[dict]:
+    """One mode's sweep over rates at each think time, in virtual time."""
+    from engine import Engine
+
+    mode = MODES[mode_name]
+    engine = Engine(engine_config(for_mode(preset, mode, convs), mode))
+    runs: list[dict[str, Any]] = []
+    try:
+        for think in preset.think_s:
+
+            def run_at(rate: float, think: float = think) -> dict[str, Any]:
+                tag = f"{mode_name}-{think:g}-{rate:g}"
+                before = engine.snapshot().counters
+                host = HostTime()
+                t = time.perf_counter()
+                records, span = replay(
+                    engine, plan(convs, rate, think, preset.time_scale, preset.seed), tag,
+                    preset.time_scale, host=host,
+                )  # fmt: skip
+                extra = {
+                    "counters": counters_delta(before, engine.snapshot().counters),
+                    "host": host.summary(),
+                    "real_s": time.perf_counter() - t,
+                }
+                free(engine, tag)
+                run = run_record(mode_name, think, rate, records, span, extra)
+                runs.append(run)
+                log(run_line(run) + f"  [{extra['real_s']:.0f}s real]")
+                return run
+
+            rates = ladder(preset, mode_name, log)
+            rate = next(rates)
+            while rate is not None:
+                rate = then(rates, run_at(rate))
+            for _ in range(refine):
+                these = [r for r in runs if r["think_s"] == think]
+                under = [r["rate"] for r in these if not over(r, preset.latency_bound)]
+                past = [r["rate"] for r in these if over(r, preset.latency_bound)]
+                if not under or not past or max(under) > min(past):
+                    break
+                run_at(math.sqrt(max(under) * min(past)))
+    finally:
+        engine.close()
+    return runs
+
+
+def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, log=_log) -> dict:
+    preset = sim_preset(preset, device)
+    preset, convs, workload = workload_of(preset, sample_file, log)
+    runs = []
+    for mode in modes:
+        runs += run_mode(preset, mode, convs, log)
+    return {"preset": asdict(preset), "workload": workload, "runs": runs}
+
+
+# ---- host time at scale ----------------------------------------------------------------------
+
+
+def scale(preset: Preset, device: str, counts: list[int], rate_per_1k: float, window_s: float,
+          sample_file=None, log=_log) -> dict:  # fmt: skip
+    """Host time of the scheduler and cache per step against the simulated step, with the
+    sample's conversations repeated to `counts`: arrivals at a rate that keeps the cache
+    full of idle conversations, replayed for `window_s` virtual seconds of pensieve mode."""
+    from engine import Engine
+
+    preset = sim_preset(preset, device)
+    preset, convs, workload = workload_of(preset, sample_file, log)
+    out = []
+    for n in counts:
+        many = [
+            wl.Conversation(f"{c.id}#{k}", c.turns)
+            for k in range(-(-n // len(convs)))
+            for c in convs
+        ][:n]
+        # Each conversation arrives within the window, so all n are held at its end.
+        rate = max(n / window_s, rate_per_1k * n / 1000)
+        mode = MODES["pensieve"]
+        engine = Engine(engine_config(preset, mode))
+        host = HostTime()
+        t = time.perf_counter()
+        plans = plan(many, rate, preset.think_s[0], preset.time_scale, preset.seed)
+        records, span = replay(engine, plans, "scale", preset.time_scale, window_s, host)
+        row = {
+            "conversations": n,
+            "rate": rate,
+            "turns": len(records),
+            "virtual_s": span,
+            "real_s": time.perf_counter() - t,
+            **host.summary(),
+        }
+        engine.close()
+        out.append(row)
+        log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
+    return {"preset": asdict(preset), "workload": workload, "scale": out}
+
+
+# ---- simulated vs real -------------------------------------------------------------------------
+
+KEYS = ("throughput_rps", "norm_latency_mean", "cached_tokens", "swapped_in_tokens",
+        "recomputed_tokens")  # fmt: skip
+
+
+def compare(reals: list[dict], sim: dict) -> dict:
+    """Per mode and rate the real runs' mean (and their own spread) against the simulation:
+    relative errors of throughput, mean normalized latency and the cache's token counts,
+    and of each mode's capacity."""
+    rows = []
+    for s in sim["runs"]:
+        same = [r for real in reals for r in real["runs"]
+                if (r["mode"], r["rate"], r["think_s"]) == (s["mode"], s["rate"], s["think_s"])]  # fmt: skip
+        if not same:
+            continue
+        row: dict[str, Any] = {"mode": s["mode"], "rate": s["rate"], "real_runs": len(same)}
+        for key in KEYS:
+            vals = [r["metrics"][key] for r in same]
+            mean = sum(vals) / len(vals)
+            row[key] = {
+                "real": vals,
+                "sim": s["metrics"][key],
+                "error": (s["metrics"][key] - mean) / mean if mean else None,
+                "real_spread": (max(vals) - min(vals)) / mean if mean else None,
+            }
+        row["saturated"] = any(over(r, sim["preset"]["latency_bound"]) for r in same)
+        rows.append(row)
+    bound = sim["preset"]["latency_bound"]
+    sim_cap = claims(sim["runs"], bound)
+    caps = {}
+    for think, c in sim_cap.items():
+        for mode, cap in c["capacity_rps"].items():
+            real = [claims(r["runs"], bound).get(think, {}).get("capacity_rps", {}).get(mode)
+                    for r in reals]  # fmt: skip
+            real = [x for x in real if x]
+            mean = sum(real) / len(real) if real else None
+            caps[mode] = {
+                "real": real,
+                "sim": cap,
+                "error": (cap - mean) / mean if cap and mean else None,
+            }
+    return {"points": rows, "capacity": caps}
+
+
+def table(cmp: dict) -> str:
+    """The error table as markdown (bench/README.md)."""
+    lines = [
+        "| mode | rate | throughput | mean norm. latency | cached | swapped in | recomputed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(v: dict) -> str:
+        if v["error"] is None:
+            return "-"
+        return f"{v['error'] * 100:+.0f}% (real spread {v['real_spread'] * 100:.0f}%)"
+
+    for r in cmp["points"]:
+        sat = " (past bound)" if r["saturated"] else ""
+        lines.append(
+            f"| {r['mode']} | {r['rate']:g}{sat} | " + " | ".join(cell(r[k]) for k in KEYS) + " |"
+        )
+    lines.append("")
+    lines.append("| mode | capacity real (runs) | simulated | error |")
+    lines.append("|---|---|---|---|")
+    for mode, c in cmp["capacity"].items():
+        real = ", ".join(f"{x:.3f}" for x in c["real"]) or "-"
+        err = "-" if c["error"] is None else f"{c['error'] * 100:+.0f}%"
+        sim = "-" if c["sim"] is None else f"{c['sim']:.3f}"
+        lines.append(f"| {mode} | {real} | {sim} | {err} |")
+    return "\n".join(lines)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.sim.devices import DEVICES
+
+    ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="paper-gqa", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="a100-80gb", choices=DEVICES)
+    ap.add_argument("--modes", help=f"comma-separated, of {sorted(MODES)}")
+    ap.add_argument("--rates", help="comma-separated new conversations per second")
+    ap.add_argument("--think", help="comma-separated mean think times (s)")
+    ap.add_argument("--conversations", type=int)
+    ap.add_argument("--bound", type=float, help="mean normalized latency bound (s/token)")
+    ap.add_argument("--threads", type=int, help="torch threads (the cpu device's calibration)")
+    ap.add_argument("--sample-file", type=Path)
+    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/sim/...)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--scale", help="comma-separated conversation counts: host time per step")
+    ap.add_argument("--window", type=float, default=600.0, help="--scale: virtual seconds")
+    ap.add_argument("--compare", help="comma-separated real bench.serve results: error table")
+    args = ap.parse_args(argv)
+
+    preset = PRESETS[args.preset]
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    changes: dict[str, Any] = {}
+    for key, val in (
+        ("rates", args.rates and floats(args.rates)),
+        ("think_s", args.think and floats(args.think)),
+        ("conversations", args.conversations),
+        ("latency_bound", args.bound),
+        ("threads", args.threads),
+    ):
+        if val is not None:
+            changes[key] = val
+    preset = replace(preset, **changes)
+    if preset.threads:
+        import torch
+
+        torch.set_num_threads(preset.threads)
+    modes = args.modes.split(",") if args.modes else preset.modes
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
+    sample_file = args.sample_file or (preset.sample_file and ROOT / preset.sample_file)
+    kind = "scale" if args.scale else "serve"
+    out = args.out or SIM / f"{kind}_{preset.name}_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    env = environment()
+    env["device"] = label(args.device)
+    env["simulated"] = True
+
+    if args.scale:
+        counts = [int(x) for x in args.scale.split(",")]
+        result = scale(preset, args.device, counts, 2.0, args.window, sample_file)
+    else:
+        result = simulate(preset, args.device, modes, sample_file)
+        result["claims"] = claims(result["runs"], preset.latency_bound)
+    result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
+              "elapsed_s": time.monotonic() - t0, **result}  # fmt: skip
+    if args.compare:
+        reals = [json.loads(Path(p).read_text()) for p in args.compare.split(",")]
+        result["compare"] = compare(reals, result)
+        print(table(result["compare"]))
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(f"wrote {out} in {result['elapsed_s']:.0f}s")
+    if "claims" in result:
+        print(json.dumps(result["claims"], indent=1))
+    if not args.no_plot and not args.scale:
+        from bench.lib.plots import plot_serve
+
+        print(f"wrote {plot_serve(result, out.with_suffix('.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

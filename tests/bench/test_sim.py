@@ -1,0 +1,81 @@
+"""`python -m bench.sim`: the serving benchmark in virtual time, its scale probe and its
+error table against real runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import sim
+
+
+def run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "sim.json"
+    assert sim.main(["--preset", "tiny", "--out", str(out), "--no-plot", *args]) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_tiny_sweep_is_simulated_labelled_and_deterministic(tmp_path) -> None:
+    args = ("--device", "h100", "--modes", "pensieve,stateless,oracle", "--rates", "2,64")
+    a, b = run(tmp_path, *args), run(tmp_path, *args)
+    assert a["simulated"].startswith("SIMULATED h100 (cost model v")
+    assert a["environment"]["device"] == a["simulated"]
+    assert a["preset"]["device"] == "sim:h100"
+    modes = {r["mode"] for r in a["runs"]}
+    assert modes == {"pensieve", "stateless", "oracle"}
+    for r in a["runs"]:
+        m = r["metrics"]
+        assert m["turns"] > 0 and m["throughput_rps"] > 0 and m["norm_latency_mean"] > 0
+        assert r["host"]["steps"] > 0
+    # The same seed: the same virtual results (only the host's own timings differ).
+    strip = lambda res: [(r["mode"], r["rate"], r["metrics"]) for r in res["runs"]]  # noqa: E731
+    assert strip(a) == strip(b)
+    # Stateless recomputes every turn's history; pensieve keeps it.
+    by = {(r["mode"], r["rate"]): r["metrics"] for r in a["runs"]}
+    assert by[("pensieve", 2.0)]["cached_tokens"] > 0
+    assert by[("stateless", 2.0)]["cached_tokens"] == 0
+    assert by[("stateless", 2.0)]["recomputed_tokens"] > by[("pensieve", 2.0)]["recomputed_tokens"]
+
+
+def test_the_scale_probe_measures_host_time_per_step(tmp_path) -> None:
+    res = run(tmp_path, "--device", "h100", "--scale", "6,12", "--window", "20")
+    rows = res["scale"]
+    assert [r["conversations"] for r in rows] == [6, 12]
+    for r in rows:
+        assert r["steps"] > 0 and r["host_ms_mean"] > 0 and r["step_ms_mean"] > 0
+        assert r["conversations_max"] <= r["conversations"]
+
+
+def point(mode: str, rate: float, tput: float, lat: float, cached: int) -> dict:
+    metrics = {"throughput_rps": tput, "norm_latency_mean": lat, "norm_latency_p90": lat,
+               "cached_tokens": cached,
+               "swapped_in_tokens": 0, "recomputed_tokens": 100, "turns": 10, "errors": 0}  # fmt: skip
+    return {"mode": mode, "rate": rate, "think_s": 60.0, "metrics": metrics}
+
+
+def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
+    preset = {"latency_bound": 1.0}
+    reals = [
+        {"runs": [point("pensieve", 0.5, 0.50, 0.4, 900), point("pensieve", 1.0, 0.9, 2.0, 0)]},
+        {"runs": [point("pensieve", 0.5, 0.40, 0.6, 1100), point("pensieve", 1.0, 0.8, 1.8, 0)]},
+    ]
+    simulated = {"preset": preset, "runs": [point("pensieve", 0.5, 0.45, 0.6, 1000),
+                                            point("pensieve", 1.0, 0.85, 1.5, 0)]}  # fmt: skip
+    cmp = sim.compare(reals, simulated)
+    first = cmp["points"][0]
+    assert first["real_runs"] == 2 and not first["saturated"]
+    assert first["throughput_rps"]["error"] == pytest.approx(0.0)
+    assert first["norm_latency_mean"]["error"] == pytest.approx(0.2)  # 0.6 against 0.5
+    assert first["norm_latency_mean"]["real_spread"] == pytest.approx(0.4)
+    assert first["cached_tokens"]["error"] == pytest.approx(0.0)
+    assert first["swapped_in_tokens"]["error"] is None  # nothing to compare against
+    assert cmp["points"][1]["saturated"]
+    # Capacity: throughput interpolated in latency at the bound, per run.
+    cap = cmp["capacity"]["pensieve"]
+    assert cap["real"] == pytest.approx([0.5 + 0.4 * 0.6 / 1.6, 0.4 + 0.4 * 0.4 / 1.2])
+    assert cap["sim"] == pytest.approx(0.45 + 0.4 * 0.4 / 0.9)
+    assert cap["error"] == pytest.approx(cap["sim"] / (sum(cap["real"]) / 2) - 1)
+    md = sim.table(cmp)
+    assert "| pensieve | 0.5 | +0% (real spread 22%) | +20% (real spread 40%) |" in md
+    assert "(past bound)" in md
