@@ -111,6 +111,16 @@ class _LazyHeap:
         return None
 
 
+# How long the eviction order is kept. Keys (recompute cost over idle time) are taken at
+# one time and the heaps reused, until the policy's expectations change or the keys are
+# older than REORDER_SHARE of the idle time of the most recently active chunk evicted since
+# (so no evicted value has drifted by more than that share), at least REORDER_S (while
+# nothing has been evicted yet) and at most REORDER_MAX_S. Rebuilding the heaps on every
+# step would cost O(conversations) per step of a few milliseconds on a GPU.
+REORDER_S = 0.5
+REORDER_SHARE = 0.05
+REORDER_MAX_S = 10.0
+
 # Keys of expected conversations' chunks start with True (see `Policy.key`): a bound on
 # keys below which only chunks of conversations nobody is typing in are.
 UNEXPECTED = (True,)
@@ -129,6 +139,7 @@ class KVCacheManager:
         now: Callable[[], float] = time.time,
         share: bool = False,
         counters: EngineCounters | None = None,
+        reorder_s: float = REORDER_S,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks)
         self.cpu = BlockPool(cpu_blocks if mode == "pensieve" else 0)
@@ -144,6 +155,10 @@ class KVCacheManager:
         self.index: dict[bytes, Chunk] = {}  # hash chain -> shared chunk that can be linked
         self.counters = EngineCounters() if counters is None else counters  # adds to it
         self._now = now()
+        self.reorder_s = reorder_s
+        self._key_now = self._now  # the time the heaps' keys are taken at
+        self._key_expected = policy.expectations  # the policy's expectations they were taken with
+        self._frontier_idle: float | None = None  # least idle time evicted since, at _key_now
         self._stale: list[int] = []  # CPU blocks to free once this step's swap-in has read them
         self._pinned_gpu = 0  # GPU blocks of pinned tables and of shared chunks they hold
         self._reclaimable = 0  # GPU blocks of idle chunks that have a CPU copy
@@ -161,8 +176,14 @@ class KVCacheManager:
         """A new step: one time for every eviction decision in it. The previous step's copies
         are queued, so the CPU blocks whose copy went stale can be handed out again."""
         self._now = self.now()
-        for heap in self._heaps:
-            heap.reset()
+        keep = self.reorder_s
+        if self._frontier_idle is not None:
+            keep = min(REORDER_MAX_S, max(keep, REORDER_SHARE * self._frontier_idle))
+        if self._now - self._key_now >= keep or self._key_expected != self.policy.expectations:
+            self._key_now, self._key_expected = self._now, self.policy.expectations
+            self._frontier_idle = None
+            for heap in self._heaps:
+                heap.reset()
         for block in self._stale:
             self.cpu.release(block)
         self._stale = []
@@ -238,6 +259,7 @@ class KVCacheManager:
             c.holders, c.index, c.key, c.parent, c.pins = {t: None}, j, key, parent, 0
             self._account(t, c, 1)
             self.shared[c] = None
+            self._changed(c)
             self.index[key] = c
             t.n_shared = j + 1
             t.n_off_gpu = max(t.n_off_gpu, j + 1)
@@ -526,7 +548,7 @@ class KVCacheManager:
         if self.gpu.num_free:
             return True
         self._gpu_heap.ensure(self._candidates())
-        found = self._gpu_heap.pop()
+        found = self._evicting(self._gpu_heap.pop())
         if found is None:
             return False
         x, i = found
@@ -553,7 +575,7 @@ class KVCacheManager:
             return copies
         self._unbacked_heap.ensure(self._candidates())
         while len(copies.background) < short:
-            found = self._unbacked_heap.pop()
+            found = self._evicting(self._unbacked_heap.pop())
             if found is None:
                 break
             t, i = found
@@ -658,6 +680,8 @@ class KVCacheManager:
         t.pinned = pinned
         for c in self._run(t):
             self._pin_shared(c, sign)
+        if not pinned:
+            self._changed(t)  # a candidate again
 
     def _pin_shared(self, c: Chunk, sign: int) -> None:
         before = c.pins > 0
@@ -666,6 +690,8 @@ class KVCacheManager:
             flip = 1 if c.pins else -1  # counted as pinned now, or no longer
             self._pinned_gpu += flip
             self._reclaimable -= flip * (c.cpu is not None)
+        if before and not c.pins:
+            self._changed(c)  # a candidate again
 
     def _account(self, t: ChunkTable, c: Chunk, sign: int) -> None:
         """Add (1) or take away (-1) the chunk's blocks from the counts it belongs to."""
@@ -729,10 +755,22 @@ class KVCacheManager:
     def _chunk(self, t: ChunkTable | Chunk, i: int) -> Chunk:
         return t if isinstance(t, Chunk) else t.chunks[i]
 
+    def _evicting(self, found: tuple[ChunkTable | Chunk, int] | None):
+        """A heap's pick, noting how recently active it was (see REORDER_SHARE)."""
+        if found is not None:
+            t = found[0]
+            holders = t.holders if isinstance(t, Chunk) else (t,)
+            last = max(self.policy.last_active(h, self._key_now) for h in holders)  # type: ignore[union-attr]
+            idle = self._key_now - last
+            self._frontier_idle = (
+                idle if self._frontier_idle is None else min(self._frontier_idle, idle)
+            )
+        return found
+
     def _key(self, t: ChunkTable | Chunk, i: int):
         if isinstance(t, Chunk):
-            return self.policy.shared_key(t.holders, t.index, self._now)
-        return self.policy.key(t, i, self._now)
+            return self.policy.shared_key(t.holders, t.index, self._key_now)
+        return self.policy.key(t, i, self._key_now)
 
     def _chunk_tokens(self, t: ChunkTable | Chunk, i: int) -> int:
         if isinstance(t, Chunk):
@@ -800,7 +838,7 @@ class KVCacheManager:
             return True
         self._gpu_heap.ensure(self._candidates())
         while self.gpu.num_free < n:
-            found = self._gpu_heap.pop()
+            found = self._evicting(self._gpu_heap.pop())
             if found is None:
                 return False
             if isinstance(found[0], Chunk):
@@ -856,7 +894,7 @@ class KVCacheManager:
         if self.cpu.num_free:
             return self.cpu.allocate()
         self._cpu_heap.ensure(self._candidates())
-        found = self._cpu_heap.pop()
+        found = self._evicting(self._cpu_heap.pop())
         if found is None:
             return None
         t, i = found

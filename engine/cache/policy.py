@@ -58,12 +58,15 @@ class Policy:
         # their chunks are valued as if active now (kept over any other idle chunk, while
         # running turns, whose chunks are pinned, can still take them when nothing else is left).
         self.expected: dict[str, float] = {}
+        self.expectations = 0  # changes of `expected`: the cache's eviction order is stale
 
     def expect(self, conversation_id: str, until: float) -> None:
         self.expected[conversation_id] = until
+        self.expectations += 1
 
     def unexpect(self, conversation_id: str) -> None:
-        self.expected.pop(conversation_id, None)
+        if self.expected.pop(conversation_id, None) is not None:
+            self.expectations += 1
 
     def is_expected(self, conversation_id: str, now: float) -> bool:
         return self.expected.get(conversation_id, 0.0) > now

@@ -366,3 +366,42 @@ def test_prefetch_refuses_a_table_whose_turn_is_not_expected():
     turn(m, clock, "a", 8, when=1000.0)
     with pytest.raises(ValueError, match="not expected"):
         m.prefetch(m.tables["a"])
+
+
+def test_the_eviction_order_is_kept_for_a_share_of_the_evicted_idle_time():
+    """Keys are taken at one time and reused while they are younger than 5% of the idle time
+    of what was evicted (at least REORDER_S, at most REORDER_MAX_S)."""
+    from engine.cache.manager import REORDER_MAX_S, REORDER_S, REORDER_SHARE
+
+    m, clock, now = manager(gpu=4, cpu=8)
+    turn(m, clock, "a", 8, when=900.0)  # idle 100 s
+    turn(m, clock, "b", 8, when=990.0)  # idle 10 s
+    m.begin_step()
+    keys = m._key_now
+    now.t += REORDER_S / 2  # too soon: the same keys
+    turn(m, clock, "c", 8, when=now.t)  # evicts a's chunks (idle 100 s)
+    assert m._key_now == keys
+    assert m.table("a").tiers() == ["cpu", "cpu"]
+    # a was idle 100 s: the order is kept for 5 s ...
+    assert REORDER_S < REORDER_SHARE * 100 < REORDER_MAX_S
+    now.t = keys + REORDER_SHARE * 100 - 1
+    m.begin_step()
+    assert m._key_now == keys
+    now.t += 2  # ... and taken again after it
+    m.begin_step()
+    assert m._key_now == now.t
+    m.check()
+
+
+def test_a_new_expectation_reorders_at_once():
+    m, clock, now = manager(gpu=4, cpu=8)
+    turn(m, clock, "a", 8, when=900.0)
+    turn(m, clock, "b", 8, when=990.0)
+    m.begin_step()
+    keys = m._key_now
+    now.t += 0.1
+    m.policy.expect("a", now.t + 10)  # a's user is typing: a is kept over b
+    turn(m, clock, "c", 8, when=now.t)
+    assert m._key_now != keys
+    assert m.table("a").tiers() == ["gpu", "gpu"]
+    assert m.table("b").tiers() == ["cpu", "cpu"]
