@@ -69,18 +69,20 @@ class Admission:
 
 class _LazyHeap:
     """Min-heap over chunk tables by the key of their front candidate chunk (and over shared
-    chunks, each its own candidate). Entries are
-    re-checked when popped, so it stays right while chunks move as long as a table whose
-    front may have got cheaper is pushed again (`push`). Built on first use; `reset` when
-    keys change (a new step)."""
+    chunks, each its own candidate). Entries are re-checked when popped, so it stays right
+    while chunks move as long as a table whose front may have got cheaper is pushed again
+    (`push`); only an item's latest entry counts, the others are dropped when popped. Built
+    on first use; `reset` when keys change."""
 
     def __init__(self, front: Callable, key: Callable) -> None:
         self.front, self.key = front, key
         self.heap: list | None = None
+        self.latest: dict[int, int] = {}  # id of an item -> the order of its latest entry
         self._n = itertools.count()  # ties: never compare tables
 
     def reset(self) -> None:
         self.heap = None
+        self.latest = {}
 
     def ensure(self, tables: Iterable[ChunkTable]) -> None:
         if self.heap is None:
@@ -88,24 +90,31 @@ class _LazyHeap:
             for t in tables:
                 i = self.front(t)
                 if i is not None:
-                    self.heap.append((self.key(t, i), next(self._n), t))
+                    self.heap.append(self._entry(self.key(t, i), t))
             heapq.heapify(self.heap)
+
+    def _entry(self, key, t) -> tuple:
+        n = self.latest[id(t)] = next(self._n)
+        return (key, n, t)
 
     def push(self, t: ChunkTable) -> None:
         if self.heap is not None:
             i = self.front(t)
             if i is not None:
-                heapq.heappush(self.heap, (self.key(t, i), next(self._n), t))
+                heapq.heappush(self.heap, self._entry(self.key(t, i), t))
 
     def pop(self) -> tuple[ChunkTable, int] | None:
         heap = self.heap
         while heap:
-            k, _, t = heapq.heappop(heap)
+            k, n, t = heapq.heappop(heap)
+            if self.latest.get(id(t)) != n:
+                continue  # an older entry of an item pushed again since
             i = self.front(t)
             if i is None:
+                del self.latest[id(t)]
                 continue
             k2 = self.key(t, i)
-            heapq.heappush(heap, (k2, next(self._n), t))  # it may have more chunks to give
+            heapq.heappush(heap, self._entry(k2, t))  # it may have more chunks to give
             if k2 == k:
                 return t, i
         return None

@@ -405,3 +405,24 @@ def test_a_new_expectation_reorders_at_once():
     assert m._key_now != keys
     assert m.table("a").tiers() == ["gpu", "gpu"]
     assert m.table("b").tiers() == ["cpu", "cpu"]
+
+
+def test_the_lazy_heap_counts_only_an_items_latest_entry():
+    """Tables pushed again and again (every change of a chunk) leave one live entry each:
+    a pop drops the older ones instead of putting them back."""
+    from engine.cache.manager import _LazyHeap
+
+    keys = {"a": 5.0, "b": 3.0}
+    heap = _LazyHeap(front=lambda t: 0, key=lambda t, i: keys[t])
+    heap.ensure(["a", "b"])
+    for k in range(100):  # a gets cheaper, then dearer, many times
+        keys["a"] = float(k % 7)
+        heap.push("a")
+    keys["a"] = 4.0
+    heap.push("a")
+    assert heap.pop() == ("b", 0)
+    keys["b"] = 10.0  # b gave up its chunk: dearer now
+    heap.push("b")
+    assert heap.pop() == ("a", 0)
+    # The stale entries popped on the way were dropped, not put back under a's new key.
+    assert sum(1 for k, _, t in heap.heap if t == "a" and k == 4.0) == 1
