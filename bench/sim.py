@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import time
 from dataclasses import asdict, replace
@@ -25,12 +26,12 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
-from bench.lib.metrics import claims, counters_delta, run_line, run_record
+from bench.lib.metrics import claims, run_line, run_record, steady_metrics
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset
 from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder, over, plan, then
-from bench.lib.virtual import HostTime, free, replay
+from bench.lib.virtual import HostTime, replay
 
 SIM = RESULTS / "sim"
 REFINE = 2  # bisections of the crossing per mode
@@ -68,49 +69,74 @@ def workload_of(preset: Preset, sample_file=None, log=_log):
     return preset, convs, workload
 
 
-def run_mode(preset: Preset, mode_name: str, convs, log=_log, refine: int = REFINE) -> list[dict]:
-    """One mode's sweep over rates at each think time, in virtual time."""
+def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:
+    """The sample cycled to n conversations. A copy's first token differs from the
+    original's, so that no copy finds another's KV by prefix sharing."""
+    out = []
+    for k in range(n):
+        c = convs[k % len(convs)]
+        copy = k // len(convs)
+        if copy:
+            first = replace(
+                c.turns[0], prompt=[c.turns[0].prompt[0] + copy, *c.turns[0].prompt[1:]]
+            )
+            c = wl.Conversation(f"{c.id}#{copy}", [first, *c.turns[1:]])
+        out.append(c)
+    return out
+
+
+def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> dict[str, Any]:
+    """One run in virtual time, on an engine of its own. With `preset.arrival_s`, the sample
+    repeated arrives for that long and the steady state after the warm-up is measured."""
     from engine import Engine
 
     mode = MODES[mode_name]
+    stop = None
+    if preset.arrival_s is not None:
+        convs = repeat(convs, max(len(convs), math.ceil(rate * preset.arrival_s)))
+    plans = plan(convs, rate, think, preset.time_scale, preset.seed)
+    if preset.arrival_s is not None:
+        stop = max(p.arrival_s for p in plans) * preset.time_scale
     engine = Engine(engine_config(for_mode(preset, mode, convs), mode))
-    runs: list[dict[str, Any]] = []
+    host = HostTime()
+    t = time.perf_counter()
     try:
-        for think in preset.think_s:
-
-            def run_at(rate: float, think: float = think) -> dict[str, Any]:
-                tag = f"{mode_name}-{think:g}-{rate:g}"
-                before = engine.snapshot().counters
-                host = HostTime()
-                t = time.perf_counter()
-                records, span = replay(
-                    engine, plan(convs, rate, think, preset.time_scale, preset.seed), tag,
-                    preset.time_scale, host=host,
-                )  # fmt: skip
-                extra = {
-                    "counters": counters_delta(before, engine.snapshot().counters),
-                    "host": host.summary(),
-                    "real_s": time.perf_counter() - t,
-                }
-                free(engine, tag)
-                run = run_record(mode_name, think, rate, records, span, extra)
-                runs.append(run)
-                log(run_line(run) + f"  [{extra['real_s']:.0f}s real]")
-                return run
-
-            rates = ladder(preset, mode_name, log)
-            rate = next(rates)
-            while rate is not None:
-                rate = then(rates, run_at(rate))
-            for _ in range(refine):
-                these = [r for r in runs if r["think_s"] == think]
-                under = [r["rate"] for r in these if not over(r, preset.latency_bound)]
-                past = [r["rate"] for r in these if over(r, preset.latency_bound)]
-                if not under or not past or max(under) > min(past):
-                    break
-                run_at(math.sqrt(max(under) * min(past)))
+        records, span = replay(engine, plans, mode_name, preset.time_scale, stop, host)
+        counters = asdict(engine.snapshot().counters)
     finally:
         engine.close()
+    extra = {"counters": counters, "host": host.summary(), "real_s": time.perf_counter() - t,
+             "conversations": len(convs)}  # fmt: skip
+    run = run_record(mode_name, think, rate, records, span, extra)
+    if stop is not None:
+        run["metrics_whole"] = run["metrics"]
+        run["metrics"] = steady_metrics(records, preset.warmup * stop, stop)
+    return run
+
+
+def run_mode(preset: Preset, mode_name: str, convs, log=_log, refine: int = REFINE) -> list[dict]:
+    """One mode's sweep over rates at each think time, in virtual time; after the sweep
+    crosses the bound, the rates either side are bisected (geometric mean) `refine` times."""
+    runs: list[dict[str, Any]] = []
+    for think in preset.think_s:
+
+        def run(rate: float, think: float = think) -> dict[str, Any]:
+            r = run_at(preset, mode_name, convs, rate, think)
+            runs.append(r)
+            log(run_line(r) + f"  [{r['conversations']} conversations, {r['real_s']:.0f}s real]")
+            return r
+
+        rates = ladder(preset, mode_name, log)
+        rate = next(rates)
+        while rate is not None:
+            rate = then(rates, run(rate))
+        for _ in range(refine):
+            these = [r for r in runs if r["think_s"] == think]
+            under = [r["rate"] for r in these if not over(r, preset.latency_bound)]
+            past = [r["rate"] for r in these if over(r, preset.latency_bound)]
+            if not under or not past or max(under) > min(past):
+                break
+            run(math.sqrt(max(under) * min(past)))
     return runs
 
 
@@ -126,35 +152,50 @@ def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, lo
 # ---- host time at scale ----------------------------------------------------------------------
 
 
-def scale(preset: Preset, device: str, counts: list[int], rate_per_1k: float, window_s: float,
+def seed_idle(engine, convs: list[wl.Conversation], seed: int) -> None:
+    """Idle conversations held by the engine's cache, as if each had run to its end at some
+    time in the last hour: admitted and released in turn (the cache evicts, swaps out and
+    drops as it would), their activity stamped in the past. They never return."""
+    rng = random.Random(seed)
+    cache, now = engine.cache, engine.now()
+    for c in convs:
+        tokens = min(c.context_lens()[-1], engine.max_context)
+        cache.begin_step()
+        t = cache.table(f"idle/{c.id}")
+        cache.admit(t, 0, tokens)
+        cache.release(t, tokens)
+        engine.clock.touch(t.id, now - rng.uniform(0.0, 3600.0))
+
+
+def scale(preset: Preset, device: str, counts: list[int], rate: float, window_s: float,
           sample_file=None, log=_log) -> dict:  # fmt: skip
-    """Host time of the scheduler and cache per step against the simulated step, with the
-    sample's conversations repeated to `counts`: arrivals at a rate that keeps the cache
-    full of idle conversations, replayed for `window_s` virtual seconds of pensieve mode."""
+    """Host time of the scheduler and cache per step against the simulated step: n idle
+    conversations held in the tiers (`seed_idle`), and the sample arriving at `rate` for
+    `window_s` virtual seconds (pensieve mode)."""
     from engine import Engine
 
     preset = sim_preset(preset, device)
     preset, convs, workload = workload_of(preset, sample_file, log)
     out = []
     for n in counts:
-        many = [
-            wl.Conversation(f"{c.id}#{k}", c.turns)
-            for k in range(-(-n // len(convs)))
-            for c in convs
-        ][:n]
-        # Each conversation arrives within the window, so all n are held at its end.
-        rate = max(n / window_s, rate_per_1k * n / 1000)
-        mode = MODES["pensieve"]
-        engine = Engine(engine_config(preset, mode))
+        engine = Engine(engine_config(preset, MODES["pensieve"]))
+        t = time.perf_counter()
+        seed_idle(engine, repeat(convs, n), preset.seed)
+        seeded_s = time.perf_counter() - t
         host = HostTime()
         t = time.perf_counter()
-        plans = plan(many, rate, preset.think_s[0], preset.time_scale, preset.seed)
+        plans = plan(convs, rate, preset.think_s[0], preset.time_scale, preset.seed)
         records, span = replay(engine, plans, "scale", preset.time_scale, window_s, host)
+        cache = engine.cache
         row = {
             "conversations": n,
+            "held": len(cache.tables),
+            "gpu_blocks": [cache.gpu.num_blocks - cache.gpu.num_free, cache.gpu.num_blocks],
+            "cpu_blocks": [cache.cpu.num_blocks - cache.cpu.num_free, cache.cpu.num_blocks],
             "rate": rate,
             "turns": len(records),
             "virtual_s": span,
+            "seed_s": seeded_s,
             "real_s": time.perf_counter() - t,
             **host.summary(),
         }
@@ -257,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--scale", help="comma-separated conversation counts: host time per step")
     ap.add_argument("--window", type=float, default=600.0, help="--scale: virtual seconds")
+    ap.add_argument("--scale-rate", type=float, default=1.0, help="--scale: new conversations/s")
     ap.add_argument("--compare", help="comma-separated real bench.serve results: error table")
     args = ap.parse_args(argv)
 
@@ -292,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.scale:
         counts = [int(x) for x in args.scale.split(",")]
-        result = scale(preset, args.device, counts, 2.0, args.window, sample_file)
+        result = scale(preset, args.device, counts, args.scale_rate, args.window, sample_file)
     else:
         result = simulate(preset, args.device, modes, sample_file)
         result["claims"] = claims(result["runs"], preset.latency_bound)

@@ -37,6 +37,20 @@ def metrics(records: list[wl.TurnRecord], wall_s: float) -> dict[str, Any]:
     }
 
 
+def steady_metrics(records: list[wl.TurnRecord], start: float, end: float) -> dict[str, Any]:
+    """`metrics` of the turns sent in [start, end): the steady state of a run whose
+    conversations keep arriving until `end`, past the ramp-up before `start`. Throughput is
+    those turns over the window's length."""
+    inside = [r for r in records if start <= r.sent_s < end]
+    m = metrics(inside, end - start)
+    ok = [r for r in inside if r.error is None and r.output_tokens > 0]
+    m["duration_s"] = end - start
+    m["throughput_rps"] = len(ok) / (end - start)
+    m["throughput_tps"] = sum(r.output_tokens for r in ok) / (end - start)
+    m["window_s"] = [start, end]
+    return m
+
+
 def window_metrics(records: list[wl.TurnRecord], wall: float) -> dict[str, Any]:
     """`metrics` of the completed turns; normalized latency over the cancelled ones too,
     each counted at its lower bound, so an overloaded run is not made to look faster."""

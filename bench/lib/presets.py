@@ -63,6 +63,11 @@ class Preset:
     # A tokenized sample to replay (no tokenizer or dataset needed), relative to the checkout
     # (bench/samples/); None: draw from ShareGPT.
     sample_file: str | None = None
+    # The simulator's steady state (None: measure the whole run, as bench.serve does): at
+    # each rate, conversations (the sample repeated) arrive for this many seconds, and the
+    # turns sent after `warmup` of it are measured, until the last arrival.
+    arrival_s: float | None = None
+    warmup: float = 0.3
     dry: bool = False  # a dry run: short pieces of a few turns (the plumbing, not the figures)
     note: str = ""
 
@@ -165,7 +170,10 @@ PAPER = replace(
     time_scale=1.0,
     modes=["pensieve", "stateless", "gpu", "pensieve-lru", "oracle"],
     sample_file=None,
-    note="simulated; think time as recorded; CPU pool 200 GB",
+    # Arrivals for 20 minutes at each rate (the 600-conversation sample repeated past 0.5/s),
+    # the last 14 measured: past the ramp-up, as long as a conversation's turns last.
+    arrival_s=1200.0,
+    note="simulated; think time as recorded; CPU pool 200 GB; steady state of 20 min of arrivals",
 )
 PRESETS["paper-gqa"] = PAPER
 PRESETS["paper-opt"] = replace(

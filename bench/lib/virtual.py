@@ -21,6 +21,8 @@ from typing import Any
 from bench.lib import workload as wl
 from bench.lib.drivers import turn_stats
 
+STALLS = 1000  # futile waits for a history read (50 ms each) before a replay gives up
+
 
 @dataclass
 class HostTime:
@@ -85,6 +87,7 @@ def replay(
             return
         waiting[id(req)] = steps
 
+    stalls = 0  # steps in a row that ran nothing, with no event to wait for
     for p in plans:
         advance(wl.script(p, lambda: due[0] - start, time_scale, stop_s, records.append), None)
     while events or engine.has_work():
@@ -110,12 +113,13 @@ def replay(
                 s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
             )
             advance(waiting.pop(id(req)), reply)
-        if clock() == before and not ended and events:
+        if clock() > before or ended:
+            stalls = 0
+        elif events:
             clock.advance_to(events[0][0])  # nothing could run: wait for the next event
+        else:  # only a history read (a worker thread, real time) can unblock it
+            engine.wait_for_io()
+            stalls += 1
+            if stalls > STALLS:
+                raise RuntimeError(f"{tag}: the engine made no progress in {stalls} tries")
     return records, clock() - start
-
-
-def free(engine, tag: str) -> None:
-    """Forget the run's conversations, so the next run starts from an empty cache."""
-    for cid in [c for c in engine.streams if c.startswith(f"{tag}/")]:
-        engine.free(cid)
