@@ -29,6 +29,10 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
         2, len(thinks), figsize=(max(7.5, 5.5 * len(thinks)), 7), squeeze=False, sharex="col"
     )
     bound = result.get("preset", {}).get("latency_bound")
+
+    def caps(think: float) -> dict[str, float]:
+        return result.get("claims", {}).get(f"think_{think:g}s", {}).get("capacity_rps", {})
+
     for col, think in enumerate(thinks):
         for row, (key, label) in enumerate(
             (("norm_latency_mean", "mean"), ("norm_latency_p90", "p90"))
@@ -45,7 +49,9 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
                     continue
                 color, marker = STYLE.get(mode, (None, "o"))
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, [y * 1e3 for y in ys], marker=marker, color=color, label=mode)
+                cap = caps(think).get(mode) if key == "norm_latency_mean" else None
+                name = f"{mode}: {cap:.2f} req/s at the bound" if cap else mode
+                ax.plot(xs, [y * 1e3 for y in ys], marker=marker, color=color, label=name)
             if bound:
                 ax.axhline(bound * 1e3, ls="--", lw=1, color="black", label="bound")
             ax.set_yscale("log")
