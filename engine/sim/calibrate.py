@@ -1,5 +1,6 @@
 """The `cpu` device model, calibrated on the machine it runs on: real steps of the real
-engine over a grid of prompt lengths, decode batches and contexts, fitted by least squares
+engine over a grid of prompt lengths, decode batches and contexts (equal, and mixed in one
+batch), fitted by least squares
 on the features of `engine/sim/cost.py`; the tiers' copy rate from real pool copies.
 
 Cached per model, dtype and torch thread count (a step on one thread costs about twice a
@@ -20,7 +21,7 @@ import torch
 from engine.copies import CopyPlan
 from engine.model.loader import cache_root
 from engine.sim.cost import Features, Fitted, Work
-from engine.sim.devices import VERSION, Copies, Device
+from engine.sim.devices import VERSIONS, Copies, Device
 from engine.types import EngineConfig, SamplingParams, Turn
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def device_from(fit: dict) -> Device:
 
 def _path(config: EngineConfig) -> Path:
     dtype = config.dtype or "float32"
-    name = f"cpu-{config.model}-{dtype}-{torch.get_num_threads()}t-v{VERSION}.json"
+    name = f"cpu-{config.model}-{dtype}-{torch.get_num_threads()}t-v{VERSIONS['cpu']}.json"
     return cache_root(config.cache_dir) / "sim" / name.replace(":", "_").replace("/", "_")
 
 
@@ -112,6 +113,9 @@ def calibrate(config: EngineConfig) -> dict:
     for ctx in CONTEXTS:
         for b in BATCHES:
             run([turn(f"d{ctx}-{b}-{i}", ctx, DECODE_TOKENS) for i in range(b)])
+    lo, hi = min(CONTEXTS), max(CONTEXTS)
+    for b in BATCHES[1:]:  # mixed contexts: the decodes' padding to the longest shows
+        run([turn(f"m{b}-{i}", lo + (hi - lo) * i // (b - 1), DECODE_TOKENS) for i in range(b)])
     weights = _nonnegative_fit(rows, times)
     pred = [sum(w * x for w, x in zip(weights, r, strict=True)) for r in rows]
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
@@ -123,7 +127,7 @@ def calibrate(config: EngineConfig) -> dict:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "features": ["1", "tokens", "sampled", "pairs", "kv_tokens", "pieces"],
+        "features": list(Features.NAMES),
         "weights": weights,
         "steps": len(rows),
         "median_abs_error": errors[len(errors) // 2],

@@ -39,20 +39,31 @@ class Features:
     pairs: int  # (query, key) pairs attention computes (causal within a piece)
     kv_tokens: int  # context tokens whose K and V the attention kernel reads
     pieces: int
+    decode_kv: int = 0  # of kv_tokens: those of the one-token pieces
+    decode_padded: int = 0  # one-token pieces x the longest of their contexts
 
     @staticmethod
     def of(batch: list[Work]) -> Features:
+        decodes = [w.start + 1 for w in batch if w.q == 1]
         return Features(
             tokens=sum(w.q for w in batch),
             sampled=sum(w.sample for w in batch),
             pairs=sum(w.q * w.start + w.q * (w.q + 1) // 2 for w in batch),
             kv_tokens=sum(w.start + w.q for w in batch),
             pieces=len(batch),
+            decode_kv=sum(decodes),
+            decode_padded=len(decodes) * max(decodes, default=0),
         )
 
+    NAMES = ("1", "tokens", "sampled", "pairs", "prompt_kv", "decode_padded", "pieces")
+
     def row(self) -> list[float]:
-        """The fitted model's regressors (the constant first)."""
-        return [1.0, self.tokens, self.sampled, self.pairs, self.kv_tokens, self.pieces]
+        """The fitted model's regressors (NAMES; the constant first). The CPU backend reads
+        the prompts' KV as it is but pads the decodes' to the longest context of the step
+        (one batched call, `kernels/reference.py`): a mixed decode batch costs its padding."""
+        prompt_kv = self.kv_tokens - self.decode_kv
+        return [1.0, self.tokens, self.sampled, self.pairs, prompt_kv, self.decode_padded,
+                self.pieces]  # fmt: skip
 
 
 class StepCost:

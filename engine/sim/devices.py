@@ -21,7 +21,8 @@
   share of the link: 52.3 of PCIe 5's 64 GB/s), a stated assumption until one is measured.
 - `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps.
 
-`VERSION` goes up whenever a figure or the model changes: every simulated result names it.
+`VERSIONS`: a device's goes up whenever one of its figures or its model changes; every
+simulated result names it. (cpu v2: decodes padded to the step's longest context.)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
-VERSION = 1
+VERSIONS = {"h100": 1, "a100-80gb": 1, "cpu": 2}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
 SWAP_H100 = RESULTS / "swap-NVIDIA_H100_80GB_HBM3.json"
@@ -72,7 +73,7 @@ class Device:
 
     @property
     def label(self) -> str:
-        return f"{self.name} cost model v{VERSION}"
+        return f"{self.name} cost model v{VERSIONS[self.name]}"
 
 
 def _robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -181,4 +182,4 @@ def gpu_device(name: str, shape: Shape) -> Device:
     return Device(spec.name, Roofline(spec, shape), copies, spec.memory_bytes, spec.sources)
 
 
-__all__ = ["Device", "Copies", "Features", "gpu_device", "DEVICES", "GPUS", "VERSION"]
+__all__ = ["Device", "Copies", "Features", "gpu_device", "DEVICES", "GPUS", "VERSIONS"]

@@ -20,6 +20,11 @@ def test_features_count_causal_pairs_and_kv_reads() -> None:
     # 3 queries over 10 earlier keys + the causal triangle 1+2+3; 1 over 100 (+1); 1+2+3+4
     assert f.pairs == (30 + 6) + (100 + 1) + 10
     assert f.kv_tokens == 13 + 101 + 4
+    assert (f.decode_kv, f.decode_padded) == (101, 101)
+    # The CPU backend pads a step's decodes to the longest: 3 decodes at 10, 50 and 200.
+    g = Features.of([Work(1, 9, True), Work(1, 49, True), Work(1, 199, True), Work(5, 0, True)])
+    assert (g.decode_kv, g.decode_padded) == (260, 600)
+    assert g.row()[4:6] == [5, 600]  # the prompt's KV apart from the decodes' padded one
 
 
 def test_decode_reads_the_weights_and_a_prefill_is_compute_bound() -> None:
@@ -65,7 +70,7 @@ def test_every_device_names_its_sources() -> None:
 
 def test_nonnegative_fit_recovers_weights_and_drops_a_negative_one() -> None:
     rng = random.Random(0)
-    true = [0.01, 0.002, 0.0, 3e-7, 0.0, 0.0005]
+    true = [0.01, 0.002, 0.0, 3e-7, 0.0, 2e-6, 0.0005]
     rows, times = [], []
     for _ in range(60):
         f = Features.of([Work(rng.choice([1, 64, 300]), rng.randrange(0, 900), True)
@@ -83,7 +88,7 @@ def test_nonnegative_fit_recovers_weights_and_drops_a_negative_one() -> None:
 def test_chunk_costs_are_positive_and_monotone_in_context() -> None:
     for cost in (
         gpu_device("h100", GQA).cost,
-        Fitted("cpu", (0.04, 0.002, 0.0, 1.6e-6, 1e-5, 0.0)),
+        Fitted("cpu", (0.04, 0.002, 0.0, 1.6e-6, 1e-5, 1e-5, 0.0)),
     ):
         model = chunk_costs(cost, 32, 4096, 2048)
         times = [model(c) for c in model.contexts]

@@ -16,7 +16,7 @@ GPU = Copies(swap_in_bps=1000.0, swap_out_bps=500.0, swap_in_hidden=0.75, synchr
 
 def pool(copies: Copies = GPU) -> tuple[SimPool, VirtualClock]:
     clock = VirtualClock()
-    dev = Device("test", Fitted("test", (0.0,) * 6), copies, 1e9, ())
+    dev = Device("test", Fitted("test", (0.0,) * 7), copies, 1e9, ())
     return SimPool(dev, clock, BLOCK, cpu=16), clock
 
 
