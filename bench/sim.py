@@ -2,14 +2,16 @@
 device's cost model (`engine/sim`). Every figure it writes is SIMULATED.
 
     python -m bench.sim --preset paper-gqa --device a100-80gb          # the paper's setting
-    python -m bench.sim --preset paper-opt --device h100 --think 600
-    python -m bench.sim --preset cpu --device cpu                      # against real CPU runs
+    python -m bench.sim --preset paper-opt --device h100 --think 600 --arrival 6000
     python -m bench.sim --scale 10000,50000,100000 --device h100       # host time per step
-    python -m bench.sim --compare real_1.json,real_2.json --out sim_cpu.json   # error table
+    python -m bench.sim --preset cpu --device cpu --compare real_1.json,real_2.json
+                                        # against real `bench.serve --preset cpu` runs
 
 The replay is `bench.serve`'s (the same sample, arrivals, think times and metrics), driven
 by events in virtual time (`bench/lib/virtual.py`). After a mode's sweep crosses the latency
 bound, the rates either side are bisected (geometric mean) to place its capacity better.
+The paper presets measure a steady state: conversations (the sample repeated) arrive for
+`--arrival` seconds at each rate and the turns sent after the first 30% are measured.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def _log(*a) -> None:
 
 
 def label(device: str) -> str:
-    from engine.sim.devices import VERSION
+    from engine.sim.devices import VERSIONS
 
-    return f"SIMULATED {device} (cost model v{VERSION})"
+    return f"SIMULATED {device} (cost model v{VERSIONS[device]})"
 
 
 def sim_preset(preset: Preset, device: str) -> Preset:
@@ -140,12 +142,13 @@ def run_mode(preset: Preset, mode_name: str, convs, log=_log, refine: int = REFI
     return runs
 
 
-def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, log=_log) -> dict:
+def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, log=_log,
+             refine: int = REFINE) -> dict:  # fmt: skip
     preset = sim_preset(preset, device)
     preset, convs, workload = workload_of(preset, sample_file, log)
     runs = []
     for mode in modes:
-        runs += run_mode(preset, mode, convs, log)
+        runs += run_mode(preset, mode, convs, log, refine)
     return {"preset": asdict(preset), "workload": workload, "runs": runs}
 
 
@@ -292,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think", help="comma-separated mean think times (s)")
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--bound", type=float, help="mean normalized latency bound (s/token)")
+    ap.add_argument(
+        "--arrival", type=float, help="seconds of arrivals per rate (steady-state presets)"
+    )
     ap.add_argument("--threads", type=int, help="torch threads (the cpu device's calibration)")
     ap.add_argument("--sample-file", type=Path)
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/sim/...)")
@@ -311,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         ("conversations", args.conversations),
         ("latency_bound", args.bound),
         ("threads", args.threads),
+        ("arrival_s", args.arrival),
     ):
         if val is not None:
             changes[key] = val
@@ -336,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(x) for x in args.scale.split(",")]
         result = scale(preset, args.device, counts, args.scale_rate, args.window, sample_file)
     else:
-        result = simulate(preset, args.device, modes, sample_file)
+        # Against real runs: the rates they ran, no bisections in between.
+        refine = 0 if args.compare else REFINE
+        result = simulate(preset, args.device, modes, sample_file, refine=refine)
         result["claims"] = claims(result["runs"], preset.latency_bound)
     result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
               "elapsed_s": time.monotonic() - t0, **result}  # fmt: skip
