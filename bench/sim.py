@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
-from bench.lib.metrics import claims, run_line, run_record, steady_metrics
+from bench.lib.metrics import claims, crossing, run_line, run_record, steady_metrics
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset
 from bench.lib.samples import load_workload
@@ -253,6 +253,48 @@ def compare(reals: list[dict], sim: dict) -> dict:
     return {"points": rows, "capacity": caps}
 
 
+def twin(report: dict, device: str = "h100", log=_log) -> dict:
+    """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
+    each run with the same sample, rate, replayed think time, tiers and window, and the
+    error of the simulation against it (throughput, mean normalized latency, capacity).
+    The real runs cut turns still running at the end of their drain (counted at their lower
+    bound); the simulated ones run every turn sent in the window to its end."""
+    from bench.gpu_report import Settings, load_sample, preset_for
+    from engine import Engine
+
+    known = Settings.__dataclass_fields__
+    s = replace(Settings(), **{k: v for k, v in report["settings"].items() if k in known})
+    convs, _ = load_sample(s)
+    runs, points = [], []
+    for real in report["serve"]["runs"]:
+        k = real["scale"]
+        oracle = real["gpu_cache_chunks"] if real["mode"] == "oracle" else None
+        preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
+        engine = Engine(engine_config(preset, MODES[real["engine_mode"]]))
+        try:
+            plans = wl.plan(convs, real["rate"], real["think_replayed_s"], 0)
+            records, span = replay(engine, plans, real["mode"], 1.0, real["window_s"])
+        finally:
+            engine.close()
+        run = run_record(real["mode"], real["think_s"], real["rate"], records, span, {})
+        run["scale"] = k
+        runs.append(run)
+        point = {"mode": real["mode"], "rate": real["rate"], "scale": k}
+        for key in ("throughput_rps", "norm_latency_mean"):
+            r, v = real["metrics"][key], run["metrics"][key]
+            point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
+        points.append(point)
+        log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok)")
+    bound = s.bound
+    caps = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        real = crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
+        sim = crossing([x for x in runs if x["mode"] == mode], bound)
+        r, v = real.get("capacity_rps"), sim.get("capacity_rps")
+        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None}
+    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}
+
+
 def table(cmp: dict) -> str:
     """The error table as markdown (bench/README.md)."""
     lines = [
@@ -306,7 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=600.0, help="--scale: virtual seconds")
     ap.add_argument("--scale-rate", type=float, default=1.0, help="--scale: new conversations/s")
     ap.add_argument("--compare", help="comma-separated real bench.serve results: error table")
+    ap.add_argument(
+        "--gpu-report",
+        type=Path,
+        help="simulate a GPU report's serve runs; writes <report>-sim-<device>.json beside it",
+    )
     args = ap.parse_args(argv)
+
+    if args.gpu_report:
+        result = twin(json.loads(args.gpu_report.read_text()), args.device)
+        result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
+        out = args.out or args.gpu_report.with_name(
+            f"{args.gpu_report.stem}-sim-{args.device}.json"
+        )
+        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(json.dumps(result["capacity"], indent=1))
+        print(f"wrote {out}")
+        return 0
 
     preset = PRESETS[args.preset]
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731

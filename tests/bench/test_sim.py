@@ -81,3 +81,32 @@ def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
     md = sim.table(cmp)
     assert "| pensieve | 0.5 | +0% (real spread 22%) | +20% (real spread 40%) |" in md
     assert "(past bound)" in md
+
+
+def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
+    from dataclasses import asdict
+
+    from bench.gpu_report import dry_settings
+
+    def real(mode: str, rate: float, tput: float, lat: float) -> dict:
+        m = {"throughput_rps": tput, "norm_latency_mean": lat, "norm_latency_p90": lat,
+             "turns": 10, "errors": 0}  # fmt: skip
+        return {"mode": mode, "engine_mode": mode, "rate": rate, "scale": 30.0, "think_s": 60.0,
+                "think_replayed_s": 2.0, "gpu_cache_chunks": 32, "cpu_cache_chunks": 160,
+                "window_s": 6.0, "metrics": m}  # fmt: skip
+
+    report = {
+        "settings": asdict(dry_settings("dummy:tiny")),
+        "serve": {"runs": [real("pensieve", 0.5, 0.4, 0.01), real("stateless", 0.5, 0.4, 0.02)]},
+    }
+    path = tmp_path / "gpu-report-x.json"
+    path.write_text(json.dumps(report))
+    assert sim.main(["--gpu-report", str(path), "--device", "h100"]) == 0
+    out = json.loads((tmp_path / "gpu-report-x-sim-h100.json").read_text())
+    assert out["simulated"].startswith("SIMULATED h100")
+    assert [p["mode"] for p in out["points"]] == ["pensieve", "stateless"]
+    for p, r in zip(out["points"], out["runs"], strict=True):
+        assert r["metrics"]["turns"] > 0
+        got = p["norm_latency_mean"]
+        assert got["sim"] == r["metrics"]["norm_latency_mean"]
+        assert got["error"] == pytest.approx((got["sim"] - got["real"]) / got["real"])
