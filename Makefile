@@ -86,8 +86,12 @@ gpu-check:
 # Then the serving parts, each at most ~9 min: one command per part where commands are
 # limited to 10 minutes (make gpu-report PARTS=serve, then PARTS=extra). See bench/README.md.
 PARTS ?= serve,extra
+# After the serve part, the same runs on the simulated H100: the simulator's error beside it.
 gpu-report:
 	$(GPU_PY) -m bench.gpu_report --part $(PARTS)
+	case ",$(PARTS)," in *,serve,*) for f in bench/results/gpu-report-*.json; do \
+	  case $$f in *-sim-*) ;; *) $(GPU_PY) -m bench.sim --gpu-report $$f --device h100 ;; esac; \
+	done ;; esac
 
 bench-kernel: install
 	$(BIN)/python -m bench.kernel

@@ -356,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.gpu_report:
-        result = twin(json.loads(args.gpu_report.read_text()), args.device)
+        report = json.loads(args.gpu_report.read_text())
+        if not report.get("serve", {}).get("runs"):
+            print(f"{args.gpu_report} has no serve runs to simulate")
+            return 0
+        result = twin(report, args.device)
         result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
         out = args.out or args.gpu_report.with_name(
             f"{args.gpu_report.stem}-sim-{args.device}.json"
