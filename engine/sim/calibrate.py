@@ -138,18 +138,18 @@ def calibrate(config: EngineConfig) -> dict:
 
 
 def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> list[float]:
-    """Least squares with every weight >= 0 (each feature only adds work): a weight that
-    comes out negative is dropped and the rest refitted. Fitted on relative error, so that
+    """Least squares with every weight >= 0 (each feature only adds work): the most
+    negative weight is dropped and the rest refitted, until none is. Fitted on relative error, so that
     short decode steps count as much as long prompts."""
     x = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(times, dtype=torch.float64)
     scale = 1.0 / y
     active = list(range(x.shape[1]))
-    while True:
-        sol = torch.linalg.lstsq(x[:, active] * scale[:, None], y * scale).solution
+    while True:  # SVD-based (rank-deficient grids are common); drop the most negative
+        sol = torch.linalg.lstsq(x[:, active] * scale[:, None], y * scale, driver="gelsd").solution
         if (sol >= 0).all():
             break
-        active = [a for a, w in zip(active, sol.tolist(), strict=True) if w > 0]
+        del active[int(sol.argmin())]
     weights = [0.0] * x.shape[1]
     for a, w in zip(active, sol.tolist(), strict=True):
         weights[a] = w

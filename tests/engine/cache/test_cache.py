@@ -370,24 +370,30 @@ def test_prefetch_refuses_a_table_whose_turn_is_not_expected():
 
 def test_the_eviction_order_is_kept_for_a_share_of_the_evicted_idle_time():
     """Keys are taken at one time and reused while they are younger than 5% of the idle time
-    of what was evicted (at least REORDER_S, at most REORDER_MAX_S)."""
+    of what was evicted (at least REORDER_S, at most REORDER_MAX_S), until a turn ends."""
     from engine.cache.manager import REORDER_MAX_S, REORDER_S, REORDER_SHARE
 
     m, clock, now = manager(gpu=4, cpu=8)
     turn(m, clock, "a", 8, when=900.0)  # idle 100 s
     turn(m, clock, "b", 8, when=990.0)  # idle 10 s
-    m.begin_step()
+    now.t = 1000.0
+    m.begin_step()  # b's turn ended since: the keys are taken now
     keys = m._key_now
-    now.t += REORDER_S / 2  # too soon: the same keys
-    turn(m, clock, "c", 8, when=now.t)  # evicts a's chunks (idle 100 s)
-    assert m._key_now == keys
+    assert keys == 1000.0
+    c = m.table("c")
+    m.admit(c, 0, 8)  # evicts a's chunks (idle 100 s); c goes on running
     assert m.table("a").tiers() == ["cpu", "cpu"]
     # a was idle 100 s: the order is kept for 5 s ...
     assert REORDER_S < REORDER_SHARE * 100 < REORDER_MAX_S
-    now.t = keys + REORDER_SHARE * 100 - 1
+    for t in (keys + REORDER_S / 2, keys + REORDER_SHARE * 100 - 1):
+        now.t = t
+        m.begin_step()
+        assert m._key_now == keys
+    now.t = keys + REORDER_SHARE * 100 + 1  # ... and taken again after it
     m.begin_step()
-    assert m._key_now == keys
-    now.t += 2  # ... and taken again after it
+    assert m._key_now == now.t
+    m.release(c, 8)  # a turn ends: c is a candidate more recent than the keys
+    now.t += 0.1
     m.begin_step()
     assert m._key_now == now.t
     m.check()
