@@ -39,7 +39,7 @@ from bench.lib.pools import (
     model_args,
     size_pools,
 )
-from bench.lib.presets import MODES, PRESETS, Preset, dry_run
+from bench.lib.presets import MODES, PRESETS, Preset, dry_run, floats, with_changes
 from bench.lib.samples import load_workload, save_sample
 from bench.lib.sweep import ladder, measure, plan, replay, then
 
@@ -193,31 +193,26 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     if args.dry_run:
         preset = dry_run(preset)
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    changes: dict[str, Any] = {}
-    if args.rates:
-        changes["rates"] = floats(args.rates)
-    if args.think:
-        changes["think_s"] = floats(args.think)
-    for key, val in (
-        ("conversations", args.conversations),
-        ("time_scale", args.time_scale),
-        ("model", args.model),
-        ("device", args.device),
-        ("dtype", args.dtype),
-        ("kv_dtype", args.kv_dtype),
-        ("gpu_cache_chunks", args.gpu_chunks),
-        ("cpu_cache_chunks", args.cpu_chunks),
-        ("threads", args.threads),
-        ("latency_bound", args.bound),
-    ):
-        if val is not None:
-            changes[key] = val
+    preset = with_changes(
+        preset,
+        rates=floats(args.rates) if args.rates else None,
+        think_s=floats(args.think) if args.think else None,
+        conversations=args.conversations,
+        time_scale=args.time_scale,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        gpu_cache_chunks=args.gpu_chunks,
+        cpu_cache_chunks=args.cpu_chunks,
+        threads=args.threads,
+        latency_bound=args.bound,
+    )
+    # Tiers given in chunks replace the preset's sizes in GB.
     if args.gpu_chunks is not None:
-        changes["gpu_cache_gb"] = None
+        preset = replace(preset, gpu_cache_gb=None)
     if args.cpu_chunks is not None:
-        changes["cpu_cache_gb"] = None
-    preset = replace(preset, **changes)
+        preset = replace(preset, cpu_cache_gb=None)
     modes = args.modes.split(",") if args.modes else preset.modes
     unknown = [m for m in modes if m not in MODES]
     if unknown and not args.url:

@@ -30,7 +30,7 @@ from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
 from bench.lib.metrics import claims, crossing, run_line, run_record, steady_metrics
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
-from bench.lib.presets import MODES, PRESETS, Preset
+from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder, over, plan, then
 from bench.lib.virtual import HostTime, replay
@@ -370,20 +370,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
 
-    preset = PRESETS[args.preset]
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    changes: dict[str, Any] = {}
-    for key, val in (
-        ("rates", args.rates and floats(args.rates)),
-        ("think_s", args.think and floats(args.think)),
-        ("conversations", args.conversations),
-        ("latency_bound", args.bound),
-        ("threads", args.threads),
-        ("arrival_s", args.arrival),
-    ):
-        if val is not None:
-            changes[key] = val
-    preset = replace(preset, **changes)
+    preset = with_changes(
+        PRESETS[args.preset],
+        rates=args.rates and floats(args.rates),
+        think_s=args.think and floats(args.think),
+        conversations=args.conversations,
+        latency_bound=args.bound,
+        threads=args.threads,
+        arrival_s=args.arrival,
+    )
     if preset.threads:
         import torch
 

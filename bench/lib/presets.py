@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,16 @@ PRESETS["paper-gqa"] = PAPER
 PRESETS["paper-opt"] = replace(
     PAPER, name="paper-opt", model="dummy:opt-13b", context_cap=2048, latency_bound=0.12
 )
+
+
+def floats(text: str) -> list[float]:
+    """A comma-separated list of numbers from the command line."""
+    return [float(x) for x in text.split(",")]
+
+
+def with_changes(preset: Preset, **changes: Any) -> Preset:
+    """The preset with the changes given (None: left as it is): command-line overrides."""
+    return replace(preset, **{k: v for k, v in changes.items() if v is not None})
 
 
 def dry_run(preset: Preset) -> Preset:

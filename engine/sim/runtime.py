@@ -92,7 +92,6 @@ class SimRunner:
         self.pool = pool
         self.graphs = None
         self.steps = 0
-        self.busy_s = 0.0  # virtual seconds of forwards
 
     def step(self, pieces, plan: CopyPlan) -> list[int]:
         batch = [Work(p.end - p.start, p.start, p.sample) for p in pieces]
@@ -100,5 +99,4 @@ class SimRunner:
         self.pool.begin_step(plan)
         self.pool.run(forward)
         self.steps += 1
-        self.busy_s += forward
         return [0] * sum(w.sample for w in batch)
