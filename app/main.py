@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, openai_api, pages, rest
+from app import admin, openai, pages, rest
 from app.auth import admin_token_from_file
 from app.chat import chat_endpoint
 from app.cluster import replica
@@ -112,7 +112,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app = Starlette(
         routes=[
             *rest.routes,
-            *openai_api.routes,
+            *openai.routes,
             *admin.routes,
             *replica.routes,
             WebSocketRoute("/ws/chat/{conversation_id}", chat_endpoint),

@@ -3,7 +3,15 @@
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
-from engine.types import EngineConfig, FinishReason, SamplingParams, Turn, TurnResult, TurnStats
+from engine.types import (
+    EngineConfig,
+    FinishReason,
+    Guide,
+    SamplingParams,
+    Turn,
+    TurnResult,
+    TurnStats,
+)
 
 __all__ = [
     "ActivityClock",
@@ -19,6 +27,7 @@ __all__ = [
     "LocalClock",
     "MemoryHistory",
     "PoolUsage",
+    "Guide",
     "SamplingParams",
     "TokenHistory",
     "Turn",

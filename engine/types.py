@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 CACHE_MODES = ("pensieve", "gpu", "stateless")
 EVICTION_POLICIES = ("pensieve", "lru")
@@ -83,6 +84,14 @@ class EngineConfig:
             raise ValueError("prefetch_step_tokens must be positive")
 
 
+@dataclass(frozen=True)
+class Guide:
+    """Constrained decoding: the reply must match this grammar (token masks in the sampler)."""
+
+    kind: Literal["json_schema", "json_object", "lark", "regex"]
+    source: str = ""  # the JSON schema as JSON text, the Lark grammar or the regex
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -92,10 +101,14 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens beside the model's own
+    min_tokens: int = 0  # no stop token before this many tokens
+    guide: Guide | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -52,6 +52,30 @@ def test_models_list(server, token):
     assert [m.id for m in client(server, token).models.list()] == [MODEL]
 
 
+def test_models_report_the_context_length_and_version(server, token):
+    """As vLLM's do: benchmark clients read the context length and ask /version first."""
+    models = httpx.get(server.url + "/v1/models", headers=auth(token)).json()["data"]
+    gpu_tier = int(TINY["PENSIEVE_GPU_CACHE_CHUNKS"]) * CHUNK  # one chat must fit it
+    assert models[0]["id"] == MODEL and gpu_tier - CHUNK < models[0]["max_model_len"] < gpu_tier
+    r = httpx.get(server.url + "/version")
+    assert r.status_code == 200 and r.json()["version"]
+
+
+def test_vllm_sampling_extensions(server, token):
+    """ignore_eos generates max_tokens whatever the model would say; top_k is accepted."""
+    c = client(server, token)
+    out = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say yes."}],
+        max_tokens=40,
+        temperature=0.7,
+        seed=1,
+        extra_body={"ignore_eos": True, "top_k": 5},
+    )
+    assert out.usage.completion_tokens == 40
+    assert out.choices[0].finish_reason == "length"
+
+
 def test_three_turns_reuse_the_context(server, token):
     c = client(server, token)
     messages = [{"role": "user", "content": "Name a fruit."}]

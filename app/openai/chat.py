@@ -15,7 +15,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -23,10 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.auth import bearer
 from app.cluster import handoff
 from app.frames import TurnRequest, check_text
-from app.rest import BadRequest, read_body
+from app.openai.access import body_of, check_model, model_id, owner
+from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
 from app.services import Services, services
 from app.turns import matching
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done, Streamed
@@ -34,68 +33,6 @@ from app.turns.stops import StopMatcher
 from engine.types import SamplingParams
 
 TITLE_CHARS = 80
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.param, self.code, self.retry_after_s = param, code, retry_after_s
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        headers = None
-        if self.retry_after_s is not None:
-            headers = {"Retry-After": str(max(1, round(self.retry_after_s)))}
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-UNAVAILABLE = ApiError(
-    503, "the database is not answering; try again shortly", "server_error",
-    code="unavailable", retry_after_s=5,
-)  # fmt: skip
-
-# The chat pipeline's error codes as HTTP statuses.
-STATUS = {
-    "not_found": 404,
-    "too_long": 400,
-    "conflict": 409,
-    "busy": 429,
-    "bad_request": 400,
-    "rejected": 400,
-    "unavailable": 503,
-}
-
-
-def pipeline_error(code: str, message: str, retry_after_s: float | None) -> ApiError:
-    status = STATUS.get(code, 500)
-    if status == 429:
-        return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded",
-                        retry_after_s=retry_after_s or 1.0)  # fmt: skip
-    if code == "too_long":
-        return ApiError(400, message, param="messages", code="context_length_exceeded")
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return ApiError(status, message, kind, code=code)
-
 
 # --- the request -----------------------------------------------------------------------
 
@@ -133,6 +70,8 @@ class CompletionBody(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
+    ignore_eos: bool = False  # vLLM's extension, for benchmarks
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -202,22 +141,11 @@ def sampling_of(body: CompletionBody, default: int, limit: int) -> tuple[Samplin
         max_tokens=given or default,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
         seed=body.seed,
+        ignore_eos=body.ignore_eos,
     )
     return sampling, given is not None
-
-
-def model_id(settings) -> str:
-    return Path(settings.model.rstrip("/")).name or settings.model
-
-
-async def owner(request: Request):
-    token = bearer(request)
-    user = await services(request).store.user_by_token(token) if token else None
-    if user is None:
-        raise ApiError(401, "invalid API key: send an owner's token as Authorization: Bearer <key>",
-                       code="invalid_api_key")  # fmt: skip
-    return user
 
 
 # --- which conversation ----------------------------------------------------------------
@@ -347,32 +275,14 @@ def finish_reason(done: Done) -> str:
 # --- endpoints ---------------------------------------------------------------------------
 
 
-async def list_models(request: Request) -> Response:
-    try:
-        await owner(request)
-    except ApiError as e:
-        return e.response()
-    except DB_ERRORS:
-        return UNAVAILABLE.response()
-    sv = services(request)
-    model = {"id": model_id(sv.settings), "object": "model", "created": 0, "owned_by": "pensieve"}
-    return JSONResponse({"object": "list", "data": [model]})
-
-
 async def chat_completions(request: Request) -> Response:
     t0 = time.perf_counter()
     sv = services(request)
     try:
         user = await owner(request)
-        try:
-            raw = await read_body(request, sv.settings.max_api_body_bytes)
-        except BadRequest as e:
-            raise ApiError(e.status, e.message, code=e.code) from None
+        raw = await body_of(request, sv)
         body = parse(raw)
-        if body.model != model_id(sv.settings):
-            raise ApiError(404, f"the model {body.model!r:.80} does not exist; this server "
-                           f"serves {model_id(sv.settings)!r}", param="model",
-                           code="model_not_found")  # fmt: skip
+        check_model(sv, body.model)
         chat = chat_of(body, sv.settings.max_message_chars)
         st = sv.settings
         sampling, given = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
@@ -497,7 +407,4 @@ class Reply:
         return JSONResponse(body, headers=headers)
 
 
-routes = [
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-]
+routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
