@@ -28,6 +28,8 @@ class TurnRequest:
     max_tokens_given: bool
     # (role, text) messages sent ahead of `content` in one request (the OpenAI API).
     before: list[tuple[str, str]] = field(default_factory=list)
+    role: str = "user"  # or "tool": `content` is a function's result (the OpenAI API)
+    tools: list[dict] | None = None  # function definitions offered to the model
 
 
 def parse_json(text: str) -> dict:

@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 # Named constraints, so that later migrations (and SQLite batch mode) can address them.
 NAMING = {
@@ -92,7 +92,7 @@ class Message(Base):
     __table_args__ = (
         UniqueConstraint("conversation_id", "seq"),
         Index(None, "conversation_id", "token_start"),
-        CheckConstraint("role IN ('system', 'user', 'assistant')", name="role"),
+        CheckConstraint("role IN ('system', 'user', 'assistant', 'tool')", name="role"),
         CheckConstraint("seq >= 0 AND token_start >= 0 AND token_count >= 0", name="positions"),
     )
 

@@ -26,10 +26,19 @@ from app.cluster import handoff
 from app.frames import TurnRequest, check_text
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
+from app.openai.tools import (
+    CallStream,
+    ToolChoice,
+    ToolDef,
+    check,
+    forcing_guide,
+    wire,
+)
 from app.services import Services, services
-from app.turns import matching
+from app.turns import matching, toolcalls
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done, Streamed
 from app.turns.stops import StopMatcher
+from app.turns.toolcalls import Call, reply_text
 from engine.types import SamplingParams
 
 TITLE_CHARS = 80
@@ -43,15 +52,47 @@ class TextPart(BaseModel):
     text: str
 
 
+class WireFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class WireCall(BaseModel):
+    """A call in an assistant message the client sends back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: WireFunction
+
+    def call(self) -> Call:
+        try:
+            args = json.loads(self.function.arguments or "{}")
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise ValueError(
+                f"the arguments of the call to {self.function.name!r} are not a JSON object"
+            )
+        return Call(self.function.name, args)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[WireCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
 
     def text(self) -> str:
+        """The message as the conversation stores it (calls in their text format)."""
         if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)
-        return self.content or ""
+            content = "\n".join(p.text for p in self.content)
+        else:
+            content = self.content or ""
+        if self.tool_calls:
+            return reply_text(content or None, [c.call() for c in self.tool_calls])
+        return content
 
 
 class StreamOptions(BaseModel):
@@ -79,7 +120,9 @@ class CompletionBody(BaseModel):
     user: str | None = Field(None, max_length=256)
     n: int | None = Field(None, ge=1, le=1)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=200)
-    tools: list | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -88,13 +131,6 @@ class CompletionBody(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("up to 4 non-empty strings")
         return stops
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
 
 
 def parse(raw: bytes) -> CompletionBody:
@@ -109,6 +145,17 @@ def parse(raw: bytes) -> CompletionBody:
         raise ApiError(400, msg, param=param) from None
 
 
+def tools_of(body: CompletionBody) -> list:
+    """The request's functions, checked against its tool_choice."""
+    tools = [t.function for t in body.tools or []]
+    try:
+        check(tools, body.tool_choice)
+    except ValueError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise ApiError(400, str(e), param=param) from None
+    return tools
+
+
 @dataclass
 class Chat:
     """A request's chat: system prompt, then (role, text) messages ending with the user's."""
@@ -118,7 +165,10 @@ class Chat:
 
 
 def chat_of(body: CompletionBody, max_chars: int) -> Chat:
-    msgs = [("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
+    try:
+        msgs = [("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
+    except ValueError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
     for i, (_, text) in enumerate(msgs):
         problem = check_text(text)
         if problem or len(text) > max_chars:
@@ -127,8 +177,9 @@ def chat_of(body: CompletionBody, max_chars: int) -> Chat:
     system = None
     if msgs and msgs[0][0] == "system":
         system, msgs = msgs[0][1] or None, msgs[1:]
-    if not msgs or msgs[-1][0] != "user":
-        raise ApiError(400, "messages must end with a user message", param="messages")
+    if not msgs or msgs[-1][0] not in ("user", "tool"):
+        raise ApiError(400, "messages must end with a user message or a tool's result",
+                       param="messages")  # fmt: skip
     return Chat(system, msgs)
 
 
@@ -184,7 +235,7 @@ def aligner(sv: Services, cid: str, chat: Chat, req: TurnRequest):
         conv = await store.get_conversation(cid)
         if conv is None:
             return True  # the turn answers not_found
-        stored = [(m.role, m.content) for m in await store.messages(cid)]
+        stored = [(m.role, toolcalls.as_sent(m.role, m.content)) for m in await store.messages(cid)]
         keep = matching.common_turns(conv.system_prompt, stored, chat.system, chat.messages)
         edited = keep < len(stored) or (conv.system_prompt or None) != chat.system
         # The engine's copy of a removed window is of no use; within the window the turn's
@@ -220,29 +271,35 @@ END = object()  # the turn's task ended
 class ApiSink:
     """Collects a turn's text (cut at a stop string), its outcome or its error."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], calls: bool = False) -> None:
         self.open = True
         self.cancelled = False
         self.stream = None
         self.events: asyncio.Queue = asyncio.Queue()
         self.stops = StopMatcher(stops)
+        self.calls = CallStream() if calls else None  # tools offered: calls come out whole
 
     async def error(self, code: str, message: str, **extra) -> None:
         self.events.put_nowait(Failed(code, message, extra.get("retry_after_s")))
 
     async def token(self, text: str) -> None:
-        piece = self.stops.push(text)
-        if piece:
-            self.events.put_nowait(piece)
+        self._put(self.stops.push(text))
         if self.stops.hit and self.stream is not None:
             self.stream.cancel()
 
+    def _put(self, piece: str) -> None:
+        if not piece:
+            return
+        for event in self.calls.push(piece) if self.calls else [piece]:
+            self.events.put_nowait(event)
+
     async def finish(self, out: Streamed) -> Streamed:
+        if not self.stops.hit:
+            self._put(self.stops.flush())
+        for event in self.calls.flush() if self.calls else []:
+            self.events.put_nowait(event)
         if self.stops.hit:
             return replace(out, text=self.stops.text, finish_reason="stop")
-        tail = self.stops.flush()
-        if tail:
-            self.events.put_nowait(tail)
         return out
 
     async def done(self, done: Done) -> None:
@@ -268,7 +325,9 @@ def usage(done: Done) -> dict:
     }
 
 
-def finish_reason(done: Done) -> str:
+def finish_reason(done: Done, calls: int = 0) -> str:
+    if calls:
+        return "tool_calls"
     return "length" if done.out.finish_reason == "length" else "stop"
 
 
@@ -286,6 +345,8 @@ async def chat_completions(request: Request) -> Response:
         chat = chat_of(body, sv.settings.max_message_chars)
         st = sv.settings
         sampling, given = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
+        tools = tools_of(body)
+        sampling.guide = forcing_guide(tools, body.tool_choice, body.parallel_tool_calls)
         # A request another replica handed over was counted there.
         wait = (
             None if handoff.forwarded(request) else sv.hub.take_turn(user.id, st.turns_per_minute)
@@ -303,8 +364,10 @@ async def chat_completions(request: Request) -> Response:
     except DB_ERRORS:
         return UNAVAILABLE.response()
 
-    req = TurnRequest(chat.messages[-1][1], sampling, given)
-    sink = ApiSink(body.stop or [])
+    role, content = chat.messages[-1]
+    specs = [f.spec() for f in tools] or None
+    req = TurnRequest(content, sampling, given, role=role, tools=specs)
+    sink = ApiSink(body.stop or [], calls=bool(tools) and body.tool_choice != "none")
     task = sv.hub.track(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
     task.add_done_callback(lambda _: sink.events.put_nowait(END))
 
@@ -322,7 +385,7 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = reply.sse(first, sink, include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    return await reply.whole(first, sink, headers)
+    return await reply.whole(first, sink, headers, sink.calls is not None)
 
 
 @dataclass
@@ -351,15 +414,19 @@ class Reply:
         def data(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        ended = False
+        ended, calls = False, 0
         try:
             yield data(self._chunk({"role": "assistant", "content": ""}, None, include_usage))
             event = first
             while True:
                 if isinstance(event, str):
                     yield data(self._chunk({"content": event}, None, include_usage))
+                elif isinstance(event, Call):
+                    delta = {"tool_calls": [wire(event, calls)]}
+                    yield data(self._chunk(delta, None, include_usage))
+                    calls += 1
                 elif isinstance(event, Done):
-                    yield data(self._chunk({}, finish_reason(event), include_usage))
+                    yield data(self._chunk({}, finish_reason(event, calls), include_usage))
                     if include_usage:
                         yield data({**self._chunk({}, None, False), "choices": [],
                                     "usage": usage(event)})  # fmt: skip
@@ -378,16 +445,19 @@ class Reply:
             if not ended:
                 sink.gone()
 
-    async def whole(self, first, sink: ApiSink, headers: dict) -> Response:
+    async def whole(self, first, sink: ApiSink, headers: dict, tools: bool) -> Response:
         pieces, event = [], first
-        while isinstance(event, str):
+        while isinstance(event, (str, Call)):
             pieces.append(event)
             event = await sink.events.get()
         if isinstance(event, Failed):
             return pipeline_error(event.code, event.message, event.retry_after_s).response()
         if not isinstance(event, Done):
             return ApiError(500, "the turn failed", "server_error").response()
-        message = {"role": "assistant", "content": event.out.text, "refusal": None}
+        content, calls = toolcalls.parse(event.out.text) if tools else (event.out.text, [])
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = [wire(c) for c in calls]
         body = {
             "id": self.id,
             "object": "chat.completion",
@@ -399,7 +469,7 @@ class Reply:
                     "index": 0,
                     "message": message,
                     "logprobs": None,
-                    "finish_reason": finish_reason(event),
+                    "finish_reason": finish_reason(event, len(calls)),
                 }  # fmt: skip
             ],
             "usage": usage(event),

@@ -18,7 +18,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app.frames import TurnRequest
 from app.services import Services
-from app.turns import matching
+from app.turns import matching, toolcalls
 from app.turns.detok import Detokenizer
 from app.turns.window import NoRoom, Plan, plan_turn
 from engine.errors import ConversationBusy, EngineOverloaded
@@ -124,7 +124,7 @@ class ChatTurn:
             await sink.error("not_found", "this chat no longer exists")
             return None
         history = await store.messages(cid)
-        if history and history[-1].role == "user":
+        if history and history[-1].role in ("user", "tool"):
             # The reply of an earlier turn could not be stored (the database went away
             # after its question was): close that turn with an empty `error` reply, so the
             # history stays question/answer pairs and the question is kept.
@@ -141,6 +141,8 @@ class ChatTurn:
                 req.sampling.max_tokens,
                 req.max_tokens_given,
                 req.before,
+                req.role,
+                req.tools,
             )
         except NoRoom as e:
             await sink.error("too_long", str(e))
@@ -148,7 +150,8 @@ class ChatTurn:
         req.sampling.max_tokens = plan.max_tokens
         if not plan.fresh and plan.context_len < plan.stored_len:
             await store.truncate(cid, plan.context_len)
-        pairs = [(m.role, m.content) for m in history] + req.before + [("user", req.content)]
+        pairs = [(m.role, toolcalls.as_sent(m.role, m.content)) for m in history]
+        pairs += [*req.before, (req.role, req.content)]
         chain = matching.chain(conv.system_prompt, pairs)[-1]
         start = plan.stored_len if plan.fresh else plan.context_len
         try:
@@ -160,7 +163,7 @@ class ChatTurn:
                 ids.append(m.id)
             msg = await store.append_message(
                 cid,
-                "user",
+                req.role,
                 req.content,
                 plan.prompt,
                 expected_start=start,
@@ -272,7 +275,10 @@ class ChatTurn:
                 out.token_ids,
                 finish_reason=out.finish_reason,
                 expected_start=plan.context_len + len(plan.prompt),
-                prefix_hash=matching.extend(chain, "assistant", out.text),
+                # a resent copy of a reply with calls is compared in canonical form
+                prefix_hash=matching.extend(
+                    chain, "assistant", toolcalls.as_sent("assistant", out.text)
+                ),
             )
         except Exception as e:
             await sv.engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL

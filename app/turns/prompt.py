@@ -10,6 +10,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from app.turns import toolcalls
+
 
 @dataclass
 class Delta:
@@ -24,12 +26,13 @@ class Segment:
 
 
 def chat_messages(
-    system_prompt: str | None, history: list[tuple[str, str]], user: str
+    system_prompt: str | None, history: list[tuple[str, str]], user: str, role: str = "user"
 ) -> list[dict]:
-    """The template's input: optional system prompt, earlier turns, the new user message."""
+    """The template's input: optional system prompt, earlier turns, the new message (the
+    user's, or a function's result: role "tool")."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages += [{"role": role, "content": content} for role, content in history]
-    return messages + [{"role": "user", "content": user}]
+    messages += [{"role": r, "content": content} for r, content in history]
+    return messages + [{"role": role, "content": user}]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -46,10 +49,12 @@ def _specials(tokenizer) -> list[str]:
     return sorted(names, key=len, reverse=True)
 
 
-def render(tokenizer, messages: list[dict]) -> list[Segment]:
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[Segment]:
     """The rendered chat as segments: template markup, and special-token strings found in
     message text (plain). Those strings go through the template as unguessable
-    placeholders, so whatever the template does to the text, they stay apart."""
+    placeholders, so whatever the template does to the text, they stay apart. `tools`:
+    function definitions offered to the model (app/turns/toolcalls.py)."""
+    messages, extra = toolcalls.template_input(tokenizer, messages, tools)
     specials = _specials(tokenizer)
     found: list[str] = []
     if specials:
@@ -60,8 +65,19 @@ def render(tokenizer, messages: list[dict]) -> list[Segment]:
             found.append(m.group())
             return f"\ue000{nonce}:{len(found) - 1}\ue001"
 
-        messages = [{**m, "content": pattern.sub(hide, m["content"])} for m in messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        def hide_in(x):  # every string a message or a tool carries
+            if isinstance(x, str):
+                return pattern.sub(hide, x)
+            if isinstance(x, dict):
+                return {k: v if k == "role" else hide_in(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [hide_in(v) for v in x]
+            return x
+
+        messages, extra = hide_in(messages), hide_in(extra)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **extra
+    )
     if not found:
         return [Segment(text, False)]
     segments: list[Segment] = []
@@ -91,13 +107,15 @@ def encode(tokenizer, segments: list[Segment], skip_chars: int = 0) -> list[int]
     return ids
 
 
-def render_delta(tokenizer, messages: list[dict], stored: list[int]) -> Delta:
+def render_delta(
+    tokenizer, messages: list[dict], stored: list[int], tools: list[dict] | None = None
+) -> Delta:
     """Render the whole chat, keep what the stored stream already holds, tokenize the rest.
 
     The stored stream is what the model saw, so it is never re-tokenized. When the template
     is prefix-stable (the usual case) the new text simply follows it. Otherwise the longest
     common token prefix is kept and everything after it is recomputed."""
-    segments = render(tokenizer, messages)
+    segments = render(tokenizer, messages, tools)
     full = text_of(segments)
     seen = tokenizer.decode(stored, skip_special_tokens=False)
     if full.startswith(seen):

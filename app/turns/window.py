@@ -46,7 +46,9 @@ def _pairs(history: list[StoredMessage], start: int, end: int) -> list[tuple[str
     return [(m.role, m.content) for m in history[start:end]]
 
 
-def window_start(tokenizer, system: str | None, history: list[StoredMessage]) -> int:
+def window_start(
+    tokenizer, system: str | None, history: list[StoredMessage], tools: list[dict] | None = None
+) -> int:
     """Index of the first stored message the current window renders: the earlier turns a
     `starts_context` message carried in, found by the length of its rendered text."""
     opener = max((i for i, m in enumerate(history) if m.starts_context), default=0)
@@ -55,8 +57,9 @@ def window_start(tokenizer, system: str | None, history: list[StoredMessage]) ->
     seen = len(tokenizer.decode(history[opener].token_ids, skip_special_tokens=False))
 
     def length(s: int) -> int:
-        msgs = chat_messages(system, _pairs(history, s, opener), history[opener].content)
-        return len(text_of(render(tokenizer, msgs)))
+        last = history[opener]
+        msgs = chat_messages(system, _pairs(history, s, opener), last.content, last.role)
+        return len(text_of(render(tokenizer, msgs, tools)))
 
     lo, hi = 0, opener  # the rendered length shrinks as the start moves later
     while lo < hi:
@@ -77,18 +80,21 @@ def plan_turn(
     max_tokens: int,
     max_tokens_given: bool,
     before: list[tuple[str, str]] | None = None,
+    role: str = "user",
+    tools: list[dict] | None = None,
 ) -> Plan:
     """The next turn's prompt: the current window extended, or a fresh window when the
     reply would not have its room (`max_tokens` if asked for, else up to a quarter of the
     limit). `before`: (role, text) messages the client adds ahead of its new message (an
-    API request may add several); the prompt renders them too."""
+    API request may add several); the prompt renders them too. `role`: the new message's
+    ("tool" for a function's result); `tools`: function definitions offered to the model."""
     before = before or []
     needed = max_tokens if max_tokens_given else min(max_tokens, max(1, limit // 4))
-    start = window_start(tokenizer, system, history)
+    start = window_start(tokenizer, system, history, tools)
     opener = max((i for i, m in enumerate(history) if m.starts_context), default=0)
     stored = [t for m in history[opener:] for t in m.token_ids]
-    msgs = chat_messages(system, _pairs(history, start, len(history)) + before, content)
-    delta = render_delta(tokenizer, msgs, stored)
+    msgs = chat_messages(system, _pairs(history, start, len(history)) + before, content, role)
+    delta = render_delta(tokenizer, msgs, stored, tools)
     room = limit - delta.context_len - len(delta.token_ids)
     if room >= needed and room >= 1:
         return Plan(
@@ -102,8 +108,10 @@ def plan_turn(
 
     # A fresh window: the system prompt, the latest whole turns that fit, the new message.
     def prompt(s: int) -> list[int]:
-        messages = chat_messages(system, _pairs(history, s, len(history)) + before, content)
-        return encode(tokenizer, render(tokenizer, messages))
+        pairs = _pairs(history, s, len(history)) + before
+        return encode(
+            tokenizer, render(tokenizer, chat_messages(system, pairs, content, role), tools)
+        )
 
     starts = [s for s in range(start, len(history)) if history[s].role == "user"]
     starts.append(len(history))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import event, func, inspect, select, text
 
 from bench.lib import harness
@@ -41,6 +42,10 @@ async def _chat(store: HistoryStore, name: str = "ada") -> str:
     return conv.id
 
 
+def head() -> str:
+    return ScriptDirectory.from_config(migrate.config()).get_current_head()
+
+
 def _schema(conn) -> tuple[set[str], list]:
     diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     return set(inspect(conn).get_table_names()), diff
@@ -49,7 +54,7 @@ def _schema(conn) -> tuple[set[str], list]:
 async def test_migrations_up_and_down(db_url: str) -> None:
     # Called on the running loop on purpose: the server does the same at start.
     migrate.upgrade(db_url)
-    assert migrate.current(db_url) == "0003"
+    assert migrate.current(db_url) == head()
     s = HistoryStore(db_url)
     try:
         async with s.engine.connect() as conn:
@@ -64,7 +69,10 @@ async def test_migrations_up_and_down(db_url: str) -> None:
         assert not TABLES & tables
 
         migrate.upgrade(db_url)  # and back up, on the same database
-        assert migrate.current(db_url) == "0003"
+        assert (
+            migrate.current(db_url)
+            == ScriptDirectory.from_config(migrate.config()).get_current_head()
+        )
     finally:
         await s.close()
 
@@ -266,7 +274,7 @@ def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_pat
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("-> 0002" in out for out in outs) == 1  # one migrated, the other saw head
-    assert migrate.current(db_url) == "0003"
+    assert migrate.current(db_url) == head()
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
 
@@ -276,7 +284,7 @@ def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
     migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
-    assert migrate.current() == "0003"
+    assert migrate.current() == head()
 
 
 class _BusyCursor:
@@ -397,7 +405,10 @@ async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
                 )
             )
         await asyncio.to_thread(migrate.upgrade, db_url)
-        assert migrate.current(db_url) == "0003"
+        assert (
+            migrate.current(db_url)
+            == ScriptDirectory.from_config(migrate.config()).get_current_head()
+        )
         [m] = await s.messages("c")
         assert (m.content, m.token_ids, m.starts_context) == ("hi", [1, 2], False)
         assert await s.stream("c") == [1, 2]
