@@ -19,7 +19,7 @@ from bench.lib import harness
 from store import HistoryConflict, HistoryError, HistoryStore, db, hash_token, migrate
 from store.models import Base, Conversation, Message
 
-TABLES = {"users", "conversations", "messages"}
+TABLES = {"users", "conversations", "messages", "responses"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -49,7 +49,7 @@ def _schema(conn) -> tuple[set[str], list]:
 async def test_migrations_up_and_down(db_url: str) -> None:
     # Called on the running loop on purpose: the server does the same at start.
     migrate.upgrade(db_url)
-    assert migrate.current(db_url) == "0003"
+    assert migrate.current(db_url) == "0004"
     s = HistoryStore(db_url)
     try:
         async with s.engine.connect() as conn:
@@ -64,7 +64,7 @@ async def test_migrations_up_and_down(db_url: str) -> None:
         assert not TABLES & tables
 
         migrate.upgrade(db_url)  # and back up, on the same database
-        assert migrate.current(db_url) == "0003"
+        assert migrate.current(db_url) == "0004"
     finally:
         await s.close()
 
@@ -266,7 +266,7 @@ def test_alembic_command_line_and_servers_starting_together(db_url: str, tmp_pat
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("-> 0002" in out for out in outs) == 1  # one migrated, the other saw head
-    assert migrate.current(db_url) == "0003"
+    assert migrate.current(db_url) == "0004"
     assert "0001 ->" in _alembic("downgrade", "base", cwd=tmp_path, url=db_url)
     assert migrate.current(db_url) is None
 
@@ -276,7 +276,7 @@ def test_default_url_is_sqlite_under_data(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("PENSIEVE_DATABASE_URL", raising=False)
     migrate.upgrade()
     assert (tmp_path / "data" / "pensieve.db").is_file()
-    assert migrate.current() == "0003"
+    assert migrate.current() == "0004"
 
 
 class _BusyCursor:
@@ -397,7 +397,7 @@ async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
                 )
             )
         await asyncio.to_thread(migrate.upgrade, db_url)
-        assert migrate.current(db_url) == "0003"
+        assert migrate.current(db_url) == "0004"
         [m] = await s.messages("c")
         assert (m.content, m.token_ids, m.starts_context) == ("hi", [1, 2], False)
         assert await s.stream("c") == [1, 2]
@@ -429,3 +429,40 @@ async def test_prefix_lookup_is_per_owner_and_rewind_cuts(store: HistoryStore) -
     assert (await store.get_conversation(mine.id)).system_prompt == "be brief"
     assert await store.rewind(mine.id, 2, "be brief") is False
     assert len(await store.messages(theirs.id)) == 2
+
+
+async def test_fork_and_responses(store: HistoryStore) -> None:
+    """A fork copies messages up to one (tokens, positions, windows); a response names its
+    reply, gives item ids, is per owner, and goes with its conversation."""
+    from store import ApiResponse
+
+    cid = await _chat(store)
+    conv = await store.get_conversation(cid)
+    roles = ["user", "assistant", "user", "assistant"]
+    msgs = [
+        await store.append_message(cid, r, f"m{i}", [i] * 3, starts_context=i == 2)
+        for i, r in enumerate(roles)
+    ]
+    child = await store.fork_conversation(cid, msgs[2].id, conv.system_prompt)
+    assert child.owner_id == conv.owner_id and child.id != cid
+    copied = await store.messages(child.id)
+    assert [(m.seq, m.role, m.token_ids, m.token_start, m.starts_context) for m in copied] == [
+        (m.seq, m.role, m.token_ids, m.token_start, m.starts_context) for m in msgs[:3]
+    ]
+    assert await store.stream(child.id) == [2, 2, 2]
+    assert await store.last_message_id(child.id) == copied[-1].id
+    assert await store.fork_conversation(cid, copied[0].id, None) is None  # not its message
+
+    resp = ApiResponse(
+        id="resp_1", owner_id=conv.owner_id, conversation_id=cid, message_id=msgs[3].id,
+        body={"id": "resp_1"}, input_items=[{"id": "msg_a"}],
+    )  # fmt: skip
+    await store.add_response(resp, "msg_b", ["msg_a"])
+    assert [m.item_id for m in await store.messages(cid)] == [None, None, "msg_a", "msg_b"]
+    other, _ = await store.create_user("eve")
+    assert await store.get_response("resp_1", other.id) is None
+    got = await store.get_response("resp_1", conv.owner_id)
+    assert got.body == {"id": "resp_1"} and got.message_id == msgs[3].id
+    assert not await store.delete_response("resp_1", other.id)
+    await store.delete_conversation(cid)
+    assert await store.get_response("resp_1", conv.owner_id) is None
