@@ -81,7 +81,7 @@ class ResponseBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | list | None = None
+    input: Any = None  # a string or a list of items: read by items.parse_items
     instructions: str | None = Field(None, max_length=MAX_SYSTEM_PROMPT)
     previous_response_id: str | None = Field(None, min_length=1, max_length=64)
     conversation: str | ConversationRef | None = None
