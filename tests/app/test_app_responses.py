@@ -204,11 +204,16 @@ def test_ids_are_per_owner_and_store_false_keeps_nothing(server, token):
         c.responses.retrieve(r.id)
 
     before = set(conversations(server, token))
-    kept, _ = respond(c, "Count to three.", max_output_tokens=4)
+    kept, cid = respond(c, "Count to three.", max_output_tokens=4)
     gone, _ = respond(c, "Count to four.", kept.id, store=False, max_output_tokens=4)
     alone, _ = respond(c, "Count to five.", store=False, max_output_tokens=4)
     assert gone.output_text and alone.output_text
-    assert len(set(conversations(server, token)) - before) == 1  # only the stored one
+    assert set(conversations(server, token)) - before == {cid}  # only the stored one
+    # Other instructions are not inherited: the chain forks with the new system prompt.
+    french, other_cid = respond(c, "And to four?", kept.id, instructions="Answer in French.")
+    assert french.output_text and other_cid != cid
+    assert server.chat(token, other_cid)["system_prompt"] == "Answer in French."
+    assert server.chat(token, cid)["system_prompt"] == BRIEF
     for r in (gone, alone):
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(r.id)
