@@ -165,6 +165,15 @@ class AsyncEngine:
         self._post(("free", conversation_id, fut))
         return fut
 
+    def fork(
+        self, parent_id: str, child_id: str, token_ids: list[int], parent_len: int | None = None
+    ) -> asyncio.Future:
+        """Start `child_id` on the parent's first tokens, linking the parent's chunks (see
+        `Engine.fork`); await the positions linked (0: the child recomputes)."""
+        fut = self._loop.create_future()
+        self._post(("fork", parent_id, child_id, list(token_ids), parent_len, fut))
+        return fut
+
     def prefetch(self, conversation_id: str) -> None:
         """The user is typing: bring the conversation's context back to the GPU tier at low
         priority (see `Engine.prefetch`). Cheap, never raises; repeated calls are one."""
@@ -237,8 +246,8 @@ class AsyncEngine:
                 return
             if item[0] == "submit":
                 self._call(self._end, item[1], None, error)
-            elif item[0] == "free":
-                self._call(_resolve, item[2], None, error)
+            elif item[0] in ("free", "fork"):
+                self._call(_resolve, item[-1], None, error)
 
     def _drain(self) -> None:
         while True:
@@ -264,6 +273,13 @@ class AsyncEngine:
                 try:
                     self.engine.free(cid)
                     self._call(_resolve, fut, None, None)
+                except Exception as e:
+                    self._call(_resolve, fut, None, e)
+            elif kind == "fork":
+                _, parent, child, tokens, parent_len, fut = item
+                try:
+                    linked = self.engine.fork(parent, child, tokens, parent_len)
+                    self._call(_resolve, fut, linked, None)
                 except Exception as e:
                     self._call(_resolve, fut, None, e)
 

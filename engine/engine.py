@@ -333,6 +333,49 @@ class Engine:
             if self.scheduler.prefetch.hint(state, next(self._seq), now):
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
 
+    def fork(
+        self, parent_id: str, child_id: str, token_ids: list[int], parent_len: int | None = None
+    ) -> int:
+        """Start conversation `child_id` as a copy of the first `len(token_ids)` tokens of
+        `parent_id`'s stream (`token_ids` are those tokens): the parent's full chunks of them
+        are published (`KVCacheManager.publish`) and the child links them instead of
+        computing them again; its first turn computes only the rest. `parent_len`: the
+        parent's stream length as its caller's history has it; the engine links nothing
+        when its own copy of the parent differs. Returns the positions linked; 0 (a busy,
+        unknown or partly dropped parent, sharing off) leaves the child unknown, so its
+        first turn recomputes its context from history like any conversation after a
+        restart."""
+        with self.lock:
+            if child_id in self.streams or self.cache.tables.get(child_id) is not None:
+                raise ValueError(f"conversation {child_id!r} exists already")
+            parent = self.streams.get(parent_id)
+            table = self.cache.tables.get(parent_id)
+            cs = self.cache.chunk_size
+            if (
+                not self.cache.share
+                or parent is None
+                or table is None
+                or parent.busy
+                or (parent_len is not None and parent.length != parent_len)
+                or len(token_ids) > parent.length
+            ):
+                return 0
+            chain = chain_hashes(list(token_ids), cs)
+            n = min(len(chain), parent.kv_len // cs)
+            self.cache.publish(table, chain[:n])
+            child = self.cache.table(child_id)
+            linked = self.cache.link(child, chain[:n])
+            if not linked:
+                self.cache.forget(child_id)
+                return 0
+            self.streams[child_id] = StreamState(
+                child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:])
+            )
+            if self.owns_history:
+                self.history.append(child_id, list(token_ids))
+            self.clock.touch(child_id, self.now())
+            return linked
+
     def _resync(self, state: StreamState, length: int) -> None:
         """The caller's durable history says the stream has `length` tokens before this turn."""
         table = self.cache.table(state.id)

@@ -15,9 +15,10 @@ Typical start-up, on the server's event loop:
 from store.activity import RedisClock
 from store.db import DEFAULT_URL, database_url
 from store.history import HistoryConflict, HistoryError, HistoryStore, TokenHistory, hash_token
-from store.models import Conversation, Message, User
+from store.models import ApiResponse, Conversation, Message, User
 
 __all__ = [
+    "ApiResponse",
     "DEFAULT_URL",
     "Conversation",
     "HistoryConflict",

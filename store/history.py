@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from store.db import make_engine
-from store.models import ROLES, Conversation, Message, User, utcnow
+from store.models import ROLES, ApiResponse, Conversation, Message, User, utcnow
 
 MAX_TITLE = 200
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -141,6 +141,7 @@ class HistoryStore:
         title: str = "",
         system_prompt: str | None = None,
         session_key: str | None = None,
+        api_metadata: dict | None = None,
     ) -> Conversation:
         if len(title) > MAX_TITLE:
             raise ValueError(f"title is longer than {MAX_TITLE} characters")
@@ -153,6 +154,7 @@ class HistoryStore:
             created=now,
             updated=now,
             session_key=session_key,
+            api_metadata=api_metadata,
         )
         async with self.sessions.begin() as s:
             if await s.get(User, owner_id) is None:
@@ -399,6 +401,109 @@ class HistoryStore:
                     .order_by(Message.seq)
                 )
             )
+
+    async def last_message_id(self, conversation_id: str) -> int | None:
+        """Id of the conversation's last message (None: it has none)."""
+        q = (
+            select(Message.id)
+            .where(Message.conversation_id == conversation_id)
+            .order_by(Message.seq.desc())
+            .limit(1)
+        )
+        async with self.sessions() as s:
+            return await s.scalar(q)
+
+    async def fork_conversation(
+        self, conversation_id: str, message_id: int, system_prompt: str | None
+    ) -> Conversation | None:
+        """A new conversation of the same owner holding a copy of this one's messages up to
+        message `message_id` (token ids, positions and context windows included), in one
+        transaction; None when that message is not in the conversation. With another
+        system prompt the copies lose their prefix hashes (which hash the prompt too)."""
+        async with self.sessions.begin() as s:
+            src = await s.get(Conversation, conversation_id)
+            upto = await s.scalar(
+                select(Message.seq).where(
+                    Message.id == message_id, Message.conversation_id == conversation_id
+                )
+            )
+            if src is None or upto is None:
+                return None
+            now = utcnow()
+            conv = Conversation(
+                id=new_id(),
+                owner_id=src.owner_id,
+                title=src.title,
+                system_prompt=system_prompt,
+                created=now,
+                updated=now,
+            )
+            s.add(conv)
+            same = (src.system_prompt or None) == (system_prompt or None)
+            rows = await s.scalars(
+                select(Message)
+                .where(Message.conversation_id == conversation_id, Message.seq <= upto)
+                .order_by(Message.seq)
+            )
+            for m in rows:
+                s.add(
+                    Message(
+                        conversation_id=conv.id,
+                        seq=m.seq,
+                        role=m.role,
+                        content=m.content,
+                        token_ids=list(m.token_ids),
+                        token_start=m.token_start,
+                        token_count=m.token_count,
+                        created=m.created,
+                        finish_reason=m.finish_reason,
+                        starts_context=m.starts_context,
+                        prefix_hash=m.prefix_hash if same else None,
+                    )
+                )
+        return conv
+
+    # Responses (the OpenAI Responses API).
+
+    async def add_response(
+        self, response: ApiResponse, reply_item_id: str | None, input_item_ids: Sequence[str]
+    ) -> None:
+        """Store a response; its reply and the input messages stored just before it take
+        the item ids the API gave them, in the same transaction."""
+        async with self.sessions.begin() as s:
+            s.add(response)
+            reply = await s.get(Message, response.message_id) if response.message_id else None
+            if reply is None:
+                return
+            reply.item_id = reply_item_id
+            n = len(input_item_ids)
+            rows = list(
+                await s.scalars(
+                    select(Message)
+                    .where(
+                        Message.conversation_id == reply.conversation_id,
+                        Message.seq < reply.seq,
+                        Message.seq >= reply.seq - n,
+                    )
+                    .order_by(Message.seq)
+                )
+            )
+            for m, item_id in zip(rows, input_item_ids[n - len(rows) :], strict=True):
+                m.item_id = item_id
+
+    async def get_response(self, response_id: str, owner_id: str) -> ApiResponse | None:
+        q = select(ApiResponse).where(
+            ApiResponse.id == response_id, ApiResponse.owner_id == owner_id
+        )
+        async with self.sessions() as s:
+            return await s.scalar(q)
+
+    async def delete_response(self, response_id: str, owner_id: str) -> bool:
+        q = delete(ApiResponse).where(
+            ApiResponse.id == response_id, ApiResponse.owner_id == owner_id
+        )
+        async with self.sessions.begin() as s:
+            return (await s.execute(q)).rowcount > 0
 
     async def token_count(self, conversation_id: str) -> int:
         """Length of the context window's token stream."""

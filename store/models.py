@@ -85,6 +85,8 @@ class Conversation(Base):
     updated: Mapped[datetime] = mapped_column(default=utcnow)
     # The name an API client gave the chat (X-Session-ID / prompt_cache_key), if any.
     session_key: Mapped[str | None] = mapped_column(String(200))
+    # The Conversations API's metadata (up to 16 string pairs), if the chat was made there.
+    api_metadata: Mapped[dict | None] = mapped_column(JSON)
 
 
 class Message(Base):
@@ -117,7 +119,31 @@ class Message(Base):
     # On a reply: hash of the system prompt and every message up to this one (app/turns/matching.py),
     # so that a request resending the whole chat finds where it continues by an index lookup.
     prefix_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    # The id the Responses / Conversations API gave this message as an item ("msg_..."),
+    # when it gave one before the row existed; else the item id is made of `id`.
+    item_id: Mapped[str | None] = mapped_column(String(40))
 
     @property
     def token_end(self) -> int:
         return self.token_start + self.token_count
+
+
+class ApiResponse(Base):
+    """A response of the OpenAI Responses API: the reply it produced names its point in its
+    conversation (`message_id`), from which a later response goes on or forks."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), index=True
+    )
+    # The reply; None once an edit of the conversation removed it.
+    message_id: Mapped[int | None] = mapped_column(
+        ForeignKey("messages.id", ondelete="SET NULL"), index=True
+    )
+    previous_response_id: Mapped[str | None] = mapped_column(String(40))
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    body: Mapped[dict] = mapped_column(JSON)  # the response object as answered
+    input_items: Mapped[list] = mapped_column(JSON)  # the items that went in

@@ -3,6 +3,6 @@ conversations as the chat socket."""
 
 from __future__ import annotations
 
-from app.openai import chat, models
+from app.openai import chat, conversations, models, responses
 
-routes = [*models.routes, *chat.routes]
+routes = [*models.routes, *chat.routes, *responses.routes, *conversations.routes]

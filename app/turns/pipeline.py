@@ -124,10 +124,12 @@ class ChatTurn:
             await sink.error("not_found", "this chat no longer exists")
             return None
         history = await store.messages(cid)
-        if history and history[-1].role in ("user", "tool"):
+        if history and history[-1].role in ("user", "tool") and history[-1].token_ids:
             # The reply of an earlier turn could not be stored (the database went away
             # after its question was): close that turn with an empty `error` reply, so the
-            # history stays question/answer pairs and the question is kept.
+            # history stays question/answer pairs and the question is kept. (A user message
+            # without tokens was added as an item of the Conversations API: this turn's
+            # prompt renders it.)
             await store.append_message(cid, "assistant", "", [], finish_reason="error")
             history = await store.messages(cid)
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine import Engine, EngineConfig, MemoryHistory, SamplingParams, Turn
 from tests.engine.test_engine_equality import TEXTS
 from tests.oracle import hf_greedy, hf_model
@@ -140,3 +142,57 @@ def test_restart_and_edit_inside_the_shared_prompt():
     want = alone.run([Turn("z", system + [3, 4] + b + [5], sp)])[0].token_ids
     assert got.token_ids == want
     assert got.stats.recomputed_tokens == len(system) + 2 + len(b)
+
+
+def test_fork_links_the_parents_chunks_and_replies_like_a_fresh_chat():
+    """A fork starts a conversation on a prefix of another's stream: the parent's full
+    chunks of it are linked, not recomputed; greedy replies equal the same tokens run
+    fresh, for a fork at the parent's end, one inside its history, and after the parent
+    went on; an unknown or stale parent links nothing and the fork recomputes."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = make("dummy:tiny", gpu_cache_chunks=48, cpu_cache_chunks=8)
+    first = list(range(100, 180))  # 2 full chunks and a part
+    out1 = engine.run([Turn("p", first, sp)])[0].token_ids
+    second = list(range(300, 340))
+    out2 = engine.run([Turn("p", second, sp)])[0].token_ids
+    stream = first + out1 + second + out2  # 132 tokens: 4 full chunks
+    alone = make("dummy:tiny", gpu_cache_chunks=48, share_prefixes=False)
+
+    def fresh(tokens: list[int]) -> list[int]:
+        alone.free("fresh")
+        return alone.run([Turn("fresh", tokens, sp)])[0].token_ids
+
+    # At the parent's end: the 4 full chunks are linked, only the rest is computed.
+    assert engine.fork("p", "f1", stream, parent_len=len(stream)) == 4 * 32
+    r = engine.run([Turn("f1", [7, 8, 9], sp, context_len=len(stream))])[0]
+    assert r.stats.cached_tokens == 4 * 32 and r.stats.recomputed_tokens == 0
+    assert r.token_ids == fresh(stream + [7, 8, 9])
+    # Inside the history (after the first turn): its 2 full chunks.
+    early = first + out1
+    assert engine.fork("p", "f2", early, parent_len=len(stream)) == 2 * 32
+    r = engine.run([Turn("f2", [5, 6], sp, context_len=len(early))])[0]
+    assert r.token_ids == fresh(early + [5, 6])
+    # The parent goes on over its now shared chunks, and replies as if never forked.
+    r = engine.run([Turn("p", [11, 12], sp)])[0]
+    assert r.token_ids == fresh(stream + [11, 12])
+    engine.cache.check()
+    snap = {c.id: c for c in engine.snapshot().conversations}
+    assert snap["f1"].holders[:2] == (3, 3) and snap["f1"].holders[2:4] == (2, 2)
+
+    # Nothing to link: a parent the engine does not know, or whose length differs.
+    assert engine.fork("nobody", "f3", stream) == 0
+    assert engine.fork("p", "f4", stream, parent_len=len(stream) - 1) == 0
+    assert "f4" not in engine.streams and "f4" not in engine.cache.tables
+    with pytest.raises(ValueError, match="exists"):
+        engine.fork("p", "f1", stream)
+
+    # A fork the engine could not link recomputes from history (as after a restart).
+    history = MemoryHistory()
+    history.append("g", early)
+    cold = Engine(
+        EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=48), history=history
+    )
+    assert cold.fork("p", "g", early) == 0
+    r = cold.run([Turn("g", [5, 6], sp, context_len=len(early))])[0]
+    assert r.stats.recomputed_tokens == len(early)
+    assert r.token_ids == fresh(early + [5, 6])

@@ -20,7 +20,7 @@ from bench.lib import harness
 from store import HistoryConflict, HistoryError, HistoryStore, db, hash_token, migrate
 from store.models import Base, Conversation, Message
 
-TABLES = {"users", "conversations", "messages"}
+TABLES = {"users", "conversations", "messages", "responses"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,10 +69,7 @@ async def test_migrations_up_and_down(db_url: str) -> None:
         assert not TABLES & tables
 
         migrate.upgrade(db_url)  # and back up, on the same database
-        assert (
-            migrate.current(db_url)
-            == ScriptDirectory.from_config(migrate.config()).get_current_head()
-        )
+        assert migrate.current(db_url) == head()
     finally:
         await s.close()
 
@@ -405,10 +402,7 @@ async def test_upgrade_from_0001_keeps_messages(db_url: str) -> None:
                 )
             )
         await asyncio.to_thread(migrate.upgrade, db_url)
-        assert (
-            migrate.current(db_url)
-            == ScriptDirectory.from_config(migrate.config()).get_current_head()
-        )
+        assert migrate.current(db_url) == head()
         [m] = await s.messages("c")
         assert (m.content, m.token_ids, m.starts_context) == ("hi", [1, 2], False)
         assert await s.stream("c") == [1, 2]
@@ -440,3 +434,40 @@ async def test_prefix_lookup_is_per_owner_and_rewind_cuts(store: HistoryStore) -
     assert (await store.get_conversation(mine.id)).system_prompt == "be brief"
     assert await store.rewind(mine.id, 2, "be brief") is False
     assert len(await store.messages(theirs.id)) == 2
+
+
+async def test_fork_and_responses(store: HistoryStore) -> None:
+    """A fork copies messages up to one (tokens, positions, windows); a response names its
+    reply, gives item ids, is per owner, and goes with its conversation."""
+    from store import ApiResponse
+
+    cid = await _chat(store)
+    conv = await store.get_conversation(cid)
+    roles = ["user", "assistant", "user", "assistant"]
+    msgs = [
+        await store.append_message(cid, r, f"m{i}", [i] * 3, starts_context=i == 2)
+        for i, r in enumerate(roles)
+    ]
+    child = await store.fork_conversation(cid, msgs[2].id, conv.system_prompt)
+    assert child.owner_id == conv.owner_id and child.id != cid
+    copied = await store.messages(child.id)
+    assert [(m.seq, m.role, m.token_ids, m.token_start, m.starts_context) for m in copied] == [
+        (m.seq, m.role, m.token_ids, m.token_start, m.starts_context) for m in msgs[:3]
+    ]
+    assert await store.stream(child.id) == [2, 2, 2]
+    assert await store.last_message_id(child.id) == copied[-1].id
+    assert await store.fork_conversation(cid, copied[0].id, None) is None  # not its message
+
+    resp = ApiResponse(
+        id="resp_1", owner_id=conv.owner_id, conversation_id=cid, message_id=msgs[3].id,
+        body={"id": "resp_1"}, input_items=[{"id": "msg_a"}],
+    )  # fmt: skip
+    await store.add_response(resp, "msg_b", ["msg_a"])
+    assert [m.item_id for m in await store.messages(cid)] == [None, None, "msg_a", "msg_b"]
+    other, _ = await store.create_user("eve")
+    assert await store.get_response("resp_1", other.id) is None
+    got = await store.get_response("resp_1", conv.owner_id)
+    assert got.body == {"id": "resp_1"} and got.message_id == msgs[3].id
+    assert not await store.delete_response("resp_1", other.id)
+    await store.delete_conversation(cid)
+    assert await store.get_response("resp_1", conv.owner_id) is None

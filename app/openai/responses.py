@@ -1,0 +1,590 @@
+"""The OpenAI Responses API under /v1, over the same stateful conversations as the chat
+socket.
+
+A response names a point of a stored conversation: the reply it produced. A request that
+chains to it (`previous_response_id`) while that reply is still its conversation's last
+message continues the conversation, so only the new input is computed (the engine holds
+the rest). Chaining to an earlier point, or a second time to the same one, forks: a new
+conversation gets a copy of the history up to that reply (token ids included) and links
+the parent's KV chunks (`AsyncEngine.fork`) instead of recomputing them. A request naming a
+`conversation` (the Conversations API, app/openai/conversations.py) appends to it. With
+`store: false` the response runs in a conversation of its own that is deleted once it is
+answered. `instructions` are the system prompt of the response: a chained response whose
+instructions differ from its conversation's forks (its context starts anew, the parent's
+is not changed); a response in a named conversation sets that conversation's system
+prompt. Every turn is the chat pipeline's (app/turns/pipeline.py), stored like any other."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from app.cluster import handoff
+from app.frames import TurnRequest
+from app.openai import items as it
+from app.openai.access import body_of, check_model, model_id, owner
+from app.openai.chat import END, ApiSink, Failed, usage
+from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
+from app.rest import MAX_SYSTEM_PROMPT
+from app.services import Services, services
+from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
+from engine.types import Guide, SamplingParams
+from store import ApiResponse
+
+TITLE_CHARS = 80
+CONVERSATION_PREFIX = "conv_"
+
+# --- the request -----------------------------------------------------------------------
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(None, max_length=64)
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ConversationRef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
+    if value is not None and (
+        len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())
+    ):
+        raise ValueError("at most 16 pairs, keys of up to 64 and values of up to 512 characters")
+    return value
+
+
+class ResponseBody(BaseModel):
+    """The body of POST /v1/responses; fields the server does not use are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: Any = None  # a string or a list of items: read by items.parse_items
+    instructions: str | None = Field(None, max_length=MAX_SYSTEM_PROMPT)
+    previous_response_id: str | None = Field(None, min_length=1, max_length=64)
+    conversation: str | ConversationRef | None = None
+    store: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stream: bool | None = False
+    metadata: dict[str, str] | None = None
+    text: TextConfig | None = None
+    tools: list | None = None
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
+
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
+
+
+def validate(model: type[BaseModel], raw: bytes):
+    """A JSON body validated by `model`; a refusal names the field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "json_invalid":
+            raise ApiError(400, "the body is not valid JSON") from None
+        raise ApiError(
+            400, f"{param}: {err['msg']}" if param else err["msg"], param=param
+        ) from None
+
+
+def guide_of(body: ResponseBody) -> Guide | None:
+    """`text.format` as the engine's constrained decoding."""
+    fmt = body.text.format if body.text else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Guide(kind="json_object")
+    if not isinstance(fmt.schema_, dict):
+        raise ApiError(400, "text.format: a json_schema format needs `schema`, a JSON object",
+                       param="text.format")  # fmt: skip
+    return Guide(kind="json_schema", source=json.dumps(fmt.schema_))
+
+
+def format_of(body: ResponseBody) -> dict:
+    fmt = body.text.format if body.text else None
+    if fmt is None or fmt.type != "json_schema":
+        return {"type": fmt.type if fmt else "text"}
+    shown = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
+    return {**shown, "description": fmt.description} if fmt.description else shown
+
+
+def sampling_of(body: ResponseBody, default: int, limit: int) -> SamplingParams:
+    given = body.max_output_tokens
+    if given is not None and given > limit:
+        raise ApiError(400, f"max_output_tokens: must be at most {limit}",
+                       param="max_output_tokens")  # fmt: skip
+    return SamplingParams(
+        max_tokens=given or default,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        guide=guide_of(body),
+    )
+
+
+def entries_of(body: ResponseBody, max_chars: int) -> list[it.Entry]:
+    if body.tools:
+        raise ApiError(400, "tools are not supported yet", param="tools",
+                       code="unsupported_parameter")  # fmt: skip
+    if body.input is None or body.input == []:
+        raise ApiError(400, "input: required (a string or a list of items)", param="input")
+    entries = it.parse_items(body.input, max_chars)
+    if entries[-1].role != "user":
+        raise ApiError(400, "input: the last item must be a user message", param="input")
+    return entries
+
+
+def conversation_key(conv_id: str) -> str | None:
+    """The stored conversation an API conversation id names."""
+    if conv_id.startswith(CONVERSATION_PREFIX) and len(conv_id) <= 64:
+        return conv_id[len(CONVERSATION_PREFIX) :]
+    return None
+
+
+def not_found(what: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"no {what} with that id", param=param, code="not_found")
+
+
+# --- the conversation a response runs in --------------------------------------------------
+
+
+@dataclass
+class Target:
+    cid: str  # the conversation the turn runs in
+    created: bool = False  # made for this response (a new chat or a fork)
+    temporary: bool = False  # store=false: removed once answered
+    expect_last: int | None = None  # continuing: the parent's reply is still the last message
+    system: str | None = None  # a named conversation takes the instructions as its prompt
+    set_system: bool = False
+    linked: int = 0
+
+
+async def check_quota(sv: Services, owner_id: str) -> None:
+    quota = sv.settings.max_chats_per_owner
+    if await sv.store.count_conversations(owner_id) >= quota:
+        raise ApiError(429, f"an owner may keep at most {quota} chats; delete one first",
+                       "insufficient_quota", code="insufficient_quota")  # fmt: skip
+
+
+async def fork(sv: Services, parent: ApiResponse, system: str | None, same: bool) -> str:
+    """A new conversation holding the parent's history up to the parent response's reply;
+    the engine links the parent's chunks of it when the parent's stream still starts with
+    it (and the system prompt is the same). Run under the parent conversation's lock."""
+    store = sv.store
+    child = await store.fork_conversation(parent.conversation_id, parent.message_id, system)
+    if child is None:
+        raise not_found("response", "previous_response_id")
+    if same:
+        tokens = await store.stream(child.id)
+        whole = await store.stream(parent.conversation_id)
+        if tokens and whole[: len(tokens)] == tokens:
+            # Refused (the engine loop is down): the child recomputes from SQL.
+            with contextlib.suppress(ValueError, RuntimeError):
+                await sv.engine.fork(parent.conversation_id, child.id, tokens, len(whole))
+    return child.id
+
+
+async def target_of(
+    sv: Services, user, body: ResponseBody, entries: list[it.Entry], prev: ApiResponse | None
+) -> Target:
+    store, owner_id = sv.store, user.id
+    if prev is not None:
+        base = prev.conversation_id
+        async with sv.hub.lock(base):
+            conv = await store.get_conversation(base, owner_id)
+            if conv is None or prev.message_id is None:
+                raise not_found("response", "previous_response_id")
+            same = (conv.system_prompt or None) == (body.instructions or None)
+            last = await store.last_message_id(base)
+            if last == prev.message_id and same and body.store:
+                return Target(base, expect_last=last)
+            await check_quota(sv, owner_id)
+            child = await fork(sv, prev, body.instructions, same)
+            return Target(child, created=True, temporary=not body.store)
+    if body.conversation_id is not None:
+        key = conversation_key(body.conversation_id)
+        conv = key and await store.get_conversation(key, owner_id)
+        if not conv:
+            raise not_found("conversation", "conversation")
+        changed = body.instructions is not None and body.instructions != conv.system_prompt
+        return Target(conv.id, system=body.instructions, set_system=changed)
+    await check_quota(sv, owner_id)
+    first = next((e.text for e in entries if e.role == "user"), "")
+    title = " ".join(first.split())[:TITLE_CHARS]
+    conv = await store.create_conversation(owner_id, title, body.instructions or None)
+    return Target(conv.id, created=True, temporary=not body.store)
+
+
+def before_turn(sv: Services, target: Target, entries: list[it.Entry], req: TurnRequest, sink):
+    """Run under the conversation's lock before its turn."""
+
+    async def check() -> bool:
+        store = sv.store
+        last = target.expect_last
+        if last is not None and await store.last_message_id(target.cid) != last:
+            await sink.error("conflict", "the previous response was continued meanwhile; "
+                             "send the request again (it then forks)")  # fmt: skip
+            return False
+        if target.set_system:
+            n = len(await store.messages(target.cid))
+            if await store.rewind(target.cid, n, target.system or None):
+                await sv.engine.free(target.cid)
+        req.before = [(e.stored_role, e.text) for e in entries[:-1]]
+        return True
+
+    return check
+
+
+async def drop(sv: Services, cid: str) -> None:
+    """Remove a conversation made for one response, and its cache."""
+    with contextlib.suppress(*DB_ERRORS):
+        await sv.store.delete_conversation(cid)
+    with contextlib.suppress(Exception):
+        await sv.engine.free(cid)
+    forget = getattr(sv.clock, "forget", None)
+    if forget:
+        forget(cid)
+
+
+# --- the response object -----------------------------------------------------------------
+
+
+@dataclass
+class Shape:
+    """What a response object says besides its outcome."""
+
+    id: str
+    created_at: int
+    model: str
+    body: ResponseBody
+    reply_item_id: str = field(default_factory=it.new_item_id)
+
+    def json(self, status: str, output: list, **extra) -> dict:
+        b = self.body
+        conv = b.conversation_id
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": extra.get("error"),
+            "incomplete_details": extra.get("incomplete_details"),
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": False,
+            "previous_response_id": b.previous_response_id,
+            "conversation": {"id": conv} if conv else None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.store,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "text": {"format": format_of(b)},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "truncation": "disabled",
+            "usage": extra.get("usage"),
+            "user": b.user,
+            "metadata": b.metadata or {},
+        }
+
+    def output_item(self, text: str, status: str) -> dict:
+        return it.message_item(self.reply_item_id, "assistant", text, status)
+
+    def finished(self, done: Done) -> dict:
+        u = usage(done)
+        cut = done.out.finish_reason in ("length", "cancelled")
+        status = "incomplete" if cut else "completed"
+        incomplete = {"reason": "max_output_tokens"} if done.out.finish_reason == "length" else None
+        return self.json(
+            status,
+            [self.output_item(done.out.text, status)],
+            incomplete_details=incomplete,
+            usage={
+                "input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {
+                    "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                    "cache_write_tokens": 0,
+                },
+                "output_tokens": u["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"],
+            },
+        )
+
+
+class ResponseSink(ApiSink):
+    """The turn's sink that records the response (or drops a `store: false` one) before
+    the client hears it is done, so a request chained to it right away finds it."""
+
+    def __init__(self, record) -> None:
+        super().__init__([])
+        self.record = record
+        self.body: dict | None = None
+
+    async def done(self, done: Done) -> None:
+        try:
+            self.body = await self.record(done)
+        except DB_ERRORS:
+            self.events.put_nowait(
+                Failed(
+                    "unavailable",
+                    "the database is unavailable right now; the response "
+                    "was not saved, try again shortly",
+                )  # fmt: skip
+            )
+            return
+        await super().done(done)
+
+
+# --- endpoints ---------------------------------------------------------------------------
+
+
+async def create_response(request: Request) -> Response:
+    t0 = time.perf_counter()
+    sv = services(request)
+    st = sv.settings
+    try:
+        user = await owner(request)
+        raw = await body_of(request, sv)
+        body: ResponseBody = validate(ResponseBody, raw)
+        check_model(sv, body.model)
+        entries = entries_of(body, st.max_message_chars)
+        sampling = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
+        if body.previous_response_id and body.conversation is not None:
+            raise ApiError(400, "previous_response_id and conversation cannot both be given",
+                           param="conversation")  # fmt: skip
+        if not body.store and body.conversation is not None:
+            raise ApiError(400, "store: false cannot add to a conversation", param="store")
+        prev = None
+        if body.previous_response_id:
+            prev = await sv.store.get_response(body.previous_response_id, user.id)
+            if prev is None:
+                raise not_found("response", "previous_response_id")
+        wait = (
+            None if handoff.forwarded(request) else sv.hub.take_turn(user.id, st.turns_per_minute)
+        )
+        if wait is not None:
+            raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
+                           "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+        base = prev.conversation_id if prev else conversation_key(body.conversation_id or "")
+        if base:  # the home replica of the conversation it builds on answers
+            relayed = await handoff.forward_turn(request, raw, base)
+            if relayed is not None:
+                return relayed
+        target = await target_of(sv, user, body, entries, prev)
+    except ApiError as e:
+        return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
+
+    shape = Shape(f"resp_{uuid.uuid4().hex}", int(time.time()), model_id(st), body)
+
+    async def record(done: Done) -> dict:
+        answered = shape.finished(done)
+        if target.temporary:
+            await drop(sv, target.cid)
+            return answered
+        row = ApiResponse(
+            id=shape.id,
+            owner_id=user.id,
+            conversation_id=target.cid,
+            message_id=done.message_id,
+            previous_response_id=body.previous_response_id,
+            body=answered,
+            input_items=[it.entry_item(e) for e in entries],
+        )
+        await sv.store.add_response(row, shape.reply_item_id, [e.item_id for e in entries])
+        return answered
+
+    sink = ResponseSink(record)
+    req = TurnRequest(entries[-1].text, sampling, body.max_output_tokens is not None)
+    check = before_turn(sv, target, entries, req, sink)
+
+    async def turn() -> None:
+        await ChatTurn(sv, target.cid, sink).run(req, t0, check)
+        if target.created and sink.body is None:  # refused or failed: leave nothing behind
+            async with sv.hub.lock(target.cid):
+                await drop(sv, target.cid)
+
+    task = sv.hub.track(turn())
+    task.add_done_callback(lambda _: sink.events.put_nowait(END))
+
+    first = await sink.events.get()
+    if isinstance(first, Failed):
+        return pipeline_error(first.code, first.message, first.retry_after_s).response()
+    if first is END:
+        return ApiError(500, "the turn ended without a reply", "server_error").response()
+    headers = {"X-Session-ID": target.cid}
+    if body.stream:
+        events = stream_events(shape, first, sink)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    event = first
+    while isinstance(event, str):
+        event = await sink.events.get()
+    if isinstance(event, Failed):
+        return pipeline_error(event.code, event.message, event.retry_after_s).response()
+    if not isinstance(event, Done) or sink.body is None:
+        return ApiError(500, "the turn failed", "server_error").response()
+    return JSONResponse(sink.body, headers=headers)
+
+
+async def stream_events(shape: Shape, first, sink: ResponseSink):
+    """The Responses API's server-sent events; a client that leaves cancels the turn."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": next(numbers), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    where = {"item_id": shape.reply_item_id, "output_index": 0}
+    ended = False
+    try:
+        yield event("response.created", response=shape.json("in_progress", []))
+        yield event("response.in_progress", response=shape.json("in_progress", []))
+        yield event("response.output_item.added", output_index=0,
+                    item={**shape.output_item("", "in_progress"), "content": []})  # fmt: skip
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        yield event("response.content_part.added", **where, content_index=0, part=part)
+        pieces, item = [], None
+        e = first
+        while True:
+            if isinstance(e, str):
+                pieces.append(e)
+                yield event("response.output_text.delta", **where, content_index=0, delta=e,
+                            logprobs=[])  # fmt: skip
+            elif isinstance(e, Done) and sink.body is not None:
+                item = sink.body["output"][0]
+                text = item["content"][0]["text"]
+                yield event("response.output_text.done", **where, content_index=0, text=text,
+                            logprobs=[])  # fmt: skip
+                yield event("response.content_part.done", **where, content_index=0,
+                            part=item["content"][0])  # fmt: skip
+                yield event("response.output_item.done", output_index=0, item=item)
+                kind = "response.completed"
+                if sink.body["status"] == "incomplete":
+                    kind = "response.incomplete"
+                yield event(kind, response=sink.body)
+                break
+            else:
+                err = Failed("internal", "the turn failed") if not isinstance(e, Failed) else e
+                api = pipeline_error(err.code, err.message, err.retry_after_s)
+                failed = shape.json("failed", [], error={"code": api.code or err.code,
+                                                         "message": err.message})  # fmt: skip
+                yield event("response.failed", response=failed)
+                break
+            e = await sink.events.get()
+        ended = True
+    finally:
+        if not ended:
+            sink.gone()
+
+
+async def _owned_response(request: Request) -> tuple[Services, ApiResponse]:
+    sv = services(request)
+    user = await owner(request)
+    row = await sv.store.get_response(request.path_params["response_id"], user.id)
+    if row is None:
+        raise not_found("response")
+    return sv, row
+
+
+async def get_response(request: Request) -> Response:
+    try:
+        _, row = await _owned_response(request)
+    except ApiError as e:
+        return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
+    return JSONResponse(row.body)
+
+
+async def delete_response(request: Request) -> Response:
+    try:
+        sv, row = await _owned_response(request)
+        await sv.store.delete_response(row.id, row.owner_id)
+    except ApiError as e:
+        return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
+    return JSONResponse({"id": row.id, "object": "response", "deleted": True})
+
+
+def page(request: Request, data: list[dict]) -> dict:
+    """A list object of items, with OpenAI's `order` (default desc), `after` and `limit`."""
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order: must be asc or desc", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit: must be an integer from 1 to 100", param="limit")
+    if order == "desc":
+        data = data[::-1]
+    after = q.get("after")
+    if after:
+        ids = [d["id"] for d in data]
+        data = data[ids.index(after) + 1 :] if after in ids else []
+    shown = data[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+        "has_more": len(data) > limit,
+    }
+
+
+async def input_items(request: Request) -> Response:
+    try:
+        _, row = await _owned_response(request)
+        return JSONResponse(page(request, list(row.input_items)))
+    except ApiError as e:
+        return e.response()
+    except DB_ERRORS:
+        return UNAVAILABLE.response()
+
+
+routes = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
+]
