@@ -9,15 +9,23 @@ p_i / sum(p), so no normalisation, cumulative sum or host round trip is needed t
 The noise of a seeded turn comes from its own generator on the device (the same seed gives the
 same tokens whatever else is in the batch); unseeded rows share the sampler's generator and
 are drawn in one call. The step's tokens come back to the host in one copy.
+
+Constrained rows (engine/guide.py) first get their step's mask: tokens their grammar does not
+allow, and stop tokens before `min_tokens`, are set to -inf on the logits' device, so both
+the greedy argmax and the draw see only allowed tokens. Steps without one pay nothing.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.guide import StepMask
 
 TINY = torch.finfo(torch.float32).tiny  # noise floor: a zero draw would divide by zero
 
@@ -42,8 +50,12 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         gens: list[torch.Generator | None],
+        mask: StepMask | None = None,
     ) -> list[int]:
-        """logits [R, vocab] (any float dtype); one token per row."""
+        """logits [R, vocab] (any float dtype; masked rows are written in place); one token
+        per row."""
+        if mask is not None:
+            apply_mask(logits, mask)
         out = logits.argmax(dim=-1)
         hot = [r for r, p in enumerate(params) if p.temperature > 0.0]
         if hot:
@@ -85,3 +97,31 @@ class Sampler:
                 noise[r].exponential_(generator=g)
         pick = probs.div_(noise.clamp_min_(TINY)).argmax(dim=-1)
         return pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
+
+
+def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, words] int32 bitmasks -> [n, vocab] bool, True where the bit of that token is set."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    flat = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1).bool()
+    if flat.shape[1] < vocab:  # the tokenizer knows fewer tokens than the model's logits
+        flat = torch.nn.functional.pad(flat, (0, vocab - flat.shape[1]))
+    return flat[:, :vocab]
+
+
+@torch.inference_mode()  # the model's logits are inference tensors: written in place here
+def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:
+    """Set the logits of every token a row may not take to -inf, in place."""
+    dev = logits.device
+    n_rows, vocab = logits.shape
+    if mask.bits is not None and mask.rows:
+        allowed = unpack_bits(mask.bits.to(dev, non_blocking=True), vocab)
+        if mask.rows == list(range(n_rows)):
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            idx = torch.tensor(mask.rows, device=dev)
+            rows = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+            logits.index_copy_(0, idx, rows)
+    if mask.banned:
+        r = [row for row, ids in mask.banned for _ in ids]
+        t = [i for _, ids in mask.banned for i in ids]
+        logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
