@@ -26,6 +26,7 @@ from app.cluster import handoff
 from app.frames import TurnRequest, check_text
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
+from app.openai.formats import guide_of
 from app.services import Services, services
 from app.turns import matching
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done, Streamed
@@ -72,6 +73,8 @@ class CompletionBody(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: no stop before this many tokens
+    response_format: dict | None = None  # structured output (app/openai/formats.py)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -144,7 +147,11 @@ def sampling_of(body: CompletionBody, default: int, limit: int) -> tuple[Samplin
         top_k=max(0, body.top_k or 0),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        guide=guide_of(body.response_format),
     )
+    if sampling.min_tokens > sampling.max_tokens:
+        raise ApiError(400, "min_tokens: must be at most max_tokens", param="min_tokens")
     return sampling, given is not None
 
 
