@@ -99,13 +99,28 @@ class Sampler:
         return pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
 
 
-def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, words] int32 bitmasks -> [n, vocab] bool, True where the bit of that token is set."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
-    flat = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1).bool()
-    if flat.shape[1] < vocab:  # the tokenizer knows fewer tokens than the model's logits
-        flat = torch.nn.functional.pad(flat, (0, vocab - flat.shape[1]))
-    return flat[:, :vocab]
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where its bit k is set and -inf where it is not."""
+    bit = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bit == 1, 0.0, float("-inf")).to(device=device, dtype=dtype)
+
+
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def bias_of(bits: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, words] int32 bitmasks -> [n, vocab] additive bias: 0 where the token's bit is set,
+    -inf elsewhere (and for tokens past the bitmask). A byte lookup: on the CPU far faster
+    than a boolean masked fill, and the same code on a GPU."""
+    key = (bits.device, dtype)
+    if key not in _TABLES:
+        _TABLES[key] = _byte_table(bits.device, dtype)
+    n = bits.shape[0]
+    bias = torch.nn.functional.embedding(bits.view(torch.uint8).long(), _TABLES[key])
+    bias = bias.view(n, -1)  # little-endian words: byte j of word w holds tokens 32w+8j..
+    if bias.shape[1] < vocab:  # the tokenizer knows fewer tokens than the model's logits
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    return bias[:, :vocab]
 
 
 @torch.inference_mode()  # the model's logits are inference tensors: written in place here
@@ -114,13 +129,11 @@ def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:
     dev = logits.device
     n_rows, vocab = logits.shape
     if mask.bits is not None and mask.rows:
-        allowed = unpack_bits(mask.bits.to(dev, non_blocking=True), vocab)
+        bias = bias_of(mask.bits.to(dev, non_blocking=True), vocab, logits.dtype)
         if mask.rows == list(range(n_rows)):
-            logits.masked_fill_(~allowed, float("-inf"))
+            logits.add_(bias)
         else:
-            idx = torch.tensor(mask.rows, device=dev)
-            rows = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
-            logits.index_copy_(0, idx, rows)
+            logits.index_add_(0, torch.tensor(mask.rows, device=dev), bias)
     if mask.banned:
         r = [row for row, ids in mask.banned for _ in ids]
         t = [i for _, ids in mask.banned for i in ids]

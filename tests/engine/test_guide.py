@@ -11,7 +11,7 @@ import torch
 
 from engine import Engine, EngineConfig, Guide, SamplingParams, Turn
 from engine.guide import MaskPlan, Matcher, StepMask, _ban_stops, check, plan_masks
-from engine.sampler import Sampler, apply_mask, make_generator, unpack_bits
+from engine.sampler import Sampler, apply_mask, bias_of, make_generator
 from engine.types import SamplingParams as SP
 from tests.devices import DEVICES
 
@@ -27,6 +27,10 @@ PERSON = {
 }
 
 
+def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    return bias_of(bits, vocab, torch.float32) == 0
+
+
 def bits_of(allowed: list[list[int]], vocab: int) -> torch.Tensor:
     """Bitmasks [rows, words] int32 with the given tokens allowed."""
     out = torch.zeros((len(allowed), (vocab + 31) // 32), dtype=torch.int64)
@@ -39,7 +43,7 @@ def bits_of(allowed: list[list[int]], vocab: int) -> torch.Tensor:
 # --- the pure parts -----------------------------------------------------------------------
 
 
-def test_unpack_bits_matches_each_bit():
+def test_mask_bias_matches_each_bit():
     vocab = 100
     allowed = [[0, 31, 32, 63, 99], [], list(range(0, 100, 7))]
     got = unpack_bits(bits_of(allowed, vocab), vocab)
