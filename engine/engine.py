@@ -17,6 +17,7 @@ from engine.cache.policy import CostModel, Policy
 from engine.cache.profile import load_or_profile
 from engine.errors import ConversationBusy
 from engine.graphs import DecodeGraphs, bucket_sizes
+from engine.guide import Guides, check
 from engine.kv_pool import KVPool
 from engine.model.loader import cache_root, load
 from engine.model.packed import pack_linears
@@ -181,6 +182,12 @@ class Engine:
             self.runner = Runner(self.model, self.pool, cs, self.backend)
         else:
             self.runner = self.tp.runner(self.model, self.pool, self.backend)
+        # Constrained decoding: the llguidance tokenizer is built on the first guided turn.
+        self.guides = (
+            None if self.sim else Guides(self.tokenizer, self.args.vocab_size, self.stop_token_ids)
+        )
+        if self.guides is not None:
+            self.runner.guides = self.guides
         if self.graphs_enabled:
             self.runner.graphs = DecodeGraphs(
                 self.model,
@@ -249,6 +256,14 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in turn.prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         turn.sampling.validate()
+        if turn.sampling.guide is not None:
+            if self.sim is not None:
+                raise ValueError(
+                    "a simulated device cannot follow a guide: it samples no real tokens"
+                )
+            if turn.sampling.ignore_eos:
+                raise ValueError("a guided turn ends when its grammar does: no ignore_eos")
+            check(turn.sampling.guide)
         if turn.context_len is not None and (
             not isinstance(turn.context_len, int) or turn.context_len < 0
         ):
@@ -263,6 +278,8 @@ class Engine:
 
     def submit(self, turn: Turn, on_token: Callable[[int], None] | None = None) -> Request:
         self.validate(turn)
+        # Built outside the lock: a large grammar takes a while (llguidance drops the GIL).
+        guide = None if turn.sampling.guide is None else self.guides.matcher(turn.sampling.guide)
         with self.lock:
             state = self.streams.get(turn.conversation_id) or StreamState(turn.conversation_id)
             if state.busy:
@@ -309,6 +326,7 @@ class Engine:
                 generator=make_generator(turn.sampling, self.device),
                 on_token=on_token,
                 chain=chain,
+                guide=guide,
             )
             state.tail = []
             if self.owns_history:
@@ -495,7 +513,9 @@ class Engine:
             req.on_token(token)
         sp = req.turn.sampling
         reason = None
-        if not sp.ignore_eos and (token in self.stop_token_ids or token in sp.stop_token_ids):
+        if req.guide is not None and not self._guided(req, token):
+            reason = FinishReason.ERROR
+        elif not sp.ignore_eos and (token in self.stop_token_ids or token in sp.stop_token_ids):
             reason = FinishReason.STOP
         elif len(req.output) >= sp.max_tokens or req.total >= self.max_context:
             reason = FinishReason.LENGTH
@@ -504,6 +524,17 @@ class Engine:
             return []
         self._end(req, reason, now)
         return [req]
+
+    def _guided(self, req: Request, token: int) -> bool:
+        """The turn's matcher takes its token; False (the turn fails) if the grammar refuses
+        it, which its mask should have made impossible."""
+        try:
+            req.guide.consume(token)
+        except ValueError as e:
+            log.error("turn of %s: %s", req.state.id, e)
+            req.error = e
+            return False
+        return True
 
     def _end(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(req, reason)
@@ -515,6 +546,7 @@ class Engine:
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
         state.busy = False
+        req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
         if not req.output:
             req.stats.first_token_s = now
@@ -606,5 +638,7 @@ class Engine:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self.guides is not None:
+            self.guides.close()
         if self.tp is not None:
             self.tp.close()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.cache.chunks import ChunkTable
+from engine.guide import Matcher
 from engine.stream import StreamState
 from engine.types import FinishReason, Turn, TurnResult, TurnStats
 
@@ -55,6 +56,7 @@ class Request:
     error: BaseException | None = None  # why it ended with FinishReason.ERROR
     prefetch: bool = False  # an internal turn that only recomputes the context (typing)
     handle: Any = None  # the front end's object for this turn (AsyncEngine: its TurnStream)
+    guide: Matcher | None = None  # its grammar's matcher (engine/guide.py), until it ends
     # A conversation's first turn: hash chain of its prompt's full chunks, published when
     # it ends so that later conversations starting the same way can link them.
     chain: list[bytes] = field(default_factory=list)

@@ -7,6 +7,7 @@ import torch
 from engine.batch import Batch, StepInputs, Uploader, build
 from engine.copies import CopyPlan
 from engine.graphs import DecodeGraphs
+from engine.guide import Guides, plan_masks
 from engine.kv_pool import KVPool
 from engine.model.decoder import Decoder
 from engine.sampler import Sampler
@@ -25,12 +26,14 @@ class Runner:
         self.sampler = Sampler(self.device)
         self.upload = Uploader(self.device)
         self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
+        self.guides: Guides | None = None  # constrained decoding (the engine sets it)
+        self.overlap_masks = True  # fill a step's masks in a thread during the forward
 
     def step(self, pieces: list[Piece], plan: CopyPlan) -> list[int]:
         """One forward over the unified batch; returns the sampled token of each sampling piece."""
         cs = self.chunk_size
         x = StepInputs()
-        params, gens = [], []
+        params, gens, reqs = [], [], []
         for i, p in enumerate(pieces):
             x.ids += p.req.token_range(p.start, p.end)
             x.starts.append(p.start)
@@ -40,8 +43,19 @@ class Runner:
                 x.sample.append(i)
                 params.append(p.req.turn.sampling)
                 gens.append(p.req.generator)
+                reqs.append(p.req)
+        job = None
+        if self.guides is not None and any(
+            r.guide is not None or len(r.output) < r.turn.sampling.min_tokens for r in reqs
+        ):
+            rows = [(r.guide, len(r.output), r.turn.sampling.min_tokens,
+                     r.turn.sampling.stop_token_ids) for r in reqs]  # fmt: skip
+            masks = plan_masks(rows, self.guides.stops)
+            job = self.guides.masks(masks, self.overlap_masks) if masks else None
         logits = self.forward(x, plan)
-        return self.sampler(logits, params, gens) if x.sample else []
+        if not x.sample:
+            return []
+        return self.sampler(logits, params, gens, None if job is None else job.result())
 
     def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
         """Start the step's copies, run the model over `x`; the logits of its sampling pieces."""

@@ -9,15 +9,23 @@ p_i / sum(p), so no normalisation, cumulative sum or host round trip is needed t
 The noise of a seeded turn comes from its own generator on the device (the same seed gives the
 same tokens whatever else is in the batch); unseeded rows share the sampler's generator and
 are drawn in one call. The step's tokens come back to the host in one copy.
+
+Constrained rows (engine/guide.py) first get their step's mask: tokens their grammar does not
+allow, and stop tokens before `min_tokens`, are set to -inf on the logits' device, so both
+the greedy argmax and the draw see only allowed tokens. Steps without one pay nothing.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.guide import StepMask
 
 TINY = torch.finfo(torch.float32).tiny  # noise floor: a zero draw would divide by zero
 
@@ -42,8 +50,12 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         gens: list[torch.Generator | None],
+        mask: StepMask | None = None,
     ) -> list[int]:
-        """logits [R, vocab] (any float dtype); one token per row."""
+        """logits [R, vocab] (any float dtype; masked rows are written in place); one token
+        per row."""
+        if mask is not None:
+            apply_mask(logits, mask)
         out = logits.argmax(dim=-1)
         hot = [r for r, p in enumerate(params) if p.temperature > 0.0]
         if hot:
@@ -85,3 +97,44 @@ class Sampler:
                 noise[r].exponential_(generator=g)
         pick = probs.div_(noise.clamp_min_(TINY)).argmax(dim=-1)
         return pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
+
+
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where its bit k is set and -inf where it is not."""
+    bit = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bit == 1, 0.0, float("-inf")).to(device=device, dtype=dtype)
+
+
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def bias_of(bits: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, words] int32 bitmasks -> [n, vocab] additive bias: 0 where the token's bit is set,
+    -inf elsewhere (and for tokens past the bitmask). A byte lookup: on the CPU far faster
+    than a boolean masked fill, and the same code on a GPU."""
+    key = (bits.device, dtype)
+    if key not in _TABLES:
+        _TABLES[key] = _byte_table(bits.device, dtype)
+    n = bits.shape[0]
+    bias = torch.nn.functional.embedding(bits.view(torch.uint8).long(), _TABLES[key])
+    bias = bias.view(n, -1)  # little-endian words: byte j of word w holds tokens 32w+8j..
+    if bias.shape[1] < vocab:  # the tokenizer knows fewer tokens than the model's logits
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    return bias[:, :vocab]
+
+
+@torch.inference_mode()  # the model's logits are inference tensors: written in place here
+def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:
+    """Set the logits of every token a row may not take to -inf, in place."""
+    dev = logits.device
+    n_rows, vocab = logits.shape
+    if mask.bits is not None and mask.rows:
+        bias = bias_of(mask.bits.to(dev, non_blocking=True), vocab, logits.dtype)
+        if mask.rows == list(range(n_rows)):
+            logits.add_(bias)
+        else:
+            logits.index_add_(0, torch.tensor(mask.rows, device=dev), bias)
+    if mask.banned:
+        r = [row for row, ids in mask.banned for _ in ids]
+        t = [i for _, ids in mask.banned for i in ids]
+        logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")

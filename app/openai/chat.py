@@ -26,6 +26,7 @@ from app.cluster import handoff
 from app.frames import TurnRequest, check_text
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
+from app.openai.formats import guide_of
 from app.openai.tools import (
     CallStream,
     ToolChoice,
@@ -113,6 +114,8 @@ class CompletionBody(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: no stop before this many tokens
+    response_format: dict | None = None  # structured output (app/openai/formats.py)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -195,7 +198,11 @@ def sampling_of(body: CompletionBody, default: int, limit: int) -> tuple[Samplin
         top_k=max(0, body.top_k or 0),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        guide=guide_of(body.response_format),
     )
+    if sampling.min_tokens > sampling.max_tokens:
+        raise ApiError(400, "min_tokens: must be at most max_tokens", param="min_tokens")
     return sampling, given is not None
 
 
@@ -346,7 +353,11 @@ async def chat_completions(request: Request) -> Response:
         st = sv.settings
         sampling, given = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
         tools = tools_of(body)
-        sampling.guide = forcing_guide(tools, body.tool_choice, body.parallel_tool_calls)
+        forced = forcing_guide(tools, body.tool_choice, body.parallel_tool_calls)
+        if forced and sampling.guide:
+            raise ApiError(400, "response_format cannot be combined with a tool_choice that "
+                           "forces a call", param="response_format")  # fmt: skip
+        sampling.guide = forced or sampling.guide
         # A request another replica handed over was counted there.
         wait = (
             None if handoff.forwarded(request) else sv.hub.take_turn(user.id, st.turns_per_minute)

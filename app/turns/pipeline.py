@@ -150,6 +150,7 @@ class ChatTurn:
             await sink.error("too_long", str(e))
             return None
         req.sampling.max_tokens = plan.max_tokens
+        req.sampling.min_tokens = min(req.sampling.min_tokens, plan.max_tokens)  # the window's cut
         if not plan.fresh and plan.context_len < plan.stored_len:
             await store.truncate(cid, plan.context_len)
         pairs = [(m.role, toolcalls.as_sent(m.role, m.content)) for m in history]
