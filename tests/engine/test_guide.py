@@ -4,8 +4,8 @@ model, refusals at submit."""
 from __future__ import annotations
 
 import json
+import sys
 
-import jsonschema
 import pytest
 import torch
 
@@ -123,8 +123,15 @@ def test_apply_mask_of_all_rows_and_bans_only():
     ],
 )
 def test_check_refuses_bad_guides(guide, message):
+    pytest.importorskip("llguidance")
     with pytest.raises(ValueError, match=message):
         check(guide)
+
+
+def test_without_llguidance_a_guide_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as where it is not installed
+    with pytest.raises(ValueError, match="needs the llguidance package"):
+        check(Guide("json_object"))
 
 
 # --- guided turns of the bundled model ------------------------------------------------------
@@ -132,6 +139,7 @@ def test_check_refuses_bad_guides(guide, message):
 
 @pytest.fixture(scope="module")
 def smol() -> Engine:
+    pytest.importorskip("llguidance")  # an optional dependency (a bare GPU machine lacks it)
     engine = Engine(EngineConfig(model="smollm2-135m-instruct", device="cpu", gpu_cache_chunks=64))
     yield engine
     engine.close()
@@ -149,6 +157,7 @@ def text_of(engine: Engine, ids: list[int]) -> str:
 
 
 def test_guided_turns_match_their_grammar_and_leave_others_alone(smol):
+    jsonschema = pytest.importorskip("jsonschema")
     prompt = chat(smol, "Describe a person as JSON.")
     other = chat(smol, "Say hi.")
     alone = smol.run([Turn("alone", other, SP(max_tokens=12))])[0]
