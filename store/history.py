@@ -270,6 +270,7 @@ class HistoryStore:
         expected_start: int | None = None,
         starts_context: bool = False,
         prefix_hash: str | None = None,
+        item_id: str | None = None,
     ) -> Message:
         """Append a message at the end of the conversation, in one transaction.
 
@@ -322,6 +323,7 @@ class HistoryStore:
                 finish_reason=finish_reason,
                 starts_context=starts_context,
                 prefix_hash=prefix_hash,
+                item_id=item_id,
             )
             s.add(msg)
         return msg

@@ -74,8 +74,8 @@ async def _append(sv: Services, cid: str, entries: list[it.Entry]) -> list[dict]
     added = []
     async with sv.hub.lock(cid):
         for e in entries:
-            m = await sv.store.append_message(cid, e.stored_role, e.text, [])
-            added.append(it.item_of(m))
+            m = await sv.store.append_message(cid, e.stored_role, e.text, [], item_id=e.item_id)
+            added += it.items_of(m)
     return added
 
 
@@ -130,7 +130,7 @@ async def delete_conversation(request: Request) -> Response:
 async def list_items(request: Request) -> Response:
     sv, _, conv = await _owned(request)
     messages = await sv.store.messages(conv.id)
-    return JSONResponse(page(request, [it.item_of(m) for m in messages]))
+    return JSONResponse(page(request, [i for m in messages for i in it.items_of(m)]))
 
 
 @_api

@@ -1,37 +1,44 @@
 """Items of the Responses and Conversations APIs, and the stored messages they are.
 
-An item a client sends becomes an `Entry`; today every entry is a message (`role`, `text`)
-and is stored as one. Function calls and their outputs will be entries of kinds of their
-own, stored as messages the chat template renders with its tool markup: `parse_items` is
-the one place that reads item types and `item_of` / `message_item` the ones that write
-them, so adding a kind touches these and the store's roles, not the endpoints."""
+An item a client sends becomes an `Entry`, stored as one message: a message item as
+itself; `function_call` items as the assistant message they belong to (the reply's text
+with its calls in app/turns/toolcalls.py's format), a `function_call_output` as a `tool`
+message whose item id is the call's id. `parse_items` is the one place that reads item
+types and `items_of` / `message_item` the ones that write them.
+
+A reply's calls are listed under ids derived from the reply's item id, so a stored reply
+lists the same `fc_`/`call_` ids the response gave."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
 from app.frames import check_text
 from app.openai.errors import ApiError
+from app.turns.toolcalls import Call, parse, reply_text
 
 # API roles -> the stored roles (the chat template has no developer role).
-STORED_ROLE = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-TEXT_PARTS = ("input_text", "output_text", "text")
-# Item types the API has that this server does not take yet (tools come next).
-NOT_YET = {
-    "function_call": "function_call items are not supported yet",
-    "function_call_output": "function_call_output items are not supported yet",
+STORED_ROLE = {
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+    "developer": "system",
+    "tool": "tool",
 }
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 @dataclass
 class Entry:
     """One item that goes into a conversation."""
 
-    role: str  # the API's role: user, assistant, system or developer
+    role: str  # the API's role: user, assistant, system, developer; tool for an output
     text: str
-    item_id: str  # "msg_...": the id it is listed under
-    kind: str = "message"  # later also function_call, function_call_output
+    item_id: str  # "msg_...": the id it is listed under; a function's output: the call's id
+    kind: str = "message"  # or function_call_output
+    item: dict | None = None  # as the client sent it (a reply with calls: its items)
 
     @property
     def stored_role(self) -> str:
@@ -66,9 +73,23 @@ def _text(content, param: str) -> str:
     return "\n".join(texts)
 
 
+def _call(item: dict, where: str) -> Call:
+    name, args = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(item.get("call_id"), str):
+        raise _bad("a function_call needs a name and a call_id", where)
+    try:
+        args = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise _bad("arguments must be a JSON object, as a string", f"{where}.arguments")
+    return Call(name, args)
+
+
 def parse_items(raw, max_chars: int, param: str = "input") -> list[Entry]:
     """The entries of a request's items: a string is one user message; a list holds
-    message items (`type` "message", optional)."""
+    message items (`type` "message", optional), function calls (joined to the assistant
+    message before them into one reply) and function call outputs."""
     if isinstance(raw, str):
         raw = [{"role": "user", "content": raw}]
     if not isinstance(raw, list):
@@ -79,20 +100,39 @@ def parse_items(raw, max_chars: int, param: str = "input") -> list[Entry]:
         if not isinstance(item, dict):
             raise _bad("must be an item object", where)
         kind = item.get("type", "message")
-        if kind in NOT_YET:
-            raise _bad(NOT_YET[kind], f"{where}.type")
+        if kind == "function_call":
+            call = _call(item, where)
+            last = entries[-1] if entries else None
+            if last is not None and last.role == "assistant":  # the reply it belongs to
+                content, calls = parse(last.text)
+                last.text = reply_text(content, [*calls, call])
+            else:
+                entries.append(Entry("assistant", reply_text(None, [call]), new_item_id()))
+            continue
+        if kind == "function_call_output":
+            output, call_id = item.get("output"), item.get("call_id")
+            if not isinstance(call_id, str) or not 0 < len(call_id) <= 64:
+                raise _bad("a function_call_output needs its call_id", f"{where}.call_id")
+            if not isinstance(output, str):
+                output = _text(output, f"{where}.output")
+            entries.append(_checked(Entry("tool", output, call_id, kind), max_chars, where))
+            continue
         if kind != "message":
             raise _bad(f"items of type {kind!r:.40} are not supported", f"{where}.type")
         role = item.get("role")
         if role not in STORED_ROLE:
             raise _bad("role must be user, assistant, system or developer", f"{where}.role")
         text = _text(item.get("content"), f"{where}.content")
-        problem = check_text(text)
-        if problem or len(text) > max_chars:
-            why = problem or f"has {len(text)} characters, the limit is {max_chars}"
-            raise _bad(why, f"{where}.content")
-        entries.append(Entry(role, text, new_item_id()))
+        entries.append(_checked(Entry(role, text, new_item_id()), max_chars, f"{where}.content"))
     return entries
+
+
+def _checked(entry: Entry, max_chars: int, where: str) -> Entry:
+    problem = check_text(entry.text)
+    if problem or len(entry.text) > max_chars:
+        why = problem or f"has {len(entry.text)} characters, the limit is {max_chars}"
+        raise _bad(why, where)
+    return entry
 
 
 def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict:
@@ -104,16 +144,55 @@ def message_item(item_id: str, role: str, text: str, status: str = "completed") 
     return {"type": "message", "id": item_id, "status": status, "role": role, "content": [part]}
 
 
-def entry_item(entry: Entry) -> dict:
-    return message_item(entry.item_id, entry.role, entry.text)
+def call_item(reply_item_id: str, index: int, call: Call) -> dict:
+    """A reply's `index`-th call as a function_call item (ids derived from the reply's)."""
+    key = reply_item_id.removeprefix("msg_")
+    return {
+        "type": "function_call",
+        "id": f"fc_{key}_{index}",
+        "call_id": f"call_{key}_{index}",
+        "name": call.name,
+        "arguments": json.dumps(call.arguments, ensure_ascii=False),
+        "status": "completed",
+    }
+
+
+def reply_items(item_id: str, text: str, status: str, calls: bool) -> list[dict]:
+    """A reply as items: its message (when it has text), then a function_call per call;
+    `calls`: whether its calls are read (tools were offered)."""
+    content, found = parse(text) if calls else (text, [])
+    out = [message_item(item_id, "assistant", content, status)] if content or not found else []
+    return out + [call_item(item_id, i, c) for i, c in enumerate(found)]
+
+
+def output_item(item_id: str, call_id: str, output: str) -> dict:
+    return {
+        "type": "function_call_output",
+        "id": f"fco_{item_id}",
+        "call_id": call_id,
+        "output": output,
+        "status": "completed",
+    }
+
+
+def entry_items(entry: Entry) -> list[dict]:
+    if entry.kind == "function_call_output":
+        return [output_item(uuid.uuid4().hex, entry.item_id, entry.text)]
+    if entry.role == "assistant":
+        return reply_items(entry.item_id, entry.text, "completed", True)
+    return [message_item(entry.item_id, entry.role, entry.text)]
 
 
 def item_id_of(message) -> str:
     return message.item_id or f"msg_{message.id}"
 
 
-def item_of(message) -> dict:
-    """A stored message as an item."""
+def items_of(message) -> list[dict]:
+    """A stored message as items."""
+    if message.role == "tool":
+        return [output_item(str(message.id), message.item_id or "", message.content)]
     cut = message.finish_reason in ("length", "cancelled", "error")
     status = "incomplete" if message.role == "assistant" and cut else "completed"
-    return message_item(item_id_of(message), message.role, message.content, status)
+    if message.role == "assistant":
+        return reply_items(item_id_of(message), message.content, status, True)
+    return [message_item(item_id_of(message), message.role, message.content, status)]

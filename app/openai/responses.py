@@ -12,7 +12,11 @@ the parent's KV chunks (`AsyncEngine.fork`) instead of recomputing them. A reque
 answered. `instructions` are the system prompt of the response: a chained response whose
 instructions differ from its conversation's forks (its context starts anew, the parent's
 is not changed); a response in a named conversation sets that conversation's system
-prompt. Every turn is the chat pipeline's (app/turns/pipeline.py), stored like any other."""
+prompt. Every turn is the chat pipeline's (app/turns/pipeline.py), stored like any other.
+
+Function tools (`tools`, `tool_choice`, `parallel_tool_calls`) work as in the Chat
+Completions API (app/openai/tools.py): the reply's calls come out as `function_call`
+items, and a `function_call_output` item sent back is the conversation's next message."""
 
 from __future__ import annotations
 
@@ -35,9 +39,11 @@ from app.openai import items as it
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.chat import END, ApiSink, Failed, usage
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
+from app.openai.tools import FunctionDef, NamedChoice, ToolChoice, check, forcing_guide
 from app.rest import MAX_SYSTEM_PROMPT
 from app.services import Services, services
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
+from app.turns.toolcalls import Call
 from engine.types import Guide, SamplingParams
 from store import ApiResponse
 
@@ -92,8 +98,34 @@ class ResponseBody(BaseModel):
     stream: bool | None = False
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
-    tools: list | None = None
+    tools: list[dict] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     user: str | None = Field(None, max_length=256)
+
+    def functions(self) -> list[FunctionDef]:
+        """The function tools, checked against the tool choice (ApiError if they are not)."""
+        out = []
+        for i, t in enumerate(self.tools or []):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise ApiError(400, f"tools.{i}: only function tools are supported, not "
+                               f"{kind!r:.40}", param=f"tools.{i}")  # fmt: skip
+            try:
+                out.append(FunctionDef.model_validate(t))
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in (f"tools.{i}", *err["loc"]))
+                raise ApiError(400, f"{where}: {err['msg']}", param=f"tools.{i}") from None
+        try:
+            check(out, self.tool_choice)
+        except ValueError as e:
+            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+            raise ApiError(400, str(e), param=param) from None
+        return out
+
+    def reads_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("metadata")
     @classmethod
@@ -133,6 +165,13 @@ def guide_of(body: ResponseBody) -> Guide | None:
     return Guide(kind="json_schema", source=json.dumps(fmt.schema_))
 
 
+def tool_choice_of(body: ResponseBody):
+    choice = body.tool_choice
+    if isinstance(choice, NamedChoice):
+        return {"type": "function", "name": choice.target()}
+    return choice or "auto"
+
+
 def format_of(body: ResponseBody) -> dict:
     fmt = body.text.format if body.text else None
     if fmt is None or fmt.type != "json_schema":
@@ -141,28 +180,32 @@ def format_of(body: ResponseBody) -> dict:
     return {**shown, "description": fmt.description} if fmt.description else shown
 
 
-def sampling_of(body: ResponseBody, default: int, limit: int) -> SamplingParams:
+def sampling_of(
+    body: ResponseBody, tools: list[FunctionDef], default: int, limit: int
+) -> SamplingParams:
     given = body.max_output_tokens
     if given is not None and given > limit:
         raise ApiError(400, f"max_output_tokens: must be at most {limit}",
                        param="max_output_tokens")  # fmt: skip
+    guide, forced = guide_of(body), forcing_guide(tools, body.tool_choice, body.parallel_tool_calls)
+    if guide and forced:
+        raise ApiError(400, "text.format cannot be combined with a tool_choice that forces "
+                       "a call", param="text.format")  # fmt: skip
     return SamplingParams(
         max_tokens=given or default,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        guide=guide_of(body),
+        guide=forced or guide,
     )
 
 
 def entries_of(body: ResponseBody, max_chars: int) -> list[it.Entry]:
-    if body.tools:
-        raise ApiError(400, "tools are not supported yet", param="tools",
-                       code="unsupported_parameter")  # fmt: skip
     if body.input is None or body.input == []:
         raise ApiError(400, "input: required (a string or a list of items)", param="input")
     entries = it.parse_items(body.input, max_chars)
-    if entries[-1].role != "user":
-        raise ApiError(400, "input: the last item must be a user message", param="input")
+    if entries[-1].role not in ("user", "tool"):
+        raise ApiError(400, "input: the last item must be a user message or a "
+                       "function_call_output", param="input")  # fmt: skip
     return entries
 
 
@@ -306,15 +349,15 @@ class Shape:
             "max_output_tokens": b.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
             "conversation": {"id": conv} if conv else None,
             "reasoning": {"effort": None, "summary": None},
             "store": b.store,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "text": {"format": format_of(b)},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": tool_choice_of(b),
+            "tools": b.tools or [],
             "top_p": 1.0 if b.top_p is None else b.top_p,
             "truncation": "disabled",
             "usage": extra.get("usage"),
@@ -325,6 +368,9 @@ class Shape:
     def output_item(self, text: str, status: str) -> dict:
         return it.message_item(self.reply_item_id, "assistant", text, status)
 
+    def call_item(self, index: int, call) -> dict:
+        return it.call_item(self.reply_item_id, index, call)
+
     def finished(self, done: Done) -> dict:
         u = usage(done)
         cut = done.out.finish_reason in ("length", "cancelled")
@@ -332,7 +378,7 @@ class Shape:
         incomplete = {"reason": "max_output_tokens"} if done.out.finish_reason == "length" else None
         return self.json(
             status,
-            [self.output_item(done.out.text, status)],
+            it.reply_items(self.reply_item_id, done.out.text, status, self.body.reads_calls()),
             incomplete_details=incomplete,
             usage={
                 "input_tokens": u["prompt_tokens"],
@@ -351,8 +397,8 @@ class ResponseSink(ApiSink):
     """The turn's sink that records the response (or drops a `store: false` one) before
     the client hears it is done, so a request chained to it right away finds it."""
 
-    def __init__(self, record) -> None:
-        super().__init__([])
+    def __init__(self, record, calls: bool) -> None:
+        super().__init__([], calls)
         self.record = record
         self.body: dict | None = None
 
@@ -384,7 +430,8 @@ async def create_response(request: Request) -> Response:
         body: ResponseBody = validate(ResponseBody, raw)
         check_model(sv, body.model)
         entries = entries_of(body, st.max_message_chars)
-        sampling = sampling_of(body, st.max_tokens_default, st.max_tokens_limit)
+        tools = body.functions()
+        sampling = sampling_of(body, tools, st.max_tokens_default, st.max_tokens_limit)
         if body.previous_response_id and body.conversation is not None:
             raise ApiError(400, "previous_response_id and conversation cannot both be given",
                            param="conversation")  # fmt: skip
@@ -426,13 +473,15 @@ async def create_response(request: Request) -> Response:
             message_id=done.message_id,
             previous_response_id=body.previous_response_id,
             body=answered,
-            input_items=[it.entry_item(e) for e in entries],
+            input_items=[i for e in entries for i in it.entry_items(e)],
         )
         await sv.store.add_response(row, shape.reply_item_id, [e.item_id for e in entries])
         return answered
 
-    sink = ResponseSink(record)
-    req = TurnRequest(entries[-1].text, sampling, body.max_output_tokens is not None)
+    sink = ResponseSink(record, body.reads_calls())
+    last = entries[-1]
+    req = TurnRequest(last.text, sampling, body.max_output_tokens is not None,
+                      role=last.stored_role, tools=[f.spec() for f in tools] or None)  # fmt: skip
     check = before_turn(sv, target, entries, req, sink)
 
     async def turn() -> None:
@@ -454,7 +503,7 @@ async def create_response(request: Request) -> Response:
         events = stream_events(shape, first, sink)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     event = first
-    while isinstance(event, str):
+    while isinstance(event, (str, Call)):
         event = await sink.events.get()
     if isinstance(event, Failed):
         return pipeline_error(event.code, event.message, event.retry_after_s).response()
@@ -464,37 +513,63 @@ async def create_response(request: Request) -> Response:
 
 
 async def stream_events(shape: Shape, first, sink: ResponseSink):
-    """The Responses API's server-sent events; a client that leaves cancels the turn."""
+    """The Responses API's server-sent events; a client that leaves cancels the turn. The
+    reply's message item opens with its first text; each call is an item of its own, its
+    arguments in one delta (a call is passed on once whole)."""
     numbers = itertools.count()
+    outputs = itertools.count()  # output_index of the next item
 
     def event(kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(numbers), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    where = {"item_id": shape.reply_item_id, "output_index": 0}
-    ended = False
+    message_at: int | None = None
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+
+    def open_message():
+        where = {"item_id": shape.reply_item_id, "output_index": message_at}
+        item = {**shape.output_item("", "in_progress"), "content": []}
+        yield event("response.output_item.added", output_index=message_at, item=item)
+        yield event("response.content_part.added", **where, content_index=0, part=part)
+
+    ended, calls = False, 0
     try:
         yield event("response.created", response=shape.json("in_progress", []))
         yield event("response.in_progress", response=shape.json("in_progress", []))
-        yield event("response.output_item.added", output_index=0,
-                    item={**shape.output_item("", "in_progress"), "content": []})  # fmt: skip
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield event("response.content_part.added", **where, content_index=0, part=part)
-        pieces, item = [], None
         e = first
         while True:
             if isinstance(e, str):
-                pieces.append(e)
-                yield event("response.output_text.delta", **where, content_index=0, delta=e,
-                            logprobs=[])  # fmt: skip
+                if message_at is None:
+                    message_at = next(outputs)
+                    for x in open_message():
+                        yield x
+                yield event("response.output_text.delta", item_id=shape.reply_item_id,
+                            output_index=message_at, content_index=0, delta=e, logprobs=[])  # fmt: skip
+            elif isinstance(e, Call):
+                at, item = next(outputs), shape.call_item(calls, e)
+                calls += 1
+                opened = {**item, "arguments": "", "status": "in_progress"}
+                yield event("response.output_item.added", output_index=at, item=opened)
+                args = {"item_id": item["id"], "output_index": at}
+                yield event("response.function_call_arguments.delta", **args,
+                            delta=item["arguments"])  # fmt: skip
+                yield event("response.function_call_arguments.done", **args,
+                            arguments=item["arguments"], name=item["name"])  # fmt: skip
+                yield event("response.output_item.done", output_index=at, item=item)
             elif isinstance(e, Done) and sink.body is not None:
-                item = sink.body["output"][0]
-                text = item["content"][0]["text"]
-                yield event("response.output_text.done", **where, content_index=0, text=text,
-                            logprobs=[])  # fmt: skip
-                yield event("response.content_part.done", **where, content_index=0,
-                            part=item["content"][0])  # fmt: skip
-                yield event("response.output_item.done", output_index=0, item=item)
+                item = next((o for o in sink.body["output"] if o["type"] == "message"), None)
+                if item is not None:
+                    if message_at is None:  # an empty reply: its item all the same
+                        message_at = next(outputs)
+                        for x in open_message():
+                            yield x
+                    where = {"item_id": item["id"], "output_index": message_at}
+                    text = item["content"][0]["text"]
+                    yield event("response.output_text.done", **where, content_index=0,
+                                text=text, logprobs=[])  # fmt: skip
+                    yield event("response.content_part.done", **where, content_index=0,
+                                part=item["content"][0])  # fmt: skip
+                    yield event("response.output_item.done", output_index=message_at, item=item)
                 kind = "response.completed"
                 if sink.body["status"] == "incomplete":
                     kind = "response.incomplete"

@@ -40,12 +40,21 @@ class FunctionDef(BaseModel):
             raise ValueError(f"not a valid JSON schema: {e.message}") from None
         return value
 
+    @property
+    def arguments_schema(self) -> dict:
+        """Its arguments' schema: a function without parameters takes none."""
+        return self.parameters or {
+            "type": "object",
+            "properties": {},
+            "additionalProperties": False,
+        }
+
     def spec(self) -> dict:
         """As the chat template (or the fallback's <tools> list) shows it to the model."""
         out: dict = {"name": self.name}
         if self.description:
             out["description"] = self.description
-        out["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        out["parameters"] = self.arguments_schema
         return {"type": "function", "function": out}
 
 
@@ -105,7 +114,7 @@ def forcing_guide(
                 "type": "object",
                 "properties": {
                     "name": {"const": f.name},
-                    "arguments": f.parameters or {"type": "object"},
+                    "arguments": f.arguments_schema,
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,

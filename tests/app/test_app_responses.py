@@ -229,11 +229,23 @@ def test_ids_are_per_owner_and_store_false_keeps_nothing(server, token):
         ({"model": MODEL, "input": [{"role": "assistant", "content": "x"}]}, "input"),
         ({"model": MODEL, "input": [{"role": "pilot", "content": "x"}]}, "input.0.role"),
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-        ({"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools.0"),
+        ({"model": MODEL, "input": "x", "tool_choice": "required"}, "tool_choice"),
         (
-            {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c"}]},
-            "input.0.type",
+            {"model": MODEL, "input": [{"type": "function_call_output", "output": "c"}]},
+            "input.0.call_id",
         ),
+        (
+            {
+                "model": MODEL,
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"},
+                    {"type": "function_call_output", "call_id": "c", "output": "x"},
+                ],
+            },
+            "input.0.arguments",
+        ),  # fmt: skip
         (
             {
                 "model": MODEL,
@@ -252,8 +264,6 @@ def test_malformed_requests(server, token, body, param):
     r = httpx.post(server.url + "/v1/responses", json=body, headers=auth(token))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    if param == "tools":
-        assert "not supported yet" in r.json()["error"]["message"]
 
 
 def test_bad_json_and_text_formats(server, token):

@@ -169,3 +169,59 @@ def test_a_resent_call_with_bad_arguments_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         create(client, messages, tools=TOOLS)
     assert "not a JSON object" in e.value.body["message"]
+
+
+# --- the Responses API ------------------------------------------------------------------
+
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's shape
+
+
+def test_responses_call_then_output_chain_on_the_kept_context(client, server):
+    first = client.responses.create(
+        model=MODEL, input="What is the weather in Paris?", tools=FLAT, temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+    )  # fmt: skip
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"]
+    assert not [o for o in first.output if o.type == "message"]
+    context = first.usage.input_tokens + first.usage.output_tokens
+
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=FLAT, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "14 C"}],
+        max_output_tokens=12,
+    )  # fmt: skip
+    assert second.usage.input_tokens_details.cached_tokens >= context - CHUNK
+    assert second.output_text
+
+    listed = client.responses.input_items.list(second.id)
+    assert [(i.type, i.call_id) for i in listed.data] == [("function_call_output", call.call_id)]
+
+
+def test_responses_stream_function_call_items(client):
+    stream = client.responses.create(
+        model=MODEL, input="Add 2 and 3.", tools=FLAT, tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_output_tokens=60, stream=True,
+    )  # fmt: skip
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    final = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert len(done) == len(final) == 1
+    assert done[0].arguments == final[0].arguments and done[0].item_id == final[0].id
+
+
+def test_conversation_items_list_calls_and_outputs(client, server):
+    conv = client.conversations.create()
+    r = client.responses.create(
+        model=MODEL, conversation=conv.id, input="Time?", tools=FLAT, temperature=0,
+        tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=30,
+    )  # fmt: skip
+    [call] = [o for o in r.output if o.type == "function_call"]
+    client.conversations.items.create(
+        conv.id, items=[{"type": "function_call_output", "call_id": call.call_id, "output": "9"}]
+    )
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].call_id == items[2].call_id == call.call_id
