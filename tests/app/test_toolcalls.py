@@ -3,6 +3,7 @@ splitter, the forcing grammar and the fallback rendering (units, no server)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import llguidance
@@ -141,3 +142,35 @@ def test_fallback_lists_tools_and_wraps_results(tok):
     assert json.dumps(spec) in text
     assert "<|im_start|>user\n<tool_response>\n12 C\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+# A tools-aware template in the shape of Qwen2.5's (its tool parts, shortened).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
+    "\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    '{%- for c in m.tool_calls or [] %}<tool_call>\n{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- endif %}{%- endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_template_that_takes_tools_renders_them_itself(tok):
+    native = copy.copy(tok)
+    native.chat_template = TOOLS_TEMPLATE
+    assert toolcalls.takes_tools(native)
+    spec = WEATHER.spec()
+    call = reply_text("Checking.", [Call("get_weather", {"city": "Oslo"})])
+    msgs = chat_messages("Be brief.", [("user", "Weather?"), ("assistant", call)], "12 C", "tool")
+    text = text_of(render(native, msgs, [spec]))
+    assert "# Tools" not in text  # not the fallback: the template listed them
+    assert json.dumps(spec["function"]["parameters"]["properties"]) in text
+    assert (
+        '<|im_start|>assistant\nChecking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+        in text
+    )
+    assert "<tool_response>\n12 C\n</tool_response>" in text
