@@ -53,7 +53,7 @@ haproxy:
 	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || (apt-get update -q && apt-get install -y -q haproxy)
 
 serve: install
-	$(BIN)/pensieve serve --host 127.0.0.1 --port 8000
+	$(BIN)/pensieve serve --host 127.0.0.1 --port 8000 --disk-cache-dir data/kv
 
 lint: install
 	$(BIN)/ruff check .

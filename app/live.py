@@ -103,6 +103,7 @@ def done_frame(done: Done) -> dict:
             "swapped_in_tokens": s.swapped_in_tokens,
             "recomputed_tokens": s.recomputed_tokens,
             "prefetched_tokens": s.prefetched_tokens,
+            "disk_tokens": s.disk_tokens,
         },
         "timing": {
             "ttft_ms": round(done.ttft_s * 1000, 1),

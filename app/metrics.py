@@ -85,6 +85,7 @@ class EngineCollector:
         )
         reused.add_metric(["gpu"], c.cached_tokens)
         reused.add_metric(["cpu"], c.swapped_in_tokens)
+        reused.add_metric(["disk"], c.disk_tokens)
         yield reused
         swaps = CounterMetricFamily(
             "pensieve:swapped_tokens", "Tokens copied between tiers.", labels=["direction"]

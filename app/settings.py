@@ -50,6 +50,9 @@ ENGINE_HELP: dict[str, str] = {
     "over torch.distributed; heads must divide by it",
     "force_tensor_parallel": "run the tensor-parallel path even at tensor_parallel=1 (a one-rank "
     "process group, collectives, step messages): to test it on one GPU",
+    "disk_cache_dir": "a third KV tier of files under this directory (off when unset): chunks "
+    "the CPU tier drops are kept there, read back after restarts and on replicas sharing it",
+    "disk_cache_gb": "size of the disk tier in GB",
 }
 
 

@@ -15,6 +15,7 @@ import torch
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.policy import CostModel, Policy
 from engine.cache.profile import load_or_profile
+from engine.disk import DiskTier, Loaded, namespace
 from engine.errors import ConversationBusy
 from engine.graphs import DecodeGraphs, bucket_sizes
 from engine.guide import Guides, check
@@ -201,6 +202,16 @@ class Engine:
         self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
+        self.disk: DiskTier | None = None
+        if config.disk_cache_dir and config.cache_mode == "pensieve" and self.sim is None:
+            space = namespace(
+                config.model, str(self.dtype), kv, cs, self.args.n_layers,
+                self.args.n_kv_heads, self.args.head_dim,
+            )  # fmt: skip
+            self.disk = DiskTier(
+                config.disk_cache_dir, int(config.disk_cache_gb * 1e9), space, cost, cs
+            )
+            self.cache.spilling = True
         self.lock = threading.RLock()  # guards all state below; held for a whole step
 
     def _load_model(self, config: EngineConfig) -> None:
@@ -386,9 +397,11 @@ class Engine:
             if not linked:
                 self.cache.forget(child_id)
                 return 0
+            full = len(token_ids) // cs * cs
             self.streams[child_id] = StreamState(
-                child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:])
-            )
+                child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:]),
+                hashes=chain[: full // cs], unhashed=list(token_ids[full:]),
+            )  # fmt: skip
             if self.owns_history:
                 self.history.append(child_id, list(token_ids))
             self.clock.touch(child_id, self.now())
@@ -397,6 +410,16 @@ class Engine:
     def _resync(self, state: StreamState, length: int) -> None:
         """The caller's durable history says the stream has `length` tokens before this turn."""
         table = self.cache.table(state.id)
+        cs = self.cache.chunk_size
+        if length < state.length:  # cut back: its hashes as far as they still hold
+            keep = length // cs
+            if keep < len(state.hashes):  # the tokens of a cut chunk are not kept
+                del state.hashes[keep:]
+                state.unhashed = [] if length % cs == 0 else None
+            elif state.unhashed is not None:
+                state.unhashed = state.unhashed[: length - keep * cs]
+        elif length > state.length:
+            state.hashes, state.unhashed = [], None
         if length < state.length and length >= state.kv_len:
             del state.tail[length - state.kv_len :]
         elif length < state.length:
@@ -410,34 +433,55 @@ class Engine:
         state.length = length
 
     def _fetch(self, req: Request, n: int) -> Fetch:
-        """READY once req.prefix holds history [0, n); PENDING while it is read off the step
-        loop; FAILED (with req.error) if the read failed: a status, never an exception."""
-        if req.prefix is not None and len(req.prefix) >= n:
-            return Fetch.READY
-        if req.fetch is None:
-            if not self.owns_history:
-                req.fetch = self._reader.submit(self.history.read, req.state.id, 0, req.base)
+        """READY once req.prefix holds history [0, n) (and, with a disk tier, req.loaded what
+        the disk tier has of the table's dropped run as it is now); PENDING while it is read
+        off the step loop; FAILED (with req.error) if the read failed: a status, never an
+        exception."""
+        if req.fetch is not None:
+            if not req.fetch.done():
                 return Fetch.PENDING
-            try:  # in memory: no I/O to wait for
-                req.prefix = self.history.read(req.state.id, 0, req.base)
-            except Exception as e:
-                req.error = e
-                return Fetch.FAILED
-        elif not req.fetch.done():
-            return Fetch.PENDING
-        else:
             fut, req.fetch = req.fetch, None
             error = fut.exception()
             if error is not None:
                 req.error = error
                 return Fetch.FAILED
-            req.prefix = fut.result()
+            req.prefix, req.loaded = fut.result()
+        dropped = self.cache.loadable(req.table) if self.disk is not None else 0
+        fresh = not dropped or req.read_for == dropped  # more dropped since: read again
+        if req.prefix is None or len(req.prefix) < n or not fresh:
+            if req.read_for == dropped and req.prefix is not None:
+                pass  # read for this state already: the history is short
+            elif self.owns_history and not dropped:  # in memory: no I/O to wait for
+                try:
+                    req.prefix = self.history.read(req.state.id, 0, req.base)
+                except Exception as e:
+                    req.error = e
+                    return Fetch.FAILED
+            else:
+                req.read_for = dropped
+                req.fetch = self._reader.submit(
+                    self._read_back, req.state.id, req.base, dropped, req.prefix
+                )
+                return Fetch.PENDING
         if len(req.prefix) < n:
             req.error = LookupError(
                 f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
             )
             return Fetch.FAILED
         return Fetch.READY
+
+    def _read_back(
+        self, cid: str, base: int, dropped: int, prefix: list[int] | None = None
+    ) -> tuple[list[int], Loaded | None]:
+        """Off the step loop: the history [0, base) (unless `prefix` holds it), and the last
+        chunks of a dropped run of `dropped` chunks from the disk tier where that is cheaper
+        than recomputing them."""
+        if prefix is None or len(prefix) < base:
+            prefix = self.history.read(cid, 0, base)
+        if not dropped or self.disk is None:
+            return prefix, None
+        keys = chain_hashes(prefix[: dropped * self.cache.chunk_size], self.cache.chunk_size)
+        return prefix, self.disk.load(keys, dropped, self.pool.bytes_per_chunk)
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -471,6 +515,7 @@ class Engine:
         with self.lock:
             ended = self._drop_cancelled()
             plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
+            self._spill()
             now = self.now()
             for req in plan.failed:  # its history could not be read: that turn alone fails
                 log.error("history read for %s failed: %s", req.state.id, req.error)
@@ -501,6 +546,21 @@ class Engine:
                     self.cache.publish(req.table, req.chain[:n])
             self.counters.steps += 1
             return ended
+
+    def _spill(self) -> None:
+        """Chunks the cache dropped in this step's planning go to the disk tier: copied out
+        of their blocks before this step's copies and forward reuse them, written by the
+        disk tier's thread."""
+        spills = self.cache.take_spills()
+        if self.disk is None or not spills:
+            return
+        for cid, i, tier, block in spills:
+            state = self.streams.get(cid)
+            if state is None or i >= len(state.hashes) or not self.disk.writable:
+                continue
+            if state.hashes[i] in self.disk.index:
+                continue
+            self.disk.put(state.hashes[i], i, self.pool.read_block(tier, block))
 
     def _accept(self, req: Request, token: int, now: float) -> list[Request]:
         if not req.output:
@@ -546,6 +606,7 @@ class Engine:
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
         state.busy = False
+        self._hash(state, req)
         req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
         if not req.output:
@@ -553,6 +614,24 @@ class Engine:
         self.clock.touch(state.id, now)
         if self.owns_history:
             self.history.append(state.id, req.output)
+
+    def _hash(self, state: StreamState, req: Request) -> None:
+        """Extend the stream's chunk hashes over the turn's tokens (from the history read
+        for it when the tokens before it are not known)."""
+        cs = self.cache.chunk_size
+        done = len(state.hashes) * cs
+        known = done + len(state.unhashed or [])
+        if state.unhashed is not None and req.base <= known <= req.total:
+            tokens = state.unhashed + req.tokens[known - req.base :]
+        elif req.prefix is not None and len(req.prefix) >= req.base:
+            state.hashes, done = [], 0
+            tokens = list(req.prefix[: req.base]) + req.tokens
+        else:  # the tokens before this turn are unknown here: the keys stop
+            return
+        full = len(tokens) // cs * cs
+        prev = state.hashes[-1] if state.hashes else b""
+        state.hashes += chain_hashes(tokens[:full], cs, prev)
+        state.unhashed = tokens[full:]
 
     def _drop_cancelled(self) -> list[Request]:
         ended = []
@@ -636,7 +715,34 @@ class Engine:
                 ),
             )
 
+    def write_back(self) -> int:
+        """Write every full chunk held in memory that the disk tier lacks (a graceful stop:
+        the next process reads them instead of recomputing). Returns the chunks written."""
+        if self.disk is None:
+            return 0
+        n = 0
+        with self.lock:
+            for t in self.cache.tables.values():
+                state = self.streams.get(t.id)
+                if state is None or t.pinned:
+                    continue
+                for j, c in enumerate(t.chunks[: len(state.hashes)]):
+                    tier = "gpu" if c.gpu is not None else "cpu" if c.cpu is not None else None
+                    if tier is None or state.hashes[j] in self.disk.index:
+                        continue
+                    block = c.gpu if tier == "gpu" else c.cpu
+                    n += self.disk.put(
+                        state.hashes[j], j, self.pool.read_block(tier, block), wait=True
+                    )
+        self.disk.flush()
+        return n
+
     def close(self) -> None:
+        if self.disk is not None:
+            try:
+                self.write_back()
+            except Exception:  # a stop must not fail on it: the next start recomputes
+                log.exception("could not write the cache back to the disk tier")
         self._reader.shutdown(wait=False, cancel_futures=True)
         if self.guides is not None:
             self.guides.close()

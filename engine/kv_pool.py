@@ -110,16 +110,37 @@ class KVPool:
 
     # ---- one step --------------------------------------------------------------------------
 
+    @property
+    def bytes_per_chunk(self) -> int:
+        """Bytes of one block in either tier (all layers, K and V, scales)."""
+        return sum(g[:, :, 0].nbytes for g, _ in self._tiers)
+
+    def read_block(self, tier: str, block: int) -> list[torch.Tensor]:
+        """A copy on the host of one block's KV (every layer, K and V; and the scales of an
+        8-bit KV): a chunk leaving for the disk tier, read before its block is reused."""
+        if self.cuda:
+            self.stream.synchronize()  # background swap-outs may still be writing it
+        which = 0 if tier == "gpu" else 1
+        return [pair[which][:, :, block].to("cpu", copy=True) for pair in self._tiers]
+
+    def _load(self, loads: list[tuple[list, int]]) -> None:
+        """Chunks read back from the disk tier into their GPU blocks."""
+        for parts, block in loads:
+            for (g, _), part in zip(self._tiers, parts, strict=True):
+                g[:, :, block].copy_(part, non_blocking=False)
+
     def begin_step(self, plan: CopyPlan) -> None:
-        """Before the forward: synchronous swap-outs, then start the swap-in."""
+        """Before the forward: synchronous swap-outs, then the disk tier's loads, then start
+        the swap-in."""
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(compute)  # chunks to copy were written by earlier steps
             with torch.cuda.stream(self.stream):
                 self._copy_out(plan.swap_out)
+                self._load(plan.load)
                 # Freed GPU blocks may be rewritten by this forward: it waits for the swap-outs
                 # and for the previous step's background copies (long done, usually).
-                if plan.swap_out or self._background_done is not None:
+                if plan.swap_out or plan.load or self._background_done is not None:
                     freed = torch.cuda.Event()
                     freed.record(self.stream)
                     compute.wait_event(freed)
@@ -135,6 +156,7 @@ class KVPool:
             self._background_done = None
         else:
             self._copy_out(plan.swap_out)
+            self._load(plan.load)
             self._pending_swap_in = runs(plan.swap_in)
 
     def before_attention(self, layer: int) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.cache.chunks import ChunkTable
+from engine.disk import Loaded
 from engine.guide import Matcher
 from engine.stream import StreamState
 from engine.types import FinishReason, Turn, TurnResult, TurnStats
@@ -60,6 +61,9 @@ class Request:
     # A conversation's first turn: hash chain of its prompt's full chunks, published when
     # it ends so that later conversations starting the same way can link them.
     chain: list[bytes] = field(default_factory=list)
+    loaded: Loaded | None = None  # dropped chunks read back from the disk tier for it
+    read_for: int = -1  # the dropped run (in chunks) its last disk tier read was for
+    loading: list = field(default_factory=list)  # this step's loads (chunk tensors, GPU block)
 
     @property
     def total(self) -> int:

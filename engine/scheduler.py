@@ -103,6 +103,7 @@ class Scheduler:
             return
         if prefetch is not None and prefetch.base == req.base:
             req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
+            req.loaded, req.read_for = prefetch.loaded, prefetch.read_for
         req.status = Status.WAITING
         self.waiting.append(req)
 
@@ -125,6 +126,8 @@ class Scheduler:
         """Plan one step. `swap_in_busy`: an earlier swap-in is still being copied, so no
         ahead-of-time swap-out is started (swap-in has priority)."""
         self.cache.begin_step()
+        for r in self.running:  # the last plan's loads from the disk tier are done
+            r.loading = []
         plan = StepPlan()
         budget = self.max_batch_tokens
         prefill_step = self.unified or self._wants_prefill()
@@ -203,12 +206,28 @@ class Scheduler:
         return True
 
     def _discard_partial_recompute(self, req: Request) -> None:
-        """A recompute of dropped chunks that has not finished leaves invalid KV behind."""
-        if req.pending and req.pending[0][0] < req.state.kv_len:
-            self.cache.drop_prefix(req.table, req.pending[0][1])
-            req.pending.pop(0)
+        """A recompute of dropped chunks that has not finished leaves invalid KV behind: the
+        positions up to the end of the last unfinished one are dropped (with chunks loaded
+        from disk between two recomputes: they are read again)."""
+        kv = req.state.kv_len
+        unfinished = [min(end, kv) for start, end in req.pending if start < kv]
+        if unfinished:
+            self.cache.drop_prefix(req.table, max(unfinished))
+            req.pending = [(max(s, kv), e) for s, e in req.pending if e > kv]
+
+    def _unload(self, req: Request, plan: StepPlan) -> None:
+        """`req` leaves the batch in the step that admitted it: the chunks it was to load
+        from disk hold nothing yet (the copies run after planning), so they and what is
+        before them are dropped, not swapped out."""
+        if not req.loading:
+            return
+        ids = {id(x) for x in req.loading}
+        plan.before.load = [x for x in plan.before.load if id(x) not in ids]
+        self.cache.drop_prefix(req.table, req.state.kv_len)
+        req.loading = []
 
     def _suspend(self, req: Request, plan: StepPlan) -> None:
+        self._unload(req, plan)
         if req.prefetch:  # a prefetch is not worth a swap-out: it just ends, all of it undone
             plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
             n = req.stats.recomputed_tokens
@@ -276,24 +295,33 @@ class Scheduler:
     def _start(self, req: Request, plan: StepPlan) -> None:
         """Bring an admitted turn's context to the GPU tier and queue what it must compute:
         the dropped prefix, then its own tokens."""
-        adm = self.cache.admit(req.table, req.state.kv_len, req.total, prefetch=req.prefetch)
+        loaded, span = req.loaded, None
+        if loaded is not None and self.cache.loadable(req.table) == loaded.dropped:
+            span = (loaded.first, loaded.last)  # else more was dropped meanwhile: recompute
+        adm = self.cache.admit(req.table, req.state.kv_len, req.total, req.prefetch, span)
         plan.before.extend(adm.copies)
+        req.loading = [(loaded.parts[i], block) for i, block in adm.loads]  # type: ignore[union-attr]
+        plan.before.load += req.loading
+        req.loaded = None
         if not req.admitted_once:  # a resumed turn keeps the figures of its first admission
             req.admitted_once = True
             req.stats.admitted_s = self.now()
             req.stats.cached_tokens = adm.cached_tokens
             req.stats.swapped_in_tokens = adm.swapped_in_tokens
             req.stats.prefetched_tokens = adm.prefetched_tokens
-        req.stats.recomputed_tokens += adm.recompute_tokens
+            req.stats.disk_tokens = adm.disk_tokens
+        start = req.state.kv_len if adm.recompute_from is None else adm.recompute_from
+        req.stats.recomputed_tokens += adm.recompute_tokens + req.state.kv_len - start
         self.running.append(req)
-        self._run(req, [(0, adm.recompute_tokens)] if adm.recompute_tokens else [])
+        self._run(req, [(0, adm.recompute_tokens)] if adm.recompute_tokens else [], start)
 
-    def _run(self, req: Request, pending: list[tuple[int, int]]) -> None:
-        """`req` is in the running batch: it computes `pending`, then its tokens that have
-        no KV yet."""
+    def _run(self, req: Request, pending: list[tuple[int, int]], start: int | None = None) -> None:
+        """`req` is in the running batch: it computes `pending`, then its positions from
+        `start` on (default: its tokens that have no KV yet)."""
         req.pending = pending
-        if req.state.kv_len < req.total:
-            req.pending.append((req.state.kv_len, req.total))
+        start = req.state.kv_len if start is None else start
+        if start < req.total:
+            req.pending.append((start, req.total))
         req.status = Status.RUNNING
 
     # ---- after a step ----------------------------------------------------------------------

@@ -32,6 +32,8 @@ class EngineCounters:
     steps: int = 0
     shared_tokens: int = 0  # prompt tokens of new conversations found in shared chunks
     prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
+    disk_tokens: int = 0  # context read back from the disk tier instead of recomputed
+    spilled_tokens: int = 0  # dropped from memory and queued for the disk tier
     running: int = 0
     waiting: int = 0
 

@@ -16,3 +16,8 @@ class StreamState:
     kv_len: int = 0  # leading positions whose KV was computed (held by the chunks, or dropped)
     tail: list[int] = field(default_factory=list)  # tokens [kv_len, length): KV not computed yet
     busy: bool = False  # a turn of it is queued or running
+    # The chain hash of each full chunk of the stream (`chain_hashes`): the disk tier's keys.
+    hashes: list[bytes] = field(default_factory=list)
+    # Tokens after the last hashed chunk; None when unknown (after a cut or a restart the
+    # hashes go on once the history is read again)
+    unhashed: list[int] | None = field(default_factory=list)

@@ -54,6 +54,11 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs captured per batch-size bucket (engine/graphs.py);
     # effective on CUDA with the triton backend and one rank only
     cuda_graphs: bool = True
+    # pensieve mode: a third tier of files under this directory (None: off). Chunks the CPU
+    # tier drops are written there behind the step loop and read back instead of recomputed
+    # where that is cheaper, also after a restart and on another replica sharing the directory
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 10.0  # the disk tier's size; files of lowest value go first
 
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
@@ -78,6 +83,10 @@ class EngineConfig:
             )
         if not 0.0 <= self.admit_reserve < 1.0 or not 0.0 <= self.swap_out_threshold < 1.0:
             raise ValueError("admit_reserve and swap_out_threshold must be in [0, 1)")
+        if self.disk_cache_gb <= 0:
+            raise ValueError(f"disk_cache_gb must be positive, got {self.disk_cache_gb!r}")
+        if self.disk_cache_dir and (self.tensor_parallel > 1 or self.force_tensor_parallel):
+            raise ValueError("the disk tier does not work with tensor parallelism yet")
         if self.prefetch_share is not None and not 0.0 <= self.prefetch_share <= 1.0:
             raise ValueError(f"prefetch_share must be in [0, 1], got {self.prefetch_share!r}")
         if self.prefetch_step_tokens is not None and self.prefetch_step_tokens < 1:
@@ -143,6 +152,7 @@ class TurnStats:
     swapped_in_tokens: int = 0  # context brought back from the CPU tier
     recomputed_tokens: int = 0  # context recomputed from raw history
     shared_tokens: int = 0  # prompt tokens found in chunks shared with other conversations
+    disk_tokens: int = 0  # context read back from the disk tier
     prefetched_tokens: int = 0  # of the context on the GPU: what a prefetch brought back
     arrival_s: float = 0.0
     admitted_s: float = 0.0  # first scheduled: arrival_s to here is time spent queued

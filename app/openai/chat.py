@@ -327,7 +327,10 @@ def usage(done: Done) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": s.cached_tokens + s.swapped_in_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": s.cached_tokens + s.swapped_in_tokens + s.disk_tokens,
+            "disk_tokens": s.disk_tokens,  # of those, read back from the disk tier
+        },
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 

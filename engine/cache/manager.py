@@ -65,6 +65,11 @@ class Admission:
     recompute_tokens: int  # leading positions [0, n) to recompute from raw history
     prefetched_tokens: int = 0  # of cached_tokens: those a prefetch brought back
     copies: CopyPlan = field(default_factory=CopyPlan)  # swap-outs to make room, swap-ins
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (chunk, gpu block) from disk
+    disk_tokens: int = 0  # context those loads bring back
+    # Positions [recompute_from, kv_len) are recomputed too, with the turn's own tokens: the
+    # dropped chunks after those loaded from disk (kv_len when there are none)
+    recompute_from: int | None = None
 
 
 class _LazyHeap:
@@ -180,6 +185,9 @@ class KVCacheManager:
         self._unbacked_heap = _LazyHeap(self._unbacked_gpu_front, self._key)
         self._cpu_heap = _LazyHeap(self._cpu_front, self._key)
         self._heaps = (self._gpu_heap, self._unbacked_heap, self._cpu_heap)
+        self.spilling = False  # a disk tier takes dropped chunks (`take_spills`)
+        self.spills: list[tuple[str, int, str, int]] = []
+        self._incoming: dict[int, int] = {}  # CPU block -> the GPU block this step swaps out to it
 
     # ---- steps and tables -------------------------------------------------------------------
 
@@ -203,6 +211,7 @@ class KVCacheManager:
         for block in self._stale:
             self.cpu.release(block)
         self._stale = []
+        self._incoming = {}
 
     def table(self, conversation_id: str) -> ChunkTable:
         t = self.tables.get(conversation_id)
@@ -302,17 +311,18 @@ class KVCacheManager:
         t.n_off_gpu = max(t.n_off_gpu, j + 1)
         self._changed(x)
 
-    def _let_go(self, t: ChunkTable) -> None:
-        """The table stops holding its shared run: those positions count as dropped."""
+    def _let_go(self, t: ChunkTable, spill: bool = False) -> None:
+        """The table stops holding its shared run: those positions count as dropped.
+        `spill`: by eviction (a chunk freed with it goes to the disk tier)."""
         for j in range(t.n_dropped, t.n_shared):
             c = t.chunks[j]
             t.chunks[j] = Chunk()
-            if self._unref(t, c):
+            if self._unref(t, c, spill):
                 self.counters.dropped_tokens += self.chunk_size
         t.n_dropped = t.n_shared
         self._changed(t)
 
-    def _unref(self, t: ChunkTable, c: Chunk) -> bool:
+    def _unref(self, t: ChunkTable, c: Chunk, spill: bool = False) -> bool:
         """`t` no longer holds shared chunk `c`; free it if it was the last. True if freed."""
         if t.pinned:
             self._pin_shared(c, -1)
@@ -320,6 +330,8 @@ class KVCacheManager:
         if c.holders:
             self._changed(c)  # fewer holders: it is worth less
             return False
+        if spill:
+            self._spill(t, c.index, c)
         self._free_shared(c)
         return True
 
@@ -327,6 +339,7 @@ class KVCacheManager:
         """Free shared chunk `c` that has no copy left to keep (no holder is running)."""
         if c.parent is None:  # the first chunk all its holders hold: only it is dropped
             k = c.index
+            self._spill(next(iter(c.holders)), k, c)  # type: ignore[arg-type]
             for h in list(c.holders):  # type: ignore[union-attr]
                 h.chunks[k] = Chunk()
                 h.n_dropped = k + 1
@@ -338,7 +351,7 @@ class KVCacheManager:
             self.counters.dropped_tokens += self.chunk_size
         else:  # chunks before it are held: its holders let go of their shared runs
             for h in list(c.holders):  # type: ignore[union-attr]
-                self._let_go(h)
+                self._let_go(h, spill=True)
 
     def _free_shared(self, c: Chunk) -> None:
         """A shared chunk no one holds: its blocks and its index entry go."""
@@ -405,15 +418,32 @@ class KVCacheManager:
             return int(x.gpu is not None and x.pins == 0)
         return 0 if x.pinned else x.n_gpu
 
-    def admit(self, t: ChunkTable, kv_len: int, upto: int, prefetch: bool = False) -> Admission:
+    def loadable(self, t: ChunkTable) -> int:
+        """Dropped chunks an admission may take from the disk tier instead of recomputing:
+        the whole dropped run, when no shared run follows it (else it is recomputed)."""
+        return t.n_dropped if t.n_dropped == t.n_shared else 0
+
+    def admit(
+        self,
+        t: ChunkTable,
+        kv_len: int,
+        upto: int,
+        prefetch: bool = False,
+        loaded: tuple[int, int] | None = None,
+    ) -> Admission:
         """Pin the table and give every chunk of [0, upto) a GPU block. `kv_len` positions
         have KV (held or dropped); positions from there on are about to be written.
-        `prefetch`: the turn only brings the context back ahead of the user's message."""
+        `prefetch`: the turn only brings the context back ahead of the user's message.
+        `loaded`: chunks [first, last) of the dropped run (of `loadable` chunks) come from
+        the disk tier; the chunks before and after them are recomputed."""
         copies = CopyPlan()
+        cs = self.chunk_size
+        if loaded and not (0 <= loaded[0] < loaded[1] <= self.loadable(t)):
+            raise ValueError(f"cannot load chunks {loaded} of {t.id!r} from disk")
         if t.n_dropped:  # recomputed from position 0: its shared run is recomputed too
             self._let_go(t)
+        first, last = loaded or (t.n_dropped, t.n_dropped)
         self._set_pinned(t, True)
-        cs = self.chunk_size
         prefetched = 0
         for i, c in enumerate(t.chunks):  # found again on the GPU thanks to a prefetch
             if c.prefetched and c.gpu is not None:
@@ -425,7 +455,10 @@ class KVCacheManager:
             raise MemoryError(f"no room on the GPU for {need} blocks")
         t.tokens = kv_len
         cached = max(0, min(kv_len, len(t.chunks) * cs) - t.n_off_gpu * cs)
-        swapped = recompute = 0
+        swapped = recompute = from_disk = 0
+        loads = []
+        # the dropped positions after the loaded chunks (a partly filled last chunk)
+        tail = max(0, min(kv_len, t.n_dropped * cs) - last * cs) if loaded else 0
         for i in range(t.n_off_gpu):
             chunk = t.chunks[i]
             tokens = min(cs, kv_len - i * cs)
@@ -437,10 +470,14 @@ class KVCacheManager:
             if chunk.cpu is not None:
                 copies.swap_in.append((chunk.cpu, chunk.gpu))
                 swapped += tokens
+            elif first <= i < last:
+                loads.append((i, chunk.gpu))
+                from_disk += tokens
             else:
                 recompute += tokens
-        # Dropped chunks are a prefix, so recomputing positions [0, recompute) restores them.
-        assert recompute == min(t.n_dropped * cs, kv_len)
+        # Dropped chunks are a prefix, so recomputing positions [0, recompute) restores them
+        # (with those loaded from disk: [0, first) and [last, kv_len), the turn's tokens next).
+        assert recompute == min(first * cs, kv_len) + tail
         if t.n_dropped:  # recomputed chunks are private (the shared run was let go)
             t.n_dropped = t.n_shared = 0
         t.n_off_gpu = t.n_shared
@@ -449,9 +486,13 @@ class KVCacheManager:
         self.counters.cached_tokens += cached
         self.counters.swapped_in_tokens += swapped
         self.counters.recomputed_tokens += recompute
+        self.counters.disk_tokens += from_disk
         if prefetch:
             self.counters.prefetched_tokens += swapped
-        return Admission(cached, swapped, recompute, prefetched, copies)
+        return Admission(
+            cached, swapped, recompute - tail, prefetched, copies, loads, from_disk,
+            last * cs if tail else None,
+        )  # fmt: skip
 
     def grow(self, t: ChunkTable, kv_len: int, upto: int) -> CopyPlan | None:
         """Room for a running turn to compute positions [kv_len, upto): the copies that make
@@ -750,6 +791,28 @@ class KVCacheManager:
         c.cpu = None
         self._count(t, c, 0, -(c.gpu is not None))
 
+    def _spill(self, t: ChunkTable, i: int, c: Chunk) -> None:
+        """Chunk `c` (at index `i` of `t`) loses its last copy in memory: with a disk tier,
+        the engine copies it out of its block before the block is used again and queues it
+        to be written (`take_spills`). Only full chunks: a file is keyed by its tokens."""
+        if not self.spilling or (i + 1) * self.chunk_size > t.tokens:
+            return
+        if c.gpu is not None:
+            self.spills.append((t.id, i, "gpu", c.gpu))
+        elif c.cpu in self._incoming:  # its swap-out has not run yet: the GPU block holds it
+            self.spills.append((t.id, i, "gpu", self._incoming[c.cpu]))
+        elif c.cpu is not None:
+            self.spills.append((t.id, i, "cpu", c.cpu))
+        else:
+            return
+        self.counters.spilled_tokens += self.chunk_size
+
+    def take_spills(self) -> list[tuple[str, int, str, int]]:
+        """(conversation, chunk index, tier, block) of every chunk dropped since the last
+        call, whose block still holds its KV until this step's copies run."""
+        out, self.spills = self.spills, []
+        return out
+
     def _free_chunk(self, t: ChunkTable | None, c: Chunk) -> None:
         """Free a private chunk's blocks; a shared one loses `t` as a holder."""
         if c.shared:
@@ -875,13 +938,17 @@ class KVCacheManager:
             if block is not None:
                 self._set_cpu(t, chunk, block)
                 copies.swap_out.append((chunk.gpu, block))
+                self._incoming[block] = chunk.gpu
                 self.counters.swapped_out_tokens += self._chunk_tokens(t, i)
+        if chunk.cpu is None:
+            self._spill(t, i, chunk)
         self._clear_gpu(t, chunk)
         t.n_off_gpu = i + 1
         if chunk.cpu is None:  # dropped: keep the layout by dropping what is before
-            self._let_go(t)
+            self._let_go(t, spill=True)
             for j in range(t.n_dropped, i + 1):
                 self.counters.dropped_tokens += self._chunk_tokens(t, j)
+                self._spill(t, j, t.chunks[j])
                 self._free_chunk(t, t.chunks[j])
             t.n_dropped = t.n_shared = i + 1
         else:
@@ -898,6 +965,7 @@ class KVCacheManager:
             if block is not None:
                 self._set_cpu(None, c, block)
                 copies.swap_out.append((c.gpu, block))
+                self._incoming[block] = c.gpu
                 self.counters.swapped_out_tokens += self.chunk_size
         if c.cpu is None:
             self._drop_shared(c)
@@ -926,7 +994,8 @@ class KVCacheManager:
             return self.cpu.allocate()
         chunk = t.chunks[i]
         if i < t.n_off_gpu:  # a CPU-only chunk: it is dropped (with the shared run before it)
-            self._let_go(t)
+            self._let_go(t, spill=True)
+            self._spill(t, i, chunk)
             self.counters.dropped_tokens += self._chunk_tokens(t, i)
             t.n_dropped = t.n_shared = i + 1
         else:  # a GPU chunk loses its copy: it must be copied again before it is reclaimed

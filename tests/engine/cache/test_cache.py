@@ -432,3 +432,54 @@ def test_the_lazy_heap_counts_only_an_items_latest_entry():
     assert heap.pop() == ("a", 0)
     # The stale entries popped on the way were dropped, not put back under a's new key.
     assert sum(1 for k, _, t in heap.heap if t == "a" and k == 4.0) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(0, 50), st.booleans()),
+        min_size=1,
+        max_size=40,
+    ),
+    gpu=st.integers(4, 16),
+    cpu=st.integers(0, 12),
+)
+def test_random_workload_with_a_disk_tier(ops, gpu, cpu):
+    """With a disk tier: every chunk that loses its last copy in memory is handed over
+    (full chunks only, from a block it still owns), and admissions that load part of a
+    dropped run from disk keep every invariant."""
+    m, clock, now = manager(gpu=gpu, cpu=cpu)
+    m.spilling = True
+    cs = m.chunk_size
+    kv_len: dict[str, int] = {}
+    running = {}
+    for cid_n, grow_by, dt, load in ops:
+        now.t += dt
+        m.begin_step()
+        cid = f"c{cid_n}"
+        table = m.table(cid)
+        target = kv_len.get(cid, 0) + grow_by
+        if cid in running:
+            if m.grow(table, kv_len[cid], target) is not None:
+                kv_len[cid] = target
+            else:
+                m.suspend(table, kv_len[cid])
+                del running[cid]
+            if grow_by > 8 and cid in running:
+                m.release(table, kv_len[cid])
+                clock.touch(cid)
+                del running[cid]
+        elif m.can_admit(table, target):
+            full = min(m.loadable(table), kv_len.get(cid, 0) // cs)
+            span = (full // 2, full) if load and full else None
+            adm = m.admit(table, kv_len.get(cid, 0), target, loaded=span)
+            assert [i for i, _ in adm.loads] == list(range(*span)) if span else not adm.loads
+            assert adm.disk_tokens == len(adm.loads) * cs
+            kv_len[cid] = target
+            running[cid] = True
+        m.swap_out_ahead()
+        for owner, i, tier, block in m.take_spills():
+            t = m.tables[owner]
+            assert (i + 1) * cs <= t.tokens and tier in ("gpu", "cpu")
+            assert 0 <= block < (m.gpu.num_blocks if tier == "gpu" else m.cpu.num_blocks)
+        m.check()

@@ -1,0 +1,314 @@
+"""The disk tier: KV chunks in files that outlive the process, keyed by what they hold.
+
+A chunk's file is named by the hash chain of the tokens from the start of the conversation
+through the chunk (`chain_hashes`), under a directory named by the model, its dtype, the KV
+dtype and the chunk size: a file is valid for exactly the contexts that produced it, an
+edit invalidates by hash, and chunks two conversations share are stored once. Several
+processes may share the directory (replicas on shared storage): a lookup looks at the
+files, not at this process's index.
+
+Writes never block the step loop: `put` queues the chunk (its blocks already copied out of
+the pool) for a writer thread, which writes a temporary file and renames it; a full queue
+or a failing disk drops the write (the chunk is then recomputed when needed, as without a
+disk tier). Each file carries a checksum; a read that finds a missing, truncated or
+corrupted file returns None and removes it. When the tier is over `capacity_bytes`, files
+go by the retention value of the policy: recompute cost of the chunk over its idle time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PKV1"
+SUFFIX = ".kv"
+QUEUE = 256  # chunks waiting to be written; more are dropped, never waited for
+FREE_TO = 0.95  # an eviction round frees files down to this share of the capacity
+
+
+def namespace(*parts) -> str:
+    """The directory of one model / dtype / KV dtype / chunk size."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+@dataclass
+class Loaded:
+    """Chunks [first, last) of a conversation's dropped run of `dropped` chunks, read back
+    from the disk tier for its turn; the chunks before `first` are recomputed, and so are
+    those from `last` on (a partly filled last chunk has no file) with the turn's own
+    tokens. Valid while the conversation still has `dropped` dropped chunks."""
+
+    first: int
+    last: int
+    dropped: int
+    parts: dict[int, list[torch.Tensor]]
+
+
+@dataclass
+class Entry:
+    size: int
+    index: int  # the chunk's position in its conversation (its recompute cost grows with it)
+    used: float  # last written or read
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int,
+        space: str,
+        cost: Callable[[int], float] | None = None,
+        chunk_size: int = 32,
+    ) -> None:
+        self.dir = Path(root) / space
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity_bytes
+        self.cost = cost or (lambda context: float(context))
+        self.chunk_size = chunk_size
+        self.lock = threading.Lock()  # the index and the byte count
+        self.index: dict[bytes, Entry] = {}
+        self.pending: dict[bytes, list[torch.Tensor]] = {}  # queued, not written yet
+        self.bytes = 0
+        self.read_bps: float | None = None  # measured read bandwidth (a moving average)
+        self.writes = self.reads = self.failed = self.skipped = self.evicted = 0
+        self.writable = True
+        self._scan()
+        self._queue: queue.Queue = queue.Queue(QUEUE)
+        self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- the index ---------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files (a warm restart), dropping temporary leftovers."""
+        for path in self.dir.glob("*/*"):
+            if path.suffix != SUFFIX:
+                path.unlink(missing_ok=True)  # a write cut short by a crash
+                continue
+            key, index = _parse_name(path.name)
+            if key is None:
+                continue
+            st = path.stat()
+            self.index[key] = Entry(st.st_size, index, st.st_mtime)
+            self.bytes += st.st_size
+
+    def path(self, key: bytes, index: int) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / f"{h}-{index}{SUFFIX}"
+
+    def has(self, key: bytes, index: int) -> bool:
+        return key in self.pending or key in self.index or self.path(key, index).exists()
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def put(self, key: bytes, index: int, parts: list[torch.Tensor], wait: bool = False) -> bool:
+        """Queue a chunk (host tensors the caller no longer writes) to be written; False if
+        it is not (the queue is full, the disk refused writes, or it is there already).
+        `wait`: for room in the queue (a graceful stop), never from the step loop."""
+        if not self.writable or key in self.index or key in self.pending:
+            return False
+        with self.lock:  # before the writer can take it (it pops it when written)
+            self.pending[key] = parts
+        try:
+            self._queue.put((key, index, parts), block=wait, timeout=30 if wait else None)
+            return True
+        except queue.Full:
+            with self.lock:
+                self.pending.pop(key, None)
+            self.skipped += 1
+            return False
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued chunk is written (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.005)
+
+    def _write_loop(self) -> None:
+        while True:
+            key, index, parts = self._queue.get()
+            try:
+                self._write(key, index, parts)
+            except OSError as e:  # full or read-only: stop writing, serving goes on
+                self.failed += 1
+                self.writable = False
+                log.warning("disk tier stops writing: %s", e)
+            except Exception:
+                self.failed += 1
+                log.exception("disk tier write failed")
+            finally:
+                with self.lock:
+                    self.pending.pop(key, None)
+                self._queue.task_done()
+
+    def _write(self, key: bytes, index: int, parts: list[torch.Tensor]) -> None:
+        payload = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+        header = json.dumps(
+            {
+                "index": index,
+                "parts": [[list(p.shape), str(p.dtype).removeprefix("torch.")] for p in parts],
+                "bytes": len(payload),
+                "crc32": zlib.crc32(payload),
+            }
+        ).encode()
+        path = self.path(key, index)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
+        os.replace(tmp, path)  # readers see the whole file or none
+        size = path.stat().st_size
+        with self.lock:
+            old = self.index.get(key)
+            self.bytes += size - (old.size if old else 0)
+            self.index[key] = Entry(size, index, time.time())
+            self.writes += 1
+        if self.bytes > self.capacity:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Remove the files of lowest retention value until under FREE_TO of the capacity."""
+        now = time.time()
+        with self.lock:
+            by_value = sorted(
+                self.index.items(),
+                key=lambda kv: (
+                    self.cost((kv[1].index + 1) * self.chunk_size) / max(now - kv[1].used, 1e-3)
+                ),
+            )
+            goal = self.capacity * FREE_TO
+            gone = []
+            for key, e in by_value:
+                if self.bytes <= goal:
+                    break
+                self.bytes -= e.size
+                gone.append((key, e))
+                del self.index[key]
+            self.evicted += len(gone)
+        for key, e in gone:
+            self.path(key, e.index).unlink(missing_ok=True)
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def read(self, key: bytes, index: int) -> list[torch.Tensor] | None:
+        """The chunk's tensors, or None when its file is missing, cut short or corrupted (a
+        bad file is removed: the chunk is recomputed)."""
+        with self.lock:
+            queued = self.pending.get(key)
+        if queued is not None:  # dropped a moment ago: still in memory
+            return queued
+        path = self.path(key, index)
+        t0 = time.perf_counter()
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        parts = _decode(data)
+        if parts is None:
+            log.warning("disk tier: %s is damaged; recomputing instead", path.name)
+            self._forget(key, path)
+            return None
+        elapsed = time.perf_counter() - t0
+        bps = len(data) / max(elapsed, 1e-6)
+        with self.lock:
+            self.read_bps = bps if self.read_bps is None else 0.8 * self.read_bps + 0.2 * bps
+            self.reads += 1
+            e = self.index.get(key)
+            if e is not None:
+                e.used = time.time()
+        return parts
+
+    def load(self, keys: list[bytes], dropped: int, chunk_bytes: int) -> Loaded | None:
+        """Read back what is worth reading of a dropped run of `dropped` chunks with hash
+        chain `keys` (its full chunks'): the files of its last full chunks, as far back as
+        they go without a gap, each one only if reading it is cheaper than recomputing it
+        (recompute grows with the chunk's position, so the cheap ones are a prefix). None:
+        all of it is recomputed."""
+        last = first = min(dropped, len(keys))
+        while first > 0 and self.has(keys[first - 1], first - 1):
+            first -= 1
+        read = self.read_s(chunk_bytes)
+        while first < last and self.cost((first + 1) * self.chunk_size) < read:
+            first += 1
+        parts: dict[int, list[torch.Tensor]] = {}
+        for j in range(first, last):
+            got = self.read(keys[j], j)
+            if got is None:  # damaged or gone: recompute up to it
+                parts, first = {}, j + 1
+                continue
+            parts[j] = got
+        return Loaded(first, last, dropped, parts) if parts else None
+
+    def read_s(self, nbytes: int) -> float:
+        """Expected seconds to read `nbytes` (0 until a read was timed)."""
+        return nbytes / self.read_bps if self.read_bps else 0.0
+
+    def _forget(self, key: bytes, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        with self.lock:
+            e = self.index.pop(key, None)
+            if e is not None:
+                self.bytes -= e.size
+
+    def stats(self) -> dict:
+        return {
+            "files": len(self.index),
+            "bytes": self.bytes,
+            "capacity_bytes": self.capacity,
+            "writes": self.writes,
+            "reads": self.reads,
+            "failed_writes": self.failed,
+            "skipped_writes": self.skipped,
+            "evicted": self.evicted,
+            "writable": self.writable,
+            "read_mb_s": round(self.read_bps / 1e6, 1) if self.read_bps else None,
+        }
+
+
+def _parse_name(name: str) -> tuple[bytes | None, int]:
+    stem = name.removesuffix(SUFFIX)
+    h, _, index = stem.partition("-")
+    try:
+        return bytes.fromhex(h), int(index)
+    except ValueError:
+        return None, 0
+
+
+def _decode(data: bytes) -> list[torch.Tensor] | None:
+    if len(data) < 8 or data[:4] != MAGIC:
+        return None
+    (n,) = struct.unpack("<I", data[4:8])
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        return None
+    payload = data[8 + n :]
+    if len(payload) != header.get("bytes") or zlib.crc32(payload) != header.get("crc32"):
+        return None
+    parts, at = [], 0
+    buf = bytearray(payload)  # writable: tensors over it own no other memory
+    for shape, dtype in header["parts"]:
+        dt = getattr(torch, dtype)
+        count = 1
+        for d in shape:
+            count *= d
+        size = count * torch.empty((), dtype=dt).element_size()
+        parts.append(
+            torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=at).view(dt).view(shape)
+        )
+        at += size
+    return parts

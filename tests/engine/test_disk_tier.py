@@ -1,0 +1,99 @@
+"""The disk tier: chunks the CPU tier drops are written to files and read back instead of
+recomputed, with greedy equality with Hugging Face through every move; a restart reads
+them; damaged files fall back to recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams, Turn
+from tests.engine.test_engine_equality import check_against_hf, prompts
+from tests.oracle import hf_greedy, hf_model
+
+MODEL = "dummy:tiny"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model(Engine(EngineConfig(model=MODEL, device="cpu", gpu_cache_chunks=16)))
+
+
+def make(disk: Path, history=None, **kw) -> Engine:
+    config = dict(device="cpu", gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64)
+    config.update(kw)
+    return Engine(EngineConfig(model=MODEL, disk_cache_dir=str(disk), **config), history=history)
+
+
+def files(disk: Path) -> list[Path]:
+    return sorted(disk.rglob("*.kv"))
+
+
+def test_dropped_chunks_come_back_from_disk(hf, tmp_path):
+    engine = make(tmp_path)
+    counters = check_against_hf(
+        engine, hf, max_tokens=24, seed=1, min_len=40, max_len=64, ignore_eos=True
+    )
+    engine.disk.flush()
+    assert counters["spilled_tokens"] > 0, counters
+    assert counters["disk_tokens"] > 0, counters
+    assert files(tmp_path)
+
+
+def run_chats(engine: Engine, plan, contexts, turns: range, max_tokens: int = 12) -> list:
+    """Turns `turns` of every conversation; each turn names its context's length, as the
+    server does (a restarted engine learns the context from it and the history)."""
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    out = []
+    for t in turns:
+        results = engine.run(
+            [Turn(f"c{i}", p[t], sp, context_len=len(contexts[i])) for i, p in enumerate(plan)]
+        )
+        for i, r in enumerate(results):
+            contexts[i] += plan[i][t] + r.token_ids
+        out.append(results)
+    return out
+
+
+def test_a_restart_reads_the_disk_tier_instead_of_recomputing(hf, tmp_path):
+    first = make(tmp_path)  # keeps the history in memory: the durable one a restart reads
+    history = first.history
+    plan = prompts(first, 3, 3, seed=5, min_len=40, max_len=64)
+    contexts = [[] for _ in plan]
+    run_chats(first, plan, contexts, range(2))
+    first.close()  # a graceful stop writes what memory holds
+    assert files(tmp_path)
+
+    again = make(tmp_path, history, gpu_cache_chunks=32, cpu_cache_chunks=16)
+    [results] = run_chats(again, plan, [list(c) for c in contexts], range(2, 3))
+    for i, r in enumerate(results):
+        want = hf_greedy(hf, contexts[i] + plan[i][2], 12, set())
+        assert r.token_ids == want, f"conversation {i}"
+        assert r.stats.disk_tokens > 0, r.stats
+        assert r.stats.recomputed_tokens < r.stats.disk_tokens, r.stats
+    again.cache.check()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete"])
+def test_damaged_files_fall_back_to_recompute(hf, tmp_path, damage):
+    first = make(tmp_path)
+    history = first.history
+    plan = prompts(first, 2, 3, seed=6, min_len=40, max_len=64)
+    contexts = [[] for _ in plan]
+    run_chats(first, plan, contexts, range(2))
+    first.close()
+    for path in files(tmp_path):
+        data = path.read_bytes()
+        if damage == "truncate":
+            path.write_bytes(data[: len(data) // 2])
+        elif damage == "corrupt":
+            path.write_bytes(data[:-10] + bytes(10 * [0xFF]))
+        else:
+            path.unlink()
+    again = make(tmp_path, history, gpu_cache_chunks=32, cpu_cache_chunks=16)
+    [results] = run_chats(again, plan, [list(c) for c in contexts], range(2, 3))
+    for i, r in enumerate(results):
+        assert r.token_ids == hf_greedy(hf, contexts[i] + plan[i][2], 12, set())
+        assert r.stats.disk_tokens == 0, r.stats
+    assert not files(tmp_path) or damage == "delete"  # damaged files are removed
