@@ -73,6 +73,7 @@ class DiskTier:
         space: str,
         cost: Callable[[int], float] | None = None,
         chunk_size: int = 32,
+        read_limit_bps: float | None = None,
     ) -> None:
         self.dir = Path(root) / space
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,12 @@ class DiskTier:
         self.read_bps: float | None = None  # measured read bandwidth (a moving average)
         self.writes = self.reads = self.failed = self.skipped = self.evicted = 0
         self.writable = True
+        # How a dropped run comes back: "cost" (the cheaper of reading and recomputing, per
+        # chunk), or always "load" / always "recompute" (benchmarks compare the three)
+        self.choice = "cost"
+        self.read_limit_bps = read_limit_bps  # emulates a slower disk (benchmarks)
         self._scan()
+        self._probe()
         self._queue: queue.Queue = queue.Queue(QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
         self._writer.start()
@@ -95,6 +101,8 @@ class DiskTier:
 
     def _scan(self) -> None:
         """Rebuild the index from the files (a warm restart), dropping temporary leftovers."""
+        for path in self.dir.glob("*.tmp"):  # a probe cut short
+            path.unlink(missing_ok=True)
         for path in self.dir.glob("*/*"):
             if path.suffix != SUFFIX:
                 path.unlink(missing_ok=True)  # a write cut short by a crash
@@ -106,9 +114,34 @@ class DiskTier:
             self.index[key] = Entry(st.st_size, index, st.st_mtime)
             self.bytes += st.st_size
 
+    def _probe(self, nbytes: int = 4 << 20) -> None:
+        """A first read bandwidth, from a file written and read back at start."""
+        path = self.dir / f"probe.{os.getpid()}.tmp"
+        try:
+            path.write_bytes(os.urandom(nbytes))
+            t0 = time.perf_counter()
+            data = path.read_bytes()
+            self._throttle(len(data), t0)
+            self.read_bps = len(data) / max(time.perf_counter() - t0, 1e-6)
+        except OSError as e:
+            log.warning("disk tier: no read probe (%s)", e)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _throttle(self, nbytes: int, t0: float) -> None:
+        if self.read_limit_bps:
+            wait = nbytes / self.read_limit_bps - (time.perf_counter() - t0)
+            if wait > 0:
+                time.sleep(wait)
+
     def path(self, key: bytes, index: int) -> Path:
         h = key.hex()
         return self.dir / h[:2] / f"{h}-{index}{SUFFIX}"
+
+    def keys(self) -> set[bytes]:
+        """The chunks this process knows the tier holds (written or queued)."""
+        with self.lock:
+            return self.index.keys() | self.pending.keys()
 
     def has(self, key: bytes, index: int) -> bool:
         return key in self.pending or key in self.index or self.path(key, index).exists()
@@ -217,6 +250,7 @@ class DiskTier:
             data = path.read_bytes()
         except OSError:
             return None
+        self._throttle(len(data), t0)
         parts = _decode(data)
         if parts is None:
             log.warning("disk tier: %s is damaged; recomputing instead", path.name)
@@ -238,10 +272,12 @@ class DiskTier:
         they go without a gap, each one only if reading it is cheaper than recomputing it
         (recompute grows with the chunk's position, so the cheap ones are a prefix). None:
         all of it is recomputed."""
+        if self.choice == "recompute":
+            return None
         last = first = min(dropped, len(keys))
         while first > 0 and self.has(keys[first - 1], first - 1):
             first -= 1
-        read = self.read_s(chunk_bytes)
+        read = self.read_s(chunk_bytes) if self.choice == "cost" else 0.0
         while first < last and self.cost((first + 1) * self.chunk_size) < read:
             first += 1
         parts: dict[int, list[torch.Tensor]] = {}

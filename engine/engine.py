@@ -680,6 +680,7 @@ class Engine:
             now = self.now()
             c = self.cache
             convs = []
+            on_disk = self.disk.keys() if self.disk is not None else set()
             for table in c.tables.values():
                 last = self.clock.last_active(table.id)
                 state = self.streams.get(table.id)
@@ -687,7 +688,7 @@ class Engine:
                     ConversationInfo(
                         id=table.id,
                         tokens=0 if state is None else state.length,
-                        chunks=tuple(table.tiers()),
+                        chunks=self._tiers(table, state, on_disk),
                         holders=tuple(c.holders(table)),
                         running=table.pinned,
                         idle_s=None if last is None else max(0.0, now - last),
@@ -713,7 +714,25 @@ class Engine:
                     chunks=sum(1 for s in c.shared if len(s.holders) > 1),
                     holders=sum(len(s.holders) for s in c.shared if len(s.holders) > 1),
                 ),
+                disk=self._disk_usage(),
             )
+
+    def _tiers(self, table, state: StreamState | None, on_disk: set[bytes]) -> tuple[str, ...]:
+        """Each chunk's tier; a dropped chunk the disk tier holds is on "disk"."""
+        tiers = table.tiers()
+        if on_disk and state is not None:
+            for j in range(min(table.n_dropped, len(state.hashes))):
+                if state.hashes[j] in on_disk:
+                    tiers[j] = "disk"
+        return tuple(tiers)
+
+    def _disk_usage(self) -> PoolUsage | None:
+        if self.disk is None:
+            return None
+        chunk = max(1, self.pool.bytes_per_chunk)
+        total = self.disk.capacity // chunk
+        used = min(total, self.disk.bytes // chunk)
+        return PoolUsage(total, used, total - used)
 
     def write_back(self) -> int:
         """Write every full chunk held in memory that the disk tier lacks (a graceful stop:

@@ -55,7 +55,7 @@ class SharingUsage:
 class ConversationInfo:
     id: str
     tokens: int  # tokens in its stream
-    chunks: tuple[str, ...]  # tier of each chunk: "gpu", "cpu" or "dropped"
+    chunks: tuple[str, ...]  # tier of each chunk: "gpu", "cpu", "disk" or "dropped"
     holders: tuple[int, ...]  # conversations holding each chunk: 2 or more when shared
     running: bool
     idle_s: float | None  # None: never active
@@ -75,6 +75,7 @@ class EngineSnapshot:
     conversations: tuple[ConversationInfo, ...]
     context_limit: int  # most tokens one conversation can hold
     sharing: SharingUsage = SharingUsage()
+    disk: PoolUsage | None = None  # the disk tier, in chunks (None: off)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,7 +84,11 @@ class EngineSnapshot:
             "chunk_size": self.chunk_size,
             "cache_mode": self.cache_mode,
             "eviction": self.eviction,
-            "pools": {"gpu": asdict(self.gpu), "cpu": asdict(self.cpu)},
+            "pools": {
+                "gpu": asdict(self.gpu),
+                "cpu": asdict(self.cpu),
+                **({"disk": asdict(self.disk)} if self.disk else {}),
+            },
             "counters": asdict(self.counters),
             "sharing": {**asdict(self.sharing), "saved_blocks": self.sharing.saved_blocks},
             "conversations": [

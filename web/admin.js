@@ -8,7 +8,7 @@ const $ = (id) => document.getElementById(id);
 const POLL_MS = 1000;
 const WINDOW_S = 300; // the charts show the last five minutes
 const PAGE_SIZE = 50; // rows built per render, whatever the number of conversations
-const COLORS = { gpu: "#22a06b", cpu: "#e8a33d", recomputed: "#d6455d", prefetched: "#7b61ff", ttft: "#5b5bd6" };
+const COLORS = { gpu: "#22a06b", cpu: "#e8a33d", disk: "#3d8fe8", recomputed: "#d6455d", prefetched: "#7b61ff", ttft: "#5b5bd6" };
 
 let timer = null;
 const samples = []; // {t, gpu, cpu, cached, swapped, recomputed, prefetched, ttft}
@@ -88,8 +88,8 @@ function chartOptions(series, width, yLabel, yRange) {
 function makeCharts() {
   const width = (id) => Math.max(260, $(id).clientWidth);
   charts.pools = new uPlot(
-    chartOptions([["GPU", COLORS.gpu], ["CPU", COLORS.cpu]], width("chart-pools"), "%", [0, 100]),
-    [[], [], []],
+    chartOptions([["GPU", COLORS.gpu], ["CPU", COLORS.cpu], ["disk", COLORS.disk]], width("chart-pools"), "%", [0, 100]),
+    [[], [], [], []],
     $("chart-pools")
   );
   charts.tokens = new uPlot(
@@ -99,11 +99,12 @@ function makeCharts() {
         ["swapped in (CPU)", COLORS.cpu],
         ["recomputed", COLORS.recomputed],
         ["prefetched", COLORS.prefetched],
+        ["read from disk", COLORS.disk],
       ],
       width("chart-tokens"),
       "tokens/s"
     ),
-    [[], [], [], [], []],
+    [[], [], [], [], [], []],
     $("chart-tokens")
   );
   charts.ttft = new uPlot(chartOptions([["TTFT", COLORS.ttft]], width("chart-ttft"), "ms"), [[], []], $("chart-ttft"));
@@ -122,13 +123,14 @@ function rate(now, before, key, dt) {
 
 function addSample(snap) {
   const pct = (p) => (p.total ? (100 * p.used) / p.total : 0);
-  const s = { t: snap.time, gpu: pct(snap.pools.gpu), cpu: pct(snap.pools.cpu) };
+  const s = { t: snap.time, gpu: pct(snap.pools.gpu), cpu: pct(snap.pools.cpu), disk: snap.pools.disk ? pct(snap.pools.disk) : null };
   if (previous && snap.time > previous.time) {
     const dt = snap.time - previous.time;
     s.cached = rate(snap, previous, "cached_tokens", dt);
     s.swapped = rate(snap, previous, "swapped_in_tokens", dt);
     s.recomputed = rate(snap, previous, "recomputed_tokens", dt);
     s.prefetched = rate(snap, previous, "prefetched_tokens", dt);
+    s.disk_read = rate(snap, previous, "disk_tokens", dt);
     const turns = snap.turns.count - previous.turns.count;
     s.ttft = turns > 0 ? (1000 * (snap.turns.ttft_sum_s - previous.turns.ttft_sum_s)) / turns : null;
   }
@@ -141,8 +143,8 @@ function renderCharts() {
   if (!charts.pools) makeCharts();
   const col = (k) => samples.map((s) => (s[k] === undefined ? null : s[k]));
   const t = col("t");
-  charts.pools.setData([t, col("gpu"), col("cpu")]);
-  charts.tokens.setData([t, col("cached"), col("swapped"), col("recomputed"), col("prefetched")]);
+  charts.pools.setData([t, col("gpu"), col("cpu"), col("disk")]);
+  charts.tokens.setData([t, col("cached"), col("swapped"), col("recomputed"), col("prefetched"), col("disk_read")]);
   charts.ttft.setData([t, col("ttft")]);
 }
 
@@ -155,7 +157,7 @@ function idle(s) {
 }
 
 function withCounts(c) {
-  const counts = { gpu: 0, cpu: 0, dropped: 0 };
+  const counts = { gpu: 0, cpu: 0, disk: 0, dropped: 0 };
   for (const t of c.chunks) counts[t] = (counts[t] || 0) + 1;
   return { ...c, ...counts };
 }
@@ -201,6 +203,7 @@ function row(c, chunkSize) {
     num(String(c.tokens)),
     num(String(c.gpu)),
     num(String(c.cpu)),
+    num(String(c.disk)),
     num(String(c.dropped)),
     num(idle(c.idle_s)),
     num(c.retention === null || c.retention === undefined ? "–" : c.retention.toPrecision(3)),

@@ -39,6 +39,10 @@ def test_dropped_chunks_come_back_from_disk(hf, tmp_path):
     assert counters["spilled_tokens"] > 0, counters
     assert counters["disk_tokens"] > 0, counters
     assert files(tmp_path)
+    snap = engine.snapshot()  # the admin page's view: a third pool, chunks on disk
+    assert snap.to_dict()["pools"]["disk"]["used"] > 0
+    dropped = [c for c in snap.conversations if c.chunks[0] in ("disk", "dropped")]
+    assert any(c.chunks[0] == "disk" for c in dropped) or not dropped
 
 
 def run_chats(engine: Engine, plan, contexts, turns: range, max_tokens: int = 12) -> list:

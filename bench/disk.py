@@ -1,0 +1,150 @@
+"""The disk tier: time to first token of conversations that come back after a restart.
+
+    python -m bench.disk --convs 6 --context 1024
+
+A first engine holds `--convs` conversations of about `--context` tokens each (built turn
+by turn), then stops gracefully: it writes what memory holds to the disk tier. Engines
+started afresh on the same history then serve one more short turn of each conversation,
+one at a time, and the time to its first token is measured:
+
+- `recompute`: no disk tier, the context is recomputed from the history (what a restart
+  does without one);
+- `disk`: the disk tier, chunks read back where cheaper than recomputing (the default);
+- on a disk throttled to `--slow-mb-s`: the cost-based choice, always loading, and always
+  recomputing, to show that the cost rule does not lose to recompute on a slow disk.
+
+JSON and a bar plot in bench/results/ (device and commit recorded). The files are in the
+page cache when read back: the unthrottled figure is host memory speed, the throttled ones
+what a slow disk costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.lib.common import RESULTS, environment
+from engine import Engine, EngineConfig, SamplingParams, Turn
+
+MODEL = "smollm2-135m-instruct"
+
+
+def build(disk: Path, convs: int, context: int, seed: int) -> tuple[Engine, list[list[int]]]:
+    """An engine holding `convs` conversations of about `context` tokens, stopped: its
+    memory is written to the disk tier."""
+    engine = Engine(
+        EngineConfig(model=MODEL, device="cpu", disk_cache_dir=str(disk), gpu_cache_chunks=512)
+    )
+    rng = random.Random(seed)
+    vocab = engine.tokenizer.vocab_size
+    contexts: list[list[int]] = [[] for _ in range(convs)]
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    while min(len(c) for c in contexts) < context:
+        turns = [
+            Turn(f"c{i}", [rng.randrange(100, vocab) for _ in range(224)], sp, context_len=len(c))
+            for i, c in enumerate(contexts)
+        ]
+        for i, r in enumerate(engine.run(turns)):
+            contexts[i] += turns[i].prompt_token_ids + r.token_ids
+    t0 = time.perf_counter()
+    written = engine.write_back()
+    write_s = time.perf_counter() - t0
+    engine.close()
+    print(f"built {convs} conversations of {len(contexts[0])} tokens; wrote {written} chunks "
+          f"in {write_s:.2f} s")  # fmt: skip
+    return engine, contexts
+
+
+def returning(
+    history, contexts, disk: Path | None, choice: str = "cost", limit: float | None = None
+) -> dict:
+    """A fresh engine on the same history: one more turn of each conversation, one at a
+    time; time to first token and where the context came from."""
+    config = EngineConfig(
+        model=MODEL, device="cpu", gpu_cache_chunks=512,
+        disk_cache_dir=str(disk) if disk else None,
+    )  # fmt: skip
+    engine = Engine(config, history=history)
+    if engine.disk is not None:
+        engine.disk.choice = choice
+        engine.disk.read_limit_bps = limit
+        engine.disk._probe()  # the bandwidth the cost rule starts from, throttle included
+    rng = random.Random(1)
+    ttft, disk_tokens, recomputed = [], 0, 0
+    for i, context in enumerate(contexts):
+        prompt = [rng.randrange(100, 40000) for _ in range(16)]
+        turn = Turn(f"c{i}", prompt, SamplingParams(max_tokens=1), context_len=len(context))
+        [r] = engine.run([turn])
+        ttft.append(r.stats.first_token_s - r.stats.arrival_s)
+        disk_tokens += r.stats.disk_tokens
+        recomputed += r.stats.recomputed_tokens
+    engine.close()
+    return {
+        "ttft_ms_median": statistics.median(ttft) * 1000,
+        "ttft_ms": [round(x * 1000, 1) for x in ttft],
+        "disk_tokens": disk_tokens,
+        "recomputed_tokens": recomputed,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["runs"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bars = ax.bar([r["name"] for r in rows], [r["ttft_ms_median"] for r in rows],
+                  color=["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red"])  # fmt: skip
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_ylabel("time to first token after a restart (ms, median)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    env = result["environment"]
+    ax.set_title(f"{result['convs']} conversations of {result['context']} tokens, {MODEL} on "
+                 f"{env['device']} ({env['git_commit'][:9]})", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--convs", type=int, default=6)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--slow-mb-s", type=float, default=10.0)
+    p.add_argument("--out", type=Path, default=RESULTS / "disk-cpu.json")
+    args = p.parse_args(argv)
+    slow = args.slow_mb_s * 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        disk = Path(tmp)
+        first, contexts = build(disk, args.convs, args.context, seed=0)
+        history = first.history
+        variants = [
+            ("recompute (no disk tier)", None, "cost", None),
+            ("disk tier", disk, "cost", None),
+            (f"{args.slow_mb_s:g} MB/s: cost rule", disk, "cost", slow),
+            (f"{args.slow_mb_s:g} MB/s: always load", disk, "load", slow),
+            (f"{args.slow_mb_s:g} MB/s: always recompute", disk, "recompute", slow),
+        ]
+        runs = []
+        for name, d, choice, limit in variants:
+            r = {"name": name, **returning(history, contexts, d, choice, limit)}
+            runs.append(r)
+            print(f"{name:30s} TTFT {r['ttft_ms_median']:8.1f} ms median; from disk "
+                  f"{r['disk_tokens']}, recomputed {r['recomputed_tokens']}")  # fmt: skip
+    result = {"benchmark": "disk", "convs": args.convs, "context": len(contexts[0]),
+              "slow_mb_s": args.slow_mb_s, "environment": environment(), "runs": runs}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
