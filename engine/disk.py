@@ -266,17 +266,32 @@ class DiskTier:
                 e.used = time.time()
         return parts
 
-    def load(self, keys: list[bytes], dropped: int, chunk_bytes: int) -> Loaded | None:
+    def load(
+        self, keys: list[bytes], dropped: int, chunk_bytes: int, whole: bool = False
+    ) -> Loaded | None:
         """Read back what is worth reading of a dropped run of `dropped` chunks with hash
-        chain `keys` (its full chunks'): the files of its last full chunks, as far back as
-        they go without a gap, each one only if reading it is cheaper than recomputing it
-        (recompute grows with the chunk's position, so the cheap ones are a prefix). None:
-        all of it is recomputed."""
+        chain `keys` (its full chunks'): a run of files without a gap that ends at the last
+        full chunk, or, when the dropped run is the whole context (`whole`: nothing after it
+        is held, as after a restart), the longest run of files anywhere (a crash leaves the
+        leading chunks, dropped early, on disk and loses the rest). Each chunk of the run is
+        read only if that is cheaper than recomputing it (recompute grows with the chunk's
+        position, so the cheap ones are a prefix). None: all of it is recomputed."""
         if self.choice == "recompute":
             return None
-        last = first = min(dropped, len(keys))
-        while first > 0 and self.has(keys[first - 1], first - 1):
+        full = min(dropped, len(keys))
+        present = [self.has(keys[j], j) for j in range(full)]
+        first = last = full
+        while first > 0 and present[first - 1]:
             first -= 1
+        if whole:
+            start = None
+            for j in range(full + 1):
+                if j < full and present[j]:
+                    start = j if start is None else start
+                elif start is not None:
+                    if j - start > last - first:
+                        first, last = start, j
+                    start = None
         read = self.read_s(chunk_bytes) if self.choice == "cost" else 0.0
         while first < last and self.cost((first + 1) * self.chunk_size) < read:
             first += 1

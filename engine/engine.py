@@ -480,8 +480,10 @@ class Engine:
             prefix = self.history.read(cid, 0, base)
         if not dropped or self.disk is None:
             return prefix, None
-        keys = chain_hashes(prefix[: dropped * self.cache.chunk_size], self.cache.chunk_size)
-        return prefix, self.disk.load(keys, dropped, self.pool.bytes_per_chunk)
+        cs = self.cache.chunk_size
+        keys = chain_hashes(prefix[: dropped * cs], cs)
+        whole = dropped * cs >= base  # nothing after the dropped run is held
+        return prefix, self.disk.load(keys, dropped, self.pool.bytes_per_chunk, whole)
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
