@@ -17,7 +17,7 @@ ENV = {"PENSIEVE_GPU_CACHE_CHUNKS": "10", "PENSIEVE_CPU_CACHE_CHUNKS": "2"}
 LONG = "Describe, in careful detail, how a lighthouse keeper spends a winter night. " * 12
 
 
-async def oracle(url: str, cid: str, text: str) -> None:
+async def oracle(url: str, cid: str, text: str, model: str = "smollm2-135m-instruct") -> None:
     """The engine run directly on the stored stream before the last reply gives it."""
     store = HistoryStore(url)
     await store.start()
@@ -26,10 +26,11 @@ async def oracle(url: str, cid: str, text: str) -> None:
         stream = await store.stream(cid)
     finally:
         await store.close()
-    engine = Engine(EngineConfig(device="cpu", gpu_cache_chunks=64, cpu_cache_chunks=0))
+    engine = Engine(EngineConfig(model, "cpu", gpu_cache_chunks=64, cpu_cache_chunks=0))
     try:
         prompt = stream[: reply.token_start]
-        [r] = engine.run([Turn("oracle", prompt, SamplingParams(max_tokens=12))])
+        sp = SamplingParams(max_tokens=max(1, len(reply.token_ids)))
+        [r] = engine.run([Turn("oracle", prompt, sp)])
     finally:
         engine.close()
     assert reply.content == text and r.token_ids == reply.token_ids
