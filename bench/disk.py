@@ -101,7 +101,7 @@ def plot(result: dict, path: Path) -> None:
     rows = result["runs"]
     fig, ax = plt.subplots(figsize=(9, 4))
     bars = ax.bar([r["name"] for r in rows], [r["ttft_ms_median"] for r in rows],
-                  color=["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red"])  # fmt: skip
+                  color=["tab:gray", "tab:blue", "tab:red", "tab:green", "tab:orange"])  # fmt: skip
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_ylabel("time to first token after a restart (ms, median)")
     ax.tick_params(axis="x", labelsize=8)
@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         variants = [
             ("recompute (no disk tier)", None, "cost", None),
             ("disk tier", disk, "cost", None),
+            (f"{args.slow_mb_s:g} MB/s: always recompute", disk, "recompute", slow),
             (f"{args.slow_mb_s:g} MB/s: cost rule", disk, "cost", slow),
             (f"{args.slow_mb_s:g} MB/s: always load", disk, "load", slow),
-            (f"{args.slow_mb_s:g} MB/s: always recompute", disk, "recompute", slow),
         ]
         runs = []
         for name, d, choice, limit in variants:
