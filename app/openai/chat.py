@@ -31,7 +31,7 @@ from app.openai.tools import (
     CallStream,
     ToolChoice,
     ToolDef,
-    check,
+    checked,
     forcing_guide,
     wire,
 )
@@ -150,13 +150,7 @@ def parse(raw: bytes) -> CompletionBody:
 
 def tools_of(body: CompletionBody) -> list:
     """The request's functions, checked against its tool_choice."""
-    tools = [t.function for t in body.tools or []]
-    try:
-        check(tools, body.tool_choice)
-    except ValueError as e:
-        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
-        raise ApiError(400, str(e), param=param) from None
-    return tools
+    return checked([t.function for t in body.tools or []], body.tool_choice)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from app.openai import items as it
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.chat import END, ApiSink, Failed, usage
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
-from app.openai.tools import FunctionDef, NamedChoice, ToolChoice, check, forcing_guide
+from app.openai.tools import FunctionDef, NamedChoice, ToolChoice, checked, forcing_guide
 from app.rest import MAX_SYSTEM_PROMPT
 from app.services import Services, services
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
@@ -117,12 +117,7 @@ class ResponseBody(BaseModel):
                 err = e.errors(include_url=False)[0]
                 where = ".".join(str(p) for p in (f"tools.{i}", *err["loc"]))
                 raise ApiError(400, f"{where}: {err['msg']}", param=f"tools.{i}") from None
-        try:
-            check(out, self.tool_choice)
-        except ValueError as e:
-            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
-            raise ApiError(400, str(e), param=param) from None
-        return out
+        return checked(out, self.tool_choice)
 
     def reads_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"

@@ -12,6 +12,7 @@ from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.openai.errors import ApiError
 from app.turns.toolcalls import OPEN, Call, parse
 from engine.types import Guide
 
@@ -95,6 +96,16 @@ def check(tools: list[FunctionDef], choice: ToolChoice | None) -> None:
         raise ValueError(f"tool_choice: no tool is named {choice.target()!r}")
     if choice == "required" and not tools:
         raise ValueError("tool_choice: 'required' needs tools")
+
+
+def checked(tools: list[FunctionDef], choice: ToolChoice | None) -> list[FunctionDef]:
+    """`check` as the API answers it: a 400 naming tools or tool_choice."""
+    try:
+        check(tools, choice)
+    except ValueError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise ApiError(400, str(e), param=param) from None
+    return tools
 
 
 def forcing_guide(
