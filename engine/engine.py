@@ -212,7 +212,14 @@ class Engine:
                 config.disk_cache_dir, int(config.disk_cache_gb * 1e9), space, cost, cs
             )
             self.cache.spilling = True
+            self.cache.policy.restore_s = self._disk_restore_s
         self.lock = threading.RLock()  # guards all state below; held for a whole step
+
+    def _disk_restore_s(self) -> float | None:
+        """Seconds to read a chunk back from the disk tier (None: it is not writing)."""
+        if self.disk is None or not self.disk.writable:
+            return None
+        return self.disk.read_s(self.pool.bytes_per_chunk) or None
 
     def _load_model(self, config: EngineConfig) -> None:
         """The model, its tokenizer and its device (a tensor-parallel one: rank 0's share)."""

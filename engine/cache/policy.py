@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.cache.chunks import ChunkTable
@@ -59,6 +59,9 @@ class Policy:
         # running turns, whose chunks are pinned, can still take them when nothing else is left).
         self.expected: dict[str, float] = {}
         self.expectations = 0  # changes of `expected`: the cache's eviction order is stale
+        # With a disk tier a dropped chunk comes back for at most the time to read it: the
+        # seconds that caps a chunk's cost (None: no disk tier, or it does not write)
+        self.restore_s: Callable[[], float | None] | None = None
 
     def expect(self, conversation_id: str, until: float) -> None:
         self.expected[conversation_id] = until
@@ -80,7 +83,9 @@ class Policy:
     def value(self, conv: ChunkTable, chunk: int, now: float) -> float:
         """Retention value of a chunk: recompute cost over idle time."""
         idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
-        return self.cost(chunk * self.chunk_size) / idle
+        cost = self.cost(chunk * self.chunk_size)
+        cap = self.restore_s() if self.restore_s is not None else None
+        return (cost if cap is None else min(cost, cap)) / idle
 
     def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[bool, float, int]:
         """Chunks of expected conversations come after every other idle chunk."""

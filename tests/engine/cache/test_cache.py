@@ -483,3 +483,20 @@ def test_random_workload_with_a_disk_tier(ops, gpu, cpu):
             assert (i + 1) * cs <= t.tokens and tier in ("gpu", "cpu")
             assert 0 <= block < (m.gpu.num_blocks if tier == "gpu" else m.cpu.num_blocks)
         m.check()
+
+
+def test_a_disk_tier_caps_the_value_at_its_read_time():
+    """With a disk tier a dropped chunk costs at most a read to bring back: chunks whose
+    recompute costs more are worth the read over their idle time, so the idlest go first."""
+    m, clock, now = manager(gpu=8, cpu=0)
+    p = m.policy
+    t = m.table("a")
+    clock.touch("a", now.t - 10.0)
+    uncapped = [p.value(t, i, now.t) for i in range(4)]
+    assert uncapped == sorted(uncapped) and uncapped[0] < uncapped[-1]
+    cap = (p.cost(2 * CS) + p.cost(3 * CS)) / 2  # between chunk 2's cost and chunk 3's
+    p.restore_s = lambda: cap
+    capped = [p.value(t, i, now.t) for i in range(4)]
+    assert capped[:3] == uncapped[:3] and capped[3] == cap / 10.0
+    p.restore_s = lambda: None  # the tier stopped writing: recompute costs again
+    assert [p.value(t, i, now.t) for i in range(4)] == uncapped
