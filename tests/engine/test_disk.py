@@ -1,0 +1,82 @@
+"""DiskTier alone: files written behind the caller and read back verified, the index rebuilt
+at start, capacity kept by retention value, and a disk that refuses writes."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+from engine.disk import DiskTier
+
+KEY = [bytes([i]) * 16 for i in range(8)]
+
+
+def chunk(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 2, 4, 3, generator=g), torch.randn(2, 2, 4, generator=g).half()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_round_trip_and_restart(tmp_path):
+    d = DiskTier(tmp_path, 1 << 30, "space")
+    assert d.put(KEY[0], 0, chunk(0)) and d.has(KEY[0], 0)
+    d.flush()
+    assert same(d.read(KEY[0], 0), chunk(0))
+    assert not d.put(KEY[0], 0, chunk(0))  # stored once
+    again = DiskTier(tmp_path, 1 << 30, "space")  # a new process: the index from the files
+    assert KEY[0] in again.index and again.bytes == d.bytes
+    assert same(again.read(KEY[0], 0), chunk(0))
+    assert again.read(KEY[1], 1) is None
+
+
+def test_a_chunk_queued_for_writing_reads_back_at_once(tmp_path):
+    d = DiskTier(tmp_path, 1 << 30, "space")
+    with d.lock:  # the writer cannot take it yet
+        d.pending[KEY[2]] = chunk(2)
+    assert d.has(KEY[2], 2) and same(d.read(KEY[2], 2), chunk(2))
+
+
+def test_over_capacity_the_lowest_value_goes(tmp_path):
+    size = len(b"".join(p.numpy().tobytes() for p in chunk(0))) + 200  # payload and header
+    d = DiskTier(tmp_path, 4 * size, "space", cost=lambda context: float(context))
+    for i in range(6):  # later chunks cost more to recompute: the first ones go
+        d.put(KEY[i], i, chunk(i))
+        d.flush()
+    assert d.evicted > 0 and d.bytes <= 4 * size
+    assert KEY[0] not in d.index and KEY[5] in d.index
+    assert not d.path(KEY[0], 0).exists()
+
+
+def test_a_disk_that_refuses_writes_stops_writing(tmp_path):
+    d = DiskTier(tmp_path / "kv", 1 << 30, "space")
+    shutil.rmtree(d.dir)
+    d.dir.parent.mkdir(exist_ok=True)
+    d.dir.write_text("not a directory")  # every write now fails
+    assert d.put(KEY[3], 3, chunk(3))
+    d.flush()
+    assert not d.writable and d.failed == 1
+    assert not d.put(KEY[4], 4, chunk(4))  # nothing more is queued
+    assert d.read(KEY[3], 3) is None
+
+
+def test_the_cost_rule_reads_only_what_is_cheaper(tmp_path):
+    d = DiskTier(tmp_path, 1 << 30, "space", cost=lambda context: context * 1e-3, chunk_size=32)
+    for i in range(4):
+        d.put(KEY[i], i, chunk(i))
+    d.flush()
+    d.read_bps = 1e6  # 0.05 s to read 50 kB: chunks 0 (0.032 s) and 1 (0.064 s)... recompute
+    loaded = d.load(KEY[:4], 4, 50_000)
+    assert (loaded.first, loaded.last) == (1, 4) and set(loaded.parts) == {1, 2, 3}
+    d.choice = "recompute"
+    assert d.load(KEY[:4], 4, 50_000) is None
+    d.choice = "load"
+    assert d.load(KEY[:4], 4, 50_000).first == 0
+    d.path(KEY[2], 2).write_bytes(b"PKV1 cut short")  # damaged: recompute up to it
+    d.choice = "cost"
+    assert d.load(KEY[:4], 4, 50_000).first == 3
