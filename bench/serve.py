@@ -78,6 +78,8 @@ async def bench_engine(
                 rates = ladder(preset, mode_name, log)
                 rate = next(rates)
                 while rate is not None:  # grows while the mode has not crossed the bound
+                    if engine.engine.disk is not None:  # no run finds another's chunks
+                        engine.engine.disk.clear()
                     driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
                     plans = plan(convs, rate, think, preset.time_scale, preset.seed)
                     desc = f"{mode_name} rate {rate:g}"

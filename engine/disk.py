@@ -134,6 +134,15 @@ class DiskTier:
             if wait > 0:
                 time.sleep(wait)
 
+    def clear(self) -> None:
+        """Remove every file (benchmarks: runs that replay the same conversations must not
+        find each other's chunks)."""
+        self.flush()
+        with self.lock:
+            keys, self.index, self.bytes = list(self.index.items()), {}, 0
+        for key, e in keys:
+            self.path(key, e.index).unlink(missing_ok=True)
+
     def path(self, key: bytes, index: int) -> Path:
         h = key.hex()
         return self.dir / h[:2] / f"{h}-{index}{SUFFIX}"

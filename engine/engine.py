@@ -107,6 +107,8 @@ class Engine:
         self.tp = None  # tensor parallelism: the other ranks (engine/parallel.py)
         self.sim = None  # on "sim:<device>": the cost model and virtual clock (engine/sim)
         if is_simulated(config.device):
+            if config.disk_cache_dir:
+                raise ValueError("the simulated device has no disk tier yet")
             self._simulate(config)
         else:
             self._load_model(config)

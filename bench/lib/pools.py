@@ -3,6 +3,7 @@ chunks from GB or from the sample's history (no weights loaded)."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
 
 from bench.lib import workload as wl
@@ -26,6 +27,7 @@ def engine_config(preset: Preset, mode: Mode):
         max_batch_tokens=preset.max_batch_tokens,
         max_running=preset.max_running,
         seed=preset.seed,
+        disk_cache_dir=tempfile.mkdtemp(prefix="pensieve-disk-") if mode.disk else None,
     )
 
 

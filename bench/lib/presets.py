@@ -15,6 +15,7 @@ class Mode:
     eviction: str = "pensieve"
     unified: bool = True
     holds_all: bool = False  # the oracle: tiers that hold every conversation, never evicting
+    disk: bool = False  # a disk tier (a fresh directory) behind the CPU tier
 
 
 MODES = {
@@ -26,6 +27,7 @@ MODES = {
         Mode("pensieve-lru", eviction="lru"),
         Mode("pensieve-separate", unified=False),
         Mode("oracle", holds_all=True),
+        Mode("pensieve-disk", disk=True),
     )
 }
 

@@ -208,3 +208,17 @@ def test_append_builds_one_sweep_from_several_invocations(tmp_path) -> None:
     assert [r["mode"] for r in result["runs"]] == ["stateless"]
     assert result["workload"]["summary"]["conversations"] == 1  # the first of the sample
     assert result["runs"][0]["metrics"]["turns"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_disk_tier_mode_runs_and_counts_its_reads(tmp_path) -> None:
+    """`pensieve-disk`: the same engine with a disk tier (a fresh directory) behind its CPU
+    tier, emptied between runs so that no run finds another's chunks."""
+    sample = tmp_path / "sample.json"
+    _sample_file(sample, n=2)
+    out = tmp_path / "serve.json"
+    args = ["--preset", "tiny", "--sample-file", str(sample), "--out", str(out), "--no-plot"]
+    assert serve.main([*args, "--modes", "pensieve-disk"]) == 0
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["runs"]] == ["pensieve-disk"]
+    assert "disk_tokens" in result["runs"][0]["counters"]
