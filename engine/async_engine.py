@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 _END = object()
 SNAPSHOT_EVERY_S = 0.2
+IDLE_WRITES = 16  # chunks written to the disk tier per turn of an idle loop
 RETRY_AFTER_S = 1.0  # a full queue drains within about a second of steps
 
 
@@ -75,6 +76,7 @@ class AsyncEngine:
         self._busy: set[str] = set()  # conversations with a turn in flight (event loop only)
         self._running = 0  # turns in the running batch, as the loop thread last saw it
         self._crashed: BaseException | None = None
+        self._written_at = -1  # the step count when idle write-back last found nothing to do
         self._snapshot: EngineSnapshot | None = None
         self._snapshot_at = 0.0
 
@@ -228,9 +230,24 @@ class AsyncEngine:
                     engine.wait_for_io()
             else:
                 self._refresh_snapshot(force=True)
-                self._wake.wait(0.5)
+                # Idle: write some of what memory holds to the disk tier, so that a crash
+                # or a replica's death loses little of it
+                if self._write_back(engine):
+                    self._wake.wait(0.01)
+                else:
+                    self._wake.wait(0.5)
                 self._wake.clear()
             self._refresh_snapshot()
+
+    def _write_back(self, engine: Engine) -> bool:
+        """Some chunks written to the disk tier while idle; False once all are (until the
+        next step changes what memory holds)."""
+        if engine.disk is None or engine.counters.steps == self._written_at:
+            return False
+        if engine.write_back(limit=IDLE_WRITES):
+            return True
+        self._written_at = engine.counters.steps
+        return False
 
     def _fail_everything(self, error: Exception) -> None:
         """After the loop died: fail the engine's turns and those still in the inbox."""

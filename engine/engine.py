@@ -745,26 +745,33 @@ class Engine:
         used = min(total, self.disk.bytes // chunk)
         return PoolUsage(total, used, total - used)
 
-    def write_back(self) -> int:
-        """Write every full chunk held in memory that the disk tier lacks (a graceful stop:
-        the next process reads them instead of recomputing). Returns the chunks written."""
-        if self.disk is None:
+    def write_back(self, limit: int | None = None) -> int:
+        """Write the full chunks held in memory that the disk tier lacks, of idle
+        conversations: all of them and wait (a graceful stop: the next process reads them
+        instead of recomputing), or at most `limit` without waiting (while the engine is
+        idle, so that a crash loses little). Returns the chunks queued."""
+        if self.disk is None or not self.disk.writable:
             return 0
-        n = 0
+        n, held = 0, self.disk.keys()
         with self.lock:
-            for t in self.cache.tables.values():
+            for t in list(self.cache.tables.values()):
                 state = self.streams.get(t.id)
                 if state is None or t.pinned:
                     continue
                 for j, c in enumerate(t.chunks[: len(state.hashes)]):
                     tier = "gpu" if c.gpu is not None else "cpu" if c.cpu is not None else None
-                    if tier is None or state.hashes[j] in self.disk.index:
+                    if tier is None or state.hashes[j] in held:
                         continue
+                    if limit is not None and n >= limit:
+                        return n
                     block = c.gpu if tier == "gpu" else c.cpu
-                    n += self.disk.put(
-                        state.hashes[j], j, self.pool.read_block(tier, block), wait=True
-                    )
-        self.disk.flush()
+                    parts = self.pool.read_block(tier, block)
+                    if not self.disk.put(state.hashes[j], j, parts, wait=limit is None):
+                        return n  # the writer is behind: later
+                    held.add(state.hashes[j])
+                    n += 1
+        if limit is None:
+            self.disk.flush()
         return n
 
     def close(self) -> None:

@@ -15,15 +15,16 @@ from tests.cluster_fixtures import REPLICA_ENV, start_cluster
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_failover_reads_what_the_old_home_wrote(tmp_path):
+@pytest.mark.parametrize("end", ["stop", "kill"])
+def test_failover_reads_what_the_old_home_wrote(tmp_path, end):
     cluster = start_cluster(tmp_path, n=2, env={"PENSIEVE_DISK_CACHE_DIR": str(tmp_path / "kv")})
     try:
-        asyncio.run(scenario(cluster))
+        asyncio.run(scenario(cluster, end))
     finally:
         cluster.stop()
 
 
-async def scenario(cluster) -> None:
+async def scenario(cluster, end: str) -> None:
     token = cluster.servers[0].user("traveller")
     cid = cluster.servers[0].new_chat(token)
     async with connect(cluster.front, cid, token) as ws:
@@ -31,7 +32,11 @@ async def scenario(cluster) -> None:
                           max_tokens=8)  # fmt: skip
     assert first.errors == []
     home = cluster.server_of(cluster.home(cid))
-    home.stop()  # a deploy: it writes its memory to the shared tier on the way out
+    if end == "stop":
+        home.stop()  # a deploy: it writes its memory to the shared tier on the way out
+    else:
+        await asyncio.sleep(2)  # idle, it writes its memory meanwhile
+        home.kill()  # then dies
     after = await reconnect_and_say(cluster, token, cid, "What did I ask?")
     assert after.errors == []
     usage = after.done["usage"]
