@@ -492,7 +492,10 @@ class Engine:
         cs = self.cache.chunk_size
         keys = chain_hashes(prefix[: dropped * cs], cs)
         whole = dropped * cs >= base  # nothing after the dropped run is held
-        return prefix, self.disk.load(keys, dropped, self.pool.bytes_per_chunk, whole)
+        loaded = self.disk.load(keys, dropped, self.pool.bytes_per_chunk, whole)
+        if loaded is not None and self.device.type == "cuda":  # copied layer by layer, async
+            loaded.parts = {j: [p.pin_memory() for p in ps] for j, ps in loaded.parts.items()}
+        return prefix, loaded
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True

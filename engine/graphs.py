@@ -49,8 +49,9 @@ def bucket_of(n: int, sizes: list[int]) -> int | None:
 
 
 def is_decode_only(x: StepInputs, plan: CopyPlan) -> bool:
-    """One position per piece and no swap-in to wait for inside the forward."""
-    return bool(x.starts) and len(x.ids) == len(x.starts) and not plan.swap_in
+    """One position per piece and no swap-in (or disk tier load) to wait for inside the
+    forward."""
+    return bool(x.starts) and len(x.ids) == len(x.starts) and not (plan.swap_in or plan.load)
 
 
 def pad(b: Batch, size: int) -> Batch:

@@ -63,6 +63,7 @@ class KVPool:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._layer_events: list | None = None
         self._pending_swap_in: list[tuple[int, int, int]] = []  # runs: (cpu, gpu, length)
+        self._pending_load: list[tuple[list, int]] = []  # this step's loads from the disk tier
         self._background_done = None
 
     def _host_pool(self, layers: int, blocks: int, parts: list[tuple]) -> list[torch.Tensor]:
@@ -123,11 +124,12 @@ class KVPool:
         which = 0 if tier == "gpu" else 1
         return [pair[which][:, :, block].to("cpu", copy=True) for pair in self._tiers]
 
-    def _load(self, loads: list[tuple[list, int]]) -> None:
-        """Chunks read back from the disk tier into their GPU blocks."""
+    def _load(self, loads: list[tuple[list, int]], layer: int) -> None:
+        """One layer of the chunks read back from the disk tier (host tensors, page-locked
+        on CUDA) into their GPU blocks: pipelined with the forward like a swap-in."""
         for parts, block in loads:
             for (g, _), part in zip(self._tiers, parts, strict=True):
-                g[:, :, block].copy_(part, non_blocking=False)
+                g[layer, :, block].copy_(part[layer], non_blocking=self.cuda)
 
     def begin_step(self, plan: CopyPlan) -> None:
         """Before the forward: synchronous swap-outs, then the disk tier's loads, then start
@@ -137,18 +139,18 @@ class KVPool:
             self.stream.wait_stream(compute)  # chunks to copy were written by earlier steps
             with torch.cuda.stream(self.stream):
                 self._copy_out(plan.swap_out)
-                self._load(plan.load)
                 # Freed GPU blocks may be rewritten by this forward: it waits for the swap-outs
                 # and for the previous step's background copies (long done, usually).
-                if plan.swap_out or plan.load or self._background_done is not None:
+                if plan.swap_out or self._background_done is not None:
                     freed = torch.cuda.Event()
                     freed.record(self.stream)
                     compute.wait_event(freed)
                 events = None
-                if plan.swap_in:  # no events at all for the usual step without a swap-in
+                if plan.swap_in or plan.load:  # no events for the usual step without
                     moves, events = runs(plan.swap_in), []
                     for layer in range(len(self.layers)):
                         self._copy_in(moves, layer)
+                        self._load(plan.load, layer)
                         ev = torch.cuda.Event()
                         ev.record(self.stream)
                         events.append(ev)
@@ -156,16 +158,19 @@ class KVPool:
             self._background_done = None
         else:
             self._copy_out(plan.swap_out)
-            self._load(plan.load)
             self._pending_swap_in = runs(plan.swap_in)
+            self._pending_load = plan.load
 
     def before_attention(self, layer: int) -> None:
         """Hook called by the model before layer `layer` reads its KV."""
         if self.cuda:
             if self._layer_events is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
-        elif self._pending_swap_in:
-            self._copy_in(self._pending_swap_in, layer)
+        else:
+            if self._pending_swap_in:
+                self._copy_in(self._pending_swap_in, layer)
+            if self._pending_load:
+                self._load(self._pending_load, layer)
 
     def swap_in_now(self) -> None:
         """No forward follows this step's copies: bring every layer's swap-in in now."""
@@ -175,6 +180,7 @@ class KVPool:
     def end_step(self, plan: CopyPlan) -> None:
         """After the forward: start the ahead-of-time swap-outs in the background."""
         self._pending_swap_in = []
+        self._pending_load = []
         if not plan.background:
             return
         if self.cuda:
