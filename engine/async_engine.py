@@ -161,10 +161,11 @@ class AsyncEngine:
             pass
         return stream.result
 
-    def free(self, conversation_id: str) -> asyncio.Future:
-        """Forget a conversation's cache; await the result to know it is done."""
+    def free(self, conversation_id: str, erase: bool = False) -> asyncio.Future:
+        """Forget a conversation's cache (`erase`: its disk tier files too, a deleted
+        chat's); await the result to know it is done."""
         fut = self._loop.create_future()
-        self._post(("free", conversation_id, fut))
+        self._post(("free", conversation_id, erase, fut))
         return fut
 
     def fork(
@@ -286,9 +287,9 @@ class AsyncEngine:
                 except Exception:  # a hint only: the turn that follows works without it
                     log.exception("prefetch of %s failed", item[1])
             elif kind == "free":
-                _, cid, fut = item
+                _, cid, erase, fut = item
                 try:
-                    self.engine.free(cid)
+                    self.engine.free(cid, erase)
                     self._call(_resolve, fut, None, None)
                 except Exception as e:
                     self._call(_resolve, fut, None, e)

@@ -134,6 +134,13 @@ class DiskTier:
             if wait > 0:
                 time.sleep(wait)
 
+    def remove(self, key: bytes, index: int) -> None:
+        """Remove a chunk's file (a deleted conversation's), and its write if it is still
+        queued (one the writer has begun lands after this)."""
+        with self.lock:
+            self.pending.pop(key, None)
+        self._forget(key, self.path(key, index))
+
     def clear(self) -> None:
         """Remove every file (benchmarks: runs that replay the same conversations must not
         find each other's chunks)."""
@@ -184,7 +191,10 @@ class DiskTier:
         while True:
             key, index, parts = self._queue.get()
             try:
-                self._write(key, index, parts)
+                with self.lock:
+                    wanted = key in self.pending  # not removed meanwhile
+                if wanted:
+                    self._write(key, index, parts)
             except OSError as e:  # full or read-only: stop writing, serving goes on
                 self.failed += 1
                 self.writable = False

@@ -500,12 +500,17 @@ class Engine:
     def cancel(self, req: Request) -> None:
         req.cancelled = True
 
-    def free(self, conversation_id: str) -> None:
-        """Forget a conversation's cache (its turns must have ended)."""
+    def free(self, conversation_id: str, erase: bool = False) -> None:
+        """Forget a conversation's cache (its turns must have ended). `erase`: remove its
+        chunks from the disk tier too (a deleted conversation's; another conversation that
+        starts the same way recomputes what it shared)."""
         with self.lock:
             state = self.streams.get(conversation_id)
             if state is not None and state.busy:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
+            if erase and state is not None and self.disk is not None:
+                for j, key in enumerate(state.hashes):
+                    self.disk.remove(key, j)
             self.scheduler.prefetch.supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)

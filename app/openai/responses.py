@@ -310,7 +310,7 @@ async def drop(sv: Services, cid: str) -> None:
     with contextlib.suppress(*DB_ERRORS):
         await sv.store.delete_conversation(cid)
     with contextlib.suppress(Exception):
-        await sv.engine.free(cid)
+        await sv.engine.free(cid, erase=True)
     forget = getattr(sv.clock, "forget", None)
     if forget:
         forget(cid)

@@ -80,3 +80,14 @@ def test_the_cost_rule_reads_only_what_is_cheaper(tmp_path):
     d.path(KEY[2], 2).write_bytes(b"PKV1 cut short")  # damaged: recompute up to it
     d.choice = "cost"
     assert d.load(KEY[:4], 4, 50_000).first == 3
+
+
+def test_removed_chunks_are_gone_queued_or_written(tmp_path):
+    d = DiskTier(tmp_path, 1 << 30, "space")
+    d.put(KEY[5], 5, chunk(5))
+    d.flush()
+    with d.lock:  # queued, the writer not there yet
+        d.pending[KEY[6]] = chunk(6)
+    d.remove(KEY[5], 5)
+    d.remove(KEY[6], 6)
+    assert not d.has(KEY[5], 5) and not d.has(KEY[6], 6) and d.bytes == 0

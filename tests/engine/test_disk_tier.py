@@ -101,3 +101,16 @@ def test_damaged_files_fall_back_to_recompute(hf, tmp_path, damage):
         assert r.token_ids == hf_greedy(hf, contexts[i] + plan[i][2], 12, set())
         assert r.stats.disk_tokens == 0, r.stats
     assert not files(tmp_path) or damage == "delete"  # damaged files are removed
+
+
+def test_erasing_a_conversation_removes_its_files(hf, tmp_path):
+    engine = make(tmp_path, gpu_cache_chunks=32, cpu_cache_chunks=16)
+    plan = prompts(engine, 2, 1, seed=7, min_len=40, max_len=64)
+    run_chats(engine, plan, [[], []], range(1))
+    assert engine.write_back() > 0
+    keys = {i: list(engine.streams[f"c{i}"].hashes) for i in range(2)}
+    engine.free("c0", erase=True)
+    engine.free("c1")  # forgotten by the engine, kept on disk
+    assert not any(engine.disk.has(k, j) for j, k in enumerate(keys[0]))
+    assert all(engine.disk.has(k, j) for j, k in enumerate(keys[1]))
+    engine.close()
