@@ -187,9 +187,18 @@ class DiskTier:
         while self._queue.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.005)
 
+    def close(self) -> None:
+        """Write what is queued, then end the writer thread."""
+        self._queue.put(None)
+        self._writer.join(timeout=60)
+
     def _write_loop(self) -> None:
         while True:
-            key, index, parts = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            key, index, parts = item
             try:
                 with self.lock:
                     wanted = key in self.pending  # not removed meanwhile

@@ -788,6 +788,7 @@ class Engine:
                 self.write_back()
             except Exception:  # a stop must not fail on it: the next start recomputes
                 log.exception("could not write the cache back to the disk tier")
+            self.disk.close()
         self._reader.shutdown(wait=False, cancel_futures=True)
         if self.guides is not None:
             self.guides.close()
