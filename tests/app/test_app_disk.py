@@ -38,8 +38,7 @@ async def oracle(url: str, cid: str, text: str, model: str = "smollm2-135m-instr
     assert reply.content == text and r.token_ids == reply.token_ids
 
 
-@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
-async def test_contexts_come_back_from_disk_after_a_restart(tmp_path, stop):
+async def test_contexts_come_back_from_disk_after_a_stop_then_a_sigkill(tmp_path):
     url = f"sqlite+aiosqlite:///{tmp_path}/pensieve.db"
     env = {**ENV, "PENSIEVE_DISK_CACHE_DIR": str(tmp_path / "kv")}
     srv = Server(url, tmp_path / "server.log", env=env).start()
@@ -50,21 +49,24 @@ async def test_contexts_come_back_from_disk_after_a_restart(tmp_path, stop):
             await say(ws, LONG, max_tokens=12)
         async with connect(srv, second, token) as ws:  # pushes the first chat out of memory
             await say(ws, LONG.replace("winter", "summer"), max_tokens=12)
-        if stop == "sigkill":
-            await asyncio.sleep(2)  # idle: the engine writes what memory holds meanwhile
-            srv.kill()
-        else:
-            srv.stop()  # written on the way out
-        srv.start()
-        # The first chat was dropped to disk; the second written on the way out or while idle
-        for cid in (first, second):
-            async with connect(srv, cid, token) as ws:
-                after = await say(ws, "And then?", max_tokens=12)
-            assert after.errors == []
-            usage = after.done["usage"]
-            assert usage["disk_tokens"] > 0, usage
-            assert usage["recomputed_tokens"] < usage["disk_tokens"], usage
-            await oracle(url, cid, after.text)
+        # A graceful stop writes what memory holds on the way out; the first chat was dropped
+        # to disk before. Then, with both back in memory, a SIGKILL after an idle moment:
+        # the engine writes what memory holds while idle.
+        for stop, question in (("sigterm", "And then?"), ("sigkill", "And after that?")):
+            if stop == "sigkill":
+                await asyncio.sleep(2)
+                srv.kill()
+            else:
+                srv.stop()
+            srv.start()
+            for cid in (first, second):
+                async with connect(srv, cid, token) as ws:
+                    after = await say(ws, question, max_tokens=12)
+                assert after.errors == [], stop
+                usage = after.done["usage"]
+                assert usage["disk_tokens"] > 0, (stop, usage)
+                assert usage["recomputed_tokens"] < usage["disk_tokens"], (stop, usage)
+                await oracle(url, cid, after.text)
     finally:
         srv.stop()
     assert "Traceback" not in srv.log_tail(100_000)

@@ -25,10 +25,11 @@ QUESTIONS = [
 BRIEF = "Answer in a few words."
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def server(request, tmp_path_factory):
+# PostgreSQL, as in production: the store's own tests cover the responses table on both.
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
     env = {"PENSIEVE_TURNS_PER_MINUTE": "1000"}
-    with server_on(request.param, tmp_path_factory.mktemp("responses"), env) as srv:
+    with server_on("postgresql", tmp_path_factory.mktemp("responses"), env) as srv:
         yield srv
     assert "Traceback" not in srv.log_tail(100_000)
 
