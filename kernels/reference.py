@@ -1,9 +1,11 @@
 """PyTorch reference paged attention: the CPU backend and the oracle for the Triton kernels.
 
-Keys of a sub-request are gathered from the pool block by block (whole blocks copy faster than
-single slots) and fed to scaled_dot_product_attention. Decode sub-requests (q_len 1) are batched into one
-padded call with a key-padding mask; longer sub-requests get one causal call each. The gather
-indices are derived once per step and cached in `meta.derived`, so every layer reuses them.
+Decode sub-requests (q_len 1) read the pool's blocks in place in the native CPU kernel
+(kernels/cpu_native.py) where it is built. Otherwise, and for longer sub-requests, keys are
+gathered from the pool block by block (whole blocks copy faster than single slots) and fed
+to scaled_dot_product_attention: decodes batched into one padded call with a key-padding
+mask, each longer sub-request in one causal call. The gather indices are derived once per
+step and cached in `meta.derived`, so every layer reuses them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedKV, dequantize, quantize
 
@@ -31,6 +34,7 @@ class _Prompt:
 class _Decodes:
     rows: torch.Tensor  # [D] batch rows of the q_len-1 sub-requests
     blocks: torch.Tensor  # [D, B] their blocks, padded with block 0
+    lens: torch.Tensor  # [D] int64: keys each one attends to
     mask: torch.Tensor  # [D, 1, 1, B * block_size] True where the key exists
 
 
@@ -69,10 +73,10 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
         padded = torch.zeros((len(dec_rows), width), dtype=torch.long, device=device)
         for i, t in enumerate(dec_blocks):
             padded[i, : t.numel()] = t
-        lens = torch.tensor(dec_lens, device=device)
+        lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
         mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
         rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        decodes = _Decodes(rows, padded, mask[:, None, None, :])
+        decodes = _Decodes(rows, padded, lens, mask[:, None, None, :])
     plan = _Plan(prompts, decodes)
     meta.derived[key] = plan
     return plan
@@ -97,7 +101,7 @@ def paged_attention_torch(
     """Rows past query_start[-1] (padding) come back as zeros."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     gqa = q.shape[1] != num_kv_heads
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q is
     plan = _plan(meta, block_size)
     for p in plan.prompts:
         q_len = p.end - p.start
@@ -119,7 +123,12 @@ def paged_attention_torch(
         )
         out[p.start : p.end] = o[0].transpose(0, 1)
     d = plan.decodes
-    if d is not None:
+    if d is not None and cpu_native.usable(q, k_cache):
+        # Straight from the pool's blocks (kernels/cpu_native.py)
+        cpu_native.module().paged_decode(
+            q.contiguous(), k_cache, v_cache, d.blocks, d.lens, d.rows, scale, out
+        )
+    elif d is not None:
         n = d.blocks.shape[0]
         flat = d.blocks.view(-1)
         k = _gather(k_cache, flat, q.dtype).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)

@@ -50,10 +50,16 @@ def test_every_linear_is_packed_and_computes_the_same(args: ModelArgs) -> None:
         torch.testing.assert_close(new(x), ref(x), rtol=1e-4, atol=1e-4)
 
 
-def test_only_float32_cpu_linears_are_packed() -> None:
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
-    ref = copy.deepcopy(model[0])
-    assert packed.pack_linears(model) == 1
-    assert isinstance(model[0], packed.PackedLinear) and isinstance(model[1], nn.Linear)
+def test_float32_and_native_bfloat16_cpu_linears_are_packed() -> None:
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8).to(torch.float16)
+    )
+    ref = copy.deepcopy(model)
+    bf16 = packed.available(torch.bfloat16)  # where the CPU computes bfloat16 natively
+    assert packed.pack_linears(model) == 1 + bf16
+    assert isinstance(model[0], packed.PackedLinear) and isinstance(model[2], nn.Linear)
+    assert isinstance(model[1], packed.PackedLinear if bf16 else nn.Linear)
     x = torch.randn(2, 8)
-    torch.testing.assert_close(model[0](x), ref(x))  # with its bias
+    torch.testing.assert_close(model[0](x), ref[0](x))  # with its bias
+    xb = torch.randn(5, 8).to(torch.bfloat16)
+    torch.testing.assert_close(model[1](xb), ref[1](xb), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,142 @@
+// Paged decode attention on the CPU: each decode query reads its keys and values straight
+// from the pool's blocks (no gather into a padded copy), one (sequence, KV head) per task,
+// with an online softmax over whole blocks. float32 and bfloat16 pools; math in float32.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+static inline void load(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// bfloat16 is the top half of a float32: widen by a shift (vectorizes, unlike the
+// conversion operator)
+static inline void load(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <typename T>
+static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& blocks, const at::Tensor& lens, const at::Tensor& rows,
+                   double scale, at::Tensor& out) {
+  const int64_t heads = q.size(1), d = q.size(2);
+  const int64_t bs = k.size(1), kvh = k.size(2), g = heads / kvh;
+  const int64_t n_seqs = rows.size(0), width = blocks.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t token_stride = kvh * d, block_stride = bs * kvh * d;
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), acc(g * d), x(bs * d), s(g * bs), m(g), l(g);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / kvh, h = task % kvh, len = lp[n];
+      const int64_t q_off = (rp[n] * heads + h * g) * d;  // the group's first query head
+      load(qp + q_off, qf.data(), g * d);
+      for (int64_t i = 0; i < g * d; ++i) qf[i] *= fscale;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.0f);
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t cnt = std::min(bs, len - start);
+        const int64_t block = bp[n * width + start / bs];
+        const T* kb = kp + block * block_stride + h * d;
+        const T* vb = vp + block * block_stride + h * d;
+        for (int64_t j = 0; j < cnt; ++j) load(kb + j * token_stride, x.data() + j * d, d);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* qg = qf.data() + gi * d;
+          float* sg = s.data() + gi * bs;
+          float top = m[gi];
+          for (int64_t j = 0; j < cnt; ++j) {
+            const float* kj = x.data() + j * d;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t e = 0; e < d; ++e) dot += qg[e] * kj[e];
+            sg[j] = dot;
+            top = std::max(top, dot);
+          }
+          const float corr = m[gi] == neg_inf ? 0.0f : std::exp(m[gi] - top);
+          float sum = l[gi] * corr;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < cnt; ++j) {
+            sg[j] = std::exp(sg[j] - top);
+            sum += sg[j];
+          }
+          float* ag = acc.data() + gi * d;
+#pragma omp simd
+          for (int64_t e = 0; e < d; ++e) ag[e] *= corr;
+          m[gi] = top;
+          l[gi] = sum;
+        }
+        for (int64_t j = 0; j < cnt; ++j) load(vb + j * token_stride, x.data() + j * d, d);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* sg = s.data() + gi * bs;
+          float* ag = acc.data() + gi * d;
+          for (int64_t j = 0; j < cnt; ++j) {
+            const float p = sg[j];
+            const float* vj = x.data() + j * d;
+#pragma omp simd
+            for (int64_t e = 0; e < d; ++e) ag[e] += p * vj[e];
+          }
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float inv = l[gi] > 0.0f ? 1.0f / l[gi] : 0.0f;
+        T* og = op + q_off + gi * d;
+        const float* ag = acc.data() + gi * d;
+        for (int64_t e = 0; e < d; ++e) og[e] = static_cast<T>(ag[e] * inv);
+      }
+    }
+  });
+}
+
+// out[rows[n]] = attention of q[rows[n]] over the first lens[n] keys of blocks[n].
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& blocks, const at::Tensor& lens, const at::Tensor& rows,
+                  double scale, at::Tensor& out) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the pool differ in dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong,
+              "blocks, lens and rows must be int64");
+  TORCH_CHECK(blocks.is_contiguous() && lens.is_contiguous() && rows.is_contiguous(),
+              "blocks, lens and rows must be contiguous");
+  const int64_t width = blocks.size(1) * k_cache.size(1), n_blocks = k_cache.size(0);
+  for (int64_t n = 0; n < rows.size(0); ++n) {  // cheap: what every task reads is in range
+    const int64_t len = lens.data_ptr<int64_t>()[n], row = rows.data_ptr<int64_t>()[n];
+    TORCH_CHECK(len >= 1 && len <= width, "a length exceeds its block table");
+    TORCH_CHECK(row >= 0 && row < q.size(0), "a row is out of range");
+  }
+  const auto b = blocks.narrow(0, 0, blocks.size(0));
+  TORCH_CHECK(blocks.numel() == 0 || (b.min().item<int64_t>() >= 0 &&
+                                      b.max().item<int64_t>() < n_blocks),
+              "a block id is out of the pool");
+  if (q.scalar_type() == at::kFloat) {
+    decode<float>(q, k_cache, v_cache, blocks, lens, rows, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode<at::BFloat16>(q, k_cache, v_cache, blocks, lens, rows, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over the CPU pool");
+}
