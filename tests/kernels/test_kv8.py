@@ -3,7 +3,8 @@
 Kernels: a quantized write then paged attention, both backends (Triton under the
 interpreter), against float attention on the unquantized K/V. Pool: capacity per byte and
 swaps that carry the scales. Engine: the bundled model's divergence from the float32 KV on
-the held-in equality prompts, and an 8-bit run through swaps and drops equal to one without.
+the held-in equality prompts, and an 8-bit run through swaps and drops equal to one without;
+on the same reference, the divergence of bfloat16 weights and KV on the CPU.
 """
 
 from __future__ import annotations
@@ -399,6 +400,36 @@ def test_bundled_model_divergence_from_float_kv(reference, fmt):
     assert err < max_err
     assert identical >= min_identical, firsts
     assert agree / total >= min_agree
+
+
+# bfloat16 weights and KV on the CPU (`dtype="bfloat16"`, packed for oneDNN where the CPU has
+# native bfloat16) against the float32 default, measured the same way: 12 of 12 replies
+# identical, max logit error 1.87, 100% of reply tokens the same argmax; served, all 12
+# replies equal the float32 ones.
+BF16_BOUNDS = (11, 3.0, 0.98)
+
+
+def test_bundled_model_divergence_of_bfloat16_weights(reference):
+    engine, plan, streams, spans, ref_logits = reference
+    bf16 = Engine(EngineConfig(model=BUNDLED, device="cpu", gpu_cache_chunks=64, dtype="bfloat16"))
+    logits = [logits_over(bf16, stream, "auto") for stream in streams]
+    err = max((q - r).abs().max().item() for r, q in zip(ref_logits, logits, strict=True))
+    identical, agree, total = 0, 0, 0
+    for conv, start, end in spans:
+        pred = logits[conv].argmax(-1)
+        same = [int(pred[p - 1]) == streams[conv][p] for p in range(start, end)]
+        identical += all(same)
+        agree += sum(same)
+        total += len(same)
+    min_identical, max_err, min_agree = BF16_BOUNDS
+    assert err < max_err and identical >= min_identical and agree / total >= min_agree
+    assert err > 0  # it did compute in bfloat16
+    served = serve(bf16, plan)
+    same = [
+        reply == streams[conv][start:end]
+        for (conv, start, end), reply in zip(spans, [r for s in served for r in s], strict=True)
+    ]
+    assert sum(same) >= min_identical
 
 
 def test_fp8_served_matches_its_teacher_forced_greedy(reference):
