@@ -167,14 +167,18 @@ class OpenAIDriver:
         timeout: float = 600.0,
         extra: dict[str, Any] | None = None,
         session: str | None = None,
+        keepalive: bool = True,
     ) -> None:
         import httpx
 
         self.url = url.rstrip("/")
+        # keepalive=False: a connection per request, never one the server is closing (as
+        # llama-server closes idle ones)
+        idle = None if keepalive else 0
         self.http = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {token}"} if token else {},
             timeout=timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=idle),
             trust_env=False,
         )
         self.extra = extra or {}  # more body fields: ignore_eos, ...
