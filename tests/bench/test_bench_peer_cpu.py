@@ -57,12 +57,13 @@ def test_a_configuration_builds_the_engine_config_of_the_server() -> None:
 
 def test_systems_pair_every_configuration_with_llama_server() -> None:
     specs = engine_specs.parse_all(["bfloat16"], KNOWN)
-    names = [s.name for s in peer_cpu.systems(specs, api=True)]
+    names = [s.name for s in peer_cpu.systems(specs, "all")]
     assert names == [
         LLAMA, "pensieve float32", "pensieve bfloat16", "engine API float32",
         "engine API bfloat16",
     ]  # fmt: skip
-    assert len(peer_cpu.systems(specs, api=False)) == 3
+    assert [s.name for s in peer_cpu.systems(specs, "float32")] == names[:4]
+    assert len(peer_cpu.systems(specs, "none")) == 3
 
 
 def test_the_request_asks_for_every_token() -> None:
