@@ -14,8 +14,9 @@ both). The engine also runs in process through `AsyncEngine` (the same turns as 
 
 The workload: ShareGPT conversations of `--turns` turns, every conversation at once, each
 sending its next turn when its reply has arrived. At each conversation count every system
-runs `--reps` times, back to back (the order reversed every other repetition), each run on a
-freshly started server so no run finds another's cache. Reported per count: generated
+runs `--reps` times, back to back (the order reversed every other repetition), and no run
+finds another's cache: llama-server is started afresh for each run, the engine's conversations
+are deleted after each (each run begins with one warm-up turn). Reported per count: generated
 tokens/s (median and range over repetitions) and each engine system's ratio to llama-server
 (the median of the per-repetition pairs). JSON and PNG in bench/results/.
 """
@@ -317,7 +318,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     s, env = result["settings"], result["environment"]
     fig.suptitle(
-        f"{MODEL} on {env['cpu']['model']} ({s['threads']} threads each): {s['turns']} turns x "
+        f"{MODEL} on {env['cpu']['model']} ({s['threads']} thread{'s' if s['threads'] > 1 else ''} each): {s['turns']} turns x "
         f"{s['output']} tokens a reply, llama-server {result['llama_cpp'].get('version', '?')} "
         f"with {s['slots']} slots; at {env['git_commit'][:12]}",
         fontsize=9,
@@ -450,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
             "gguf": bundled_gguf().name,
             "llama_server_flags": llama_server(args, binary, Path("-")).flags(),
             "client": "one OpenAI client: /v1/chat/completions, streamed, temperature 0, "
-            "ignore_eos; each run on a freshly started server after one warm-up turn",
+            "ignore_eos, a connection per request; one warm-up turn before each run",
+            "between_runs": "llama-server restarted (an empty prompt cache); the engine's "
+            "conversations deleted",
         },
         "environment": {**environment("cpu"), "cpu": cpu_info()},
         "llama_cpp": llama_cpp.build_info(binary),
