@@ -19,6 +19,11 @@ finds another's cache: llama-server is started afresh for each run, the engine's
 are deleted after each (each run begins with one warm-up turn). Reported per count: generated
 tokens/s (median and range over repetitions) and each engine system's ratio to llama-server
 (the median of the per-repetition pairs). JSON and PNG in bench/results/.
+
+On a shared machine a run is only as good as the machine was quiet (two threads that meet at
+a barrier every operation lose badly to any third busy process): each run waits for a quiet
+machine, records the CPU other processes took meanwhile, and is repeated (up to `--retries`
+times) when that passed `--quiet` cores.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -38,6 +42,7 @@ from typing import Any
 from bench.lib import llama_cpp
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, cpu_info, environment
+from bench.lib.cpu_share import Meter, wait_quiet
 from bench.lib.drivers import EngineDriver, OpenAIDriver
 from bench.lib.engine_specs import EngineSpec, parse_all, server_settings
 from bench.lib.harness import Server
@@ -81,10 +86,19 @@ class Run:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttft_p50_s: float = 0.0
-    load_before: float = 0.0  # the machine's 1-minute load average when the run began
+    others_cores: float = 0.0  # CPU other processes took during the run, in cores
+    attempt: int = 0  # earlier attempts were dropped: other processes took too much CPU
 
 
-def measure(name: str, n: int, rep: int, replies: list[wl.Reply], wall: float, output: int) -> Run:
+@dataclass
+class Replayed:
+    replies: list[wl.Reply]
+    wall_s: float
+    others_cores: float
+
+
+def measure(name: str, n: int, rep: int, done: Replayed, output: int) -> Run:
+    replies, wall = done.replies, done.wall_s
     ok = [r for r in replies if r.error is None]
     generated = sum(r.output_tokens for r in ok)
     starts = sorted(r.first_token_at - r.stats.get("sent_at", r.first_token_at) for r in ok)
@@ -104,11 +118,13 @@ def measure(name: str, n: int, rep: int, replies: list[wl.Reply], wall: float, o
             for r in ok
         ),
         ttft_p50_s=statistics.median(starts) if starts else 0.0,
+        others_cores=done.others_cores,
     )
 
 
-async def replay(send, convs: list[wl.Conversation]) -> tuple[list[wl.Reply], float]:
-    """Every conversation at once, each turn sent when the previous reply has arrived."""
+async def replay(send, convs: list[wl.Conversation]) -> Replayed:
+    """Every conversation at once, each turn sent when the previous reply has arrived; and
+    how much CPU other processes took meanwhile."""
 
     async def one(conv: wl.Conversation) -> list[wl.Reply]:
         out = []
@@ -121,9 +137,11 @@ async def replay(send, convs: list[wl.Conversation]) -> tuple[list[wl.Reply], fl
                 break
         return out
 
+    meter = Meter().start()
     t0 = time.monotonic()
     per_conv = await asyncio.gather(*(one(c) for c in convs))
-    return [r for rs in per_conv for r in rs], time.monotonic() - t0
+    wall = time.monotonic() - t0
+    return Replayed([r for rs in per_conv for r in rs], wall, meter.cores())
 
 
 # --- one run per system ------------------------------------------------------------------------
@@ -228,6 +246,46 @@ def bundled_gguf() -> Path:
     return path()
 
 
+@dataclass
+class Bench:
+    """What every run needs: the settings, llama-server's binary, the conversations, the
+    engine's servers and in-process engines by configuration."""
+
+    args: argparse.Namespace
+    binary: Path
+    convs: list[wl.Conversation]
+    tmp: Path
+    servers: dict[str, Pensieve]
+    engines: dict[str, tuple[Any, Any]]
+
+    def run(self, system: System, n: int, rep: int) -> Run:
+        """One run on a quiet machine, repeated while other processes took too much CPU."""
+        args, convs = self.args, self.convs[:n]
+        label = system.spec.label if system.spec else ""
+        for attempt in range(args.retries + 1):
+            waited = wait_quiet(args.quiet, timeout=args.quiet_wait)
+            tag = f"{n}-{rep}-{attempt}-{system.name.replace(' ', '_')}"
+            if system.kind == "llama":
+                done = run_llama(args, self.binary, convs, self.tmp, tag)
+            elif system.kind == "server":
+                done = self.servers[label].run(convs, tag)
+            else:
+                done = run_api(*self.engines[label], convs, tag)
+            run = measure(system.name, n, rep, done, args.output)
+            run.attempt = attempt
+            print(
+                f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s "
+                f"{run.wall_s:6.1f} s, {run.generated} tokens, cached {run.cached_tokens}/"
+                f"{run.prompt_tokens}, short {run.short_replies}, others' CPU "
+                f"{run.others_cores:.2f} (waited {waited:.0f} s)"
+                + (f", errors {run.errors}" if run.errors else ""),
+                flush=True,
+            )
+            if run.others_cores <= args.quiet:
+                break
+        return run
+
+
 # --- summary -----------------------------------------------------------------------------------
 
 
@@ -258,6 +316,8 @@ def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
                 "ratio": statistics.median(pairs) if pairs and name != LLAMA else None,
                 "ratios": pairs if name != LLAMA else [],
                 "short_replies": sum(r.short_replies for r in mine),
+                "repeated": sum(r.attempt for r in mine),  # runs dropped for other load
+                "others_cores_max": max(r.others_cores for r in mine),
                 "errors": sum(len(r.errors) for r in mine),
             }
         engines = {k: v for k, v in row["systems"].items() if k.startswith("pensieve ")}
@@ -384,6 +444,16 @@ def parser() -> argparse.ArgumentParser:
         default="float32",
         help="configurations also run in process (default: the float32 one)",
     )
+    ap.add_argument(
+        "--quiet",
+        type=float,
+        default=0.15,
+        help="a run during which other processes took more CPU than this (cores) is repeated",
+    )
+    ap.add_argument("--retries", type=int, default=3, help="repeats of a run under other load")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=600, help="most seconds to wait for a quiet machine"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "peer_cpu.json")
     return ap
 
@@ -418,29 +488,15 @@ def main(argv: list[str] | None = None) -> int:
                 engines[spec.label] = (Engine(spec.engine_config()), spec.engine_config())
                 stack.callback(engines[spec.label][0].close)
         print(f"servers and engines up in {time.monotonic() - t0:.0f} s", flush=True)
-        for n in args.convs:
-            for rep in range(args.reps):
-                order = todo if rep % 2 == 0 else todo[::-1]
-                for system in order:
-                    tag = f"{n}-{rep}-{system.name.replace(' ', '_')}"
-                    load = os.getloadavg()[0]
-                    label = system.spec.label if system.spec else ""
-                    if system.kind == "llama":
-                        replies, wall = run_llama(args, binary, convs[:n], tmp, tag)
-                    elif system.kind == "server":
-                        replies, wall = servers[label].run(convs[:n], tag)
-                    else:
-                        replies, wall = run_api(*engines[label], convs[:n], tag)
-                    run = measure(system.name, n, rep, replies, wall, args.output)
-                    run.load_before = load
-                    runs.append(run)
-                    print(
-                        f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s"
-                        f" {run.wall_s:6.1f} s, {run.generated} tokens, cached "
-                        f"{run.cached_tokens}/{run.prompt_tokens}, short {run.short_replies}, "
-                        f"load {load:.1f}" + (f", errors {run.errors}" if run.errors else ""),
-                        flush=True,
-                    )
+        bench = Bench(args, binary, convs, tmp, servers, engines)
+        interrupted = False
+        try:
+            for n in args.convs:
+                for rep in range(args.reps):
+                    order = todo if rep % 2 == 0 else todo[::-1]
+                    runs += [bench.run(system, n, rep) for system in order]
+        except KeyboardInterrupt:  # Ctrl-C: keep what was measured
+            interrupted = True
     summary = summarize(runs, names)
     result = {
         "benchmark": "peer_cpu",
@@ -462,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [asdict(r) for r in runs],
         "summary": summary,
         "wall_s": time.monotonic() - t0,
+        "interrupted": interrupted,
     }
     print(table(summary, names))
     args.out.parent.mkdir(parents=True, exist_ok=True)

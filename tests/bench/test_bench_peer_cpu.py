@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import peer_cpu
-from bench.lib import engine_specs, llama_cpp
+from bench.lib import cpu_share, engine_specs, llama_cpp
 from bench.lib.common import cpu_info
 from bench.lib.drivers import request_body
 from bench.peer_cpu import LLAMA, Run, summarize, table
@@ -121,3 +121,16 @@ def test_llama_cpp_is_built_for_this_cpu_alone() -> None:
     assert server.flags() == ["--threads", "2", "--threads-batch", "2", "--parallel", "8",
                               "--ctx-size", "16384"]  # fmt: skip
     assert server.command()[:3] == ["bin", "-m", "m.gguf"] and "1234" in server.command()
+
+
+def test_others_cpu_is_the_machines_busy_time_less_ours() -> None:
+    stat = "cpu  100 20 30 1000 50 5 5 0 0 0\ncpu0 50 10 15 500 25 2 3 0 0 0\n"
+    assert cpu_share.busy_ticks(stat) == 160  # user nice system irq softirq steal
+    tick = cpu_share.TICK
+    assert cpu_share.others_cores(busy=3 * tick, ours=tick, seconds=2.0) == 1.0
+    assert cpu_share.others_cores(busy=tick, ours=2 * tick, seconds=1.0) == 0.0
+    meter = cpu_share.Meter().start()  # this process counts as ours
+    x = 0
+    for i in range(2_000_000):
+        x += i
+    assert 0.0 <= meter.cores() < 64
