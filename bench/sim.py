@@ -6,6 +6,8 @@ device's cost model (`engine/sim`). Every figure it writes is SIMULATED.
     python -m bench.sim --scale 10000,50000,100000 --device h100       # host time per step
     python -m bench.sim --preset cpu --device cpu --compare real_1.json,real_2.json
                                         # against real `bench.serve --preset cpu` runs
+    python -m bench.sim --device h100 --modes pensieve,pensieve-disk --cpu-gb 40 --disk-gb 1000
+                                        # a disk tier behind a small CPU tier
 
 The replay is `bench.serve`'s (the same sample, arrivals, think times and metrics), driven
 by events in virtual time (`bench/lib/virtual.py`). After a mode's sweep crosses the latency
@@ -67,6 +69,7 @@ def workload_of(preset: Preset, sample_file=None, log=_log):
     workload["pools"] = {
         "gpu_cache_chunks": preset.gpu_cache_chunks,
         "cpu_cache_chunks": preset.cpu_cache_chunks,
+        "disk_cache_gb": preset.disk_cache_gb,
     }
     return preset, convs, workload
 
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", help="comma-separated new conversations per second")
     ap.add_argument("--think", help="comma-separated mean think times (s)")
     ap.add_argument("--conversations", type=int)
+    ap.add_argument("--cpu-gb", type=float, help="the CPU tier in GiB (the preset's otherwise)")
+    ap.add_argument("--disk-gb", type=float, help="the disk tier in GiB (pensieve-disk mode)")
     ap.add_argument("--bound", type=float, help="mean normalized latency bound (s/token)")
     ap.add_argument(
         "--arrival", type=float, help="seconds of arrivals per rate (steady-state presets)"
@@ -378,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         latency_bound=args.bound,
         threads=args.threads,
         arrival_s=args.arrival,
+        cpu_cache_gb=args.cpu_gb,
+        disk_cache_gb=args.disk_gb,
     )
     if preset.threads:
         import torch

@@ -18,6 +18,7 @@ STYLE = {
     "stateless": ("tab:gray", "D"),
     "server": ("tab:green", "o"),
     "oracle": ("black", "*"),
+    "pensieve-disk": ("tab:brown", "P"),
 }
 
 

@@ -49,6 +49,24 @@ def test_the_scale_probe_measures_host_time_per_step(tmp_path) -> None:
         assert r["gpu_blocks"][0] <= r["gpu_blocks"][1]
 
 
+def test_a_disk_tier_reads_back_what_the_small_tiers_dropped() -> None:
+    from dataclasses import replace
+
+    from bench.lib.metrics import run_line
+    from bench.lib.presets import PRESETS
+
+    # The longest conversation just fits the GPU tier; the CPU tier holds 2 chunks.
+    tiny = replace(PRESETS["tiny"], gpu_cache_chunks=14, cpu_cache_chunks=2, think_s=[2.0],
+                   rates=[2.0], disk_cache_gb=1.0)  # fmt: skip
+    res = sim.simulate(tiny, "h100", ["pensieve", "pensieve-disk"], log=lambda *a: None)
+    two, disk = res["runs"]
+    assert res["workload"]["pools"]["disk_cache_gb"] == 1.0
+    assert two["metrics"]["disk_tokens"] == 0 and disk["metrics"]["disk_tokens"] > 0
+    assert disk["metrics"]["recomputed_tokens"] < two["metrics"]["recomputed_tokens"]
+    assert disk["counters"]["spilled_tokens"] > 0
+    assert f"disk {disk['metrics']['disk_tokens']} " in run_line(disk)
+
+
 def point(mode: str, rate: float, tput: float, lat: float, cached: int) -> dict:
     metrics = {"throughput_rps": tput, "norm_latency_mean": lat, "norm_latency_p90": lat,
                "cached_tokens": cached,
