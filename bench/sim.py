@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="a100-80gb", choices=DEVICES)
     ap.add_argument("--modes", help=f"comma-separated, of {sorted(MODES)}")
     ap.add_argument("--rates", help="comma-separated new conversations per second")
+    ap.add_argument("--max-rate", type=float, help="double the rate up to this until crossed")
+    ap.add_argument("--refine", type=int, default=REFINE, help="bisections of each crossing")
     ap.add_argument("--think", help="comma-separated mean think times (s)")
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--cpu-gb", type=float, help="the CPU tier in GiB (the preset's otherwise)")
@@ -383,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         latency_bound=args.bound,
         threads=args.threads,
         arrival_s=args.arrival,
+        max_rate=args.max_rate,
         cpu_cache_gb=args.cpu_gb,
         disk_cache_gb=args.disk_gb,
     )
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         result = scale(preset, args.device, counts, args.scale_rate, args.window, sample_file)
     else:
         # Against real runs: the rates they ran, no bisections in between.
-        refine = 0 if args.compare else REFINE
+        refine = 0 if args.compare else args.refine
         result = simulate(preset, args.device, modes, sample_file, refine=refine)
         result["claims"] = claims(result["runs"], preset.latency_bound)
     result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
