@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
-from bench.lib.metrics import claims, crossing, run_line, run_record, steady_metrics
+from bench.lib.metrics import claims, crossing, merge_runs, run_line, run_record, steady_metrics
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
@@ -39,6 +39,7 @@ from bench.lib.virtual import HostTime, replay
 
 SIM = RESULTS / "sim"
 REFINE = 2  # bisections of the crossing per mode
+SWEEP = ("rates", "max_rate", "modes")  # what --append may change between invocations
 
 
 def _log(*a) -> None:
@@ -351,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-file", type=Path)
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/sim/...)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the runs already in --out (a sweep split over several invocations); "
+        "a run of the same mode, think time and rate replaces the earlier one",
+    )
     ap.add_argument("--scale", help="comma-separated conversation counts: host time per step")
     ap.add_argument("--window", type=float, default=600.0, help="--scale: virtual seconds")
     ap.add_argument("--scale-rate", type=float, default=1.0, help="--scale: new conversations/s")
@@ -413,6 +420,17 @@ def main(argv: list[str] | None = None) -> int:
         # Against real runs: the rates they ran, no bisections in between.
         refine = 0 if args.compare else args.refine
         result = simulate(preset, args.device, modes, sample_file, refine=refine)
+        for r in result["runs"]:
+            r["git_commit"] = env["git_commit"]
+        if args.append and out.exists():
+            earlier = json.loads(out.read_text())
+            same = lambda p: {k: v for k, v in p.items() if k not in SWEEP}  # noqa: E731
+            if same(earlier["preset"]) != same(result["preset"]):
+                ap.error(f"--append: {out} holds runs of other settings")
+            for r in earlier["runs"]:
+                r.setdefault("git_commit", earlier["environment"]["git_commit"])
+            result["runs"] = merge_runs(earlier["runs"], result["runs"])
+            t0 -= earlier["elapsed_s"]  # the sweep's time over every invocation
         result["claims"] = claims(result["runs"], preset.latency_bound)
     result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
               "elapsed_s": time.monotonic() - t0, **result}  # fmt: skip

@@ -49,6 +49,18 @@ def test_the_scale_probe_measures_host_time_per_step(tmp_path) -> None:
         assert r["gpu_blocks"][0] <= r["gpu_blocks"][1]
 
 
+def test_append_builds_one_sweep_from_several_invocations(tmp_path) -> None:
+    run(tmp_path, "--device", "h100", "--modes", "pensieve", "--rates", "2,64")
+    both = run(tmp_path, "--device", "h100", "--modes", "stateless", "--rates", "2", "--append")
+    assert [(r["mode"], r["rate"]) for r in both["runs"]] == [
+        ("pensieve", 2.0), ("pensieve", 64.0), ("stateless", 2.0)
+    ]  # fmt: skip
+    assert set(both["claims"]["think_0.5s"]["capacity_rps"]) == {"pensieve", "stateless"}
+    assert all(r["git_commit"] for r in both["runs"])
+    with pytest.raises(SystemExit):  # other tiers: not the same sweep
+        run(tmp_path, "--device", "h100", "--modes", "stateless", "--cpu-gb", "1", "--append")
+
+
 def test_a_disk_tier_reads_back_what_the_small_tiers_dropped() -> None:
     from dataclasses import replace
 
