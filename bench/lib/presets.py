@@ -177,7 +177,7 @@ PAPER = replace(
     # Arrivals for 20 minutes at each rate (the 600-conversation sample repeated past 0.5/s),
     # the last 14 measured: past the ramp-up, as long as a conversation's turns last.
     arrival_s=1200.0,
-    note="simulated; think time as recorded; CPU pool 200 GB; steady state of 20 min of arrivals",
+    note="simulated; think time as recorded",  # the plot adds the tiers and the window
 )
 PRESETS["paper-gqa"] = PAPER
 PRESETS["paper-opt"] = replace(
