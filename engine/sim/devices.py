@@ -70,8 +70,8 @@ class Copies:
 
 @dataclass(frozen=True)
 class Disk:
-    """The drive behind a simulated disk tier: reads and writes at its sequential rates,
-    each in a queue of its own (a simplification: a real drive's reads slow under writes)."""
+    """The drive behind a simulated disk tier: reads and writes at its sequential rates
+    (one drive: `engine/sim/disk.py` puts reads first)."""
 
     read_bps: float
     write_bps: float

@@ -47,18 +47,24 @@ def test_a_long_idle_chunk_goes_before_a_cheaper_recent_one() -> None:
     assert KEY[3] not in d.index and {KEY[0], KEY[1]} <= d.index.keys()
 
 
-def test_reads_queue_at_the_drives_rate_and_writes_past_the_queue_are_dropped() -> None:
-    d, clock = disk(capacity_chunks=2 * QUEUE)
+def test_one_drive_reads_first_and_drops_writes_past_the_queue() -> None:
+    d, clock = disk(capacity_chunks=2 * QUEUE)  # a chunk: 0.1 s to read, 0.2 s to write
     assert d.read(KEY[0], 0) is None and d.read_until == 0.0  # not held: nothing read
     for i in range(QUEUE):
         assert d.put(i.to_bytes(16, "big"), i, [])
     assert not d.put(KEY[7], 7, []) and d.skipped == 1  # the writer is QUEUE chunks behind
-    assert d.write_until == pytest.approx(QUEUE * 100 / 500.0)
+    assert d.write_until == pytest.approx(QUEUE * 0.2)
     clock.advance(0.2)  # the first write has landed: room for one more
     assert d.put(KEY[7], 7, [])
     assert d.read(KEY[7], 7) == [] and d.read(KEY[7], 7) == []
-    assert d.read_until == pytest.approx(0.2 + 2 * 100 / 1000.0) and d.reads == 2
+    assert d.read_until == pytest.approx(0.2 + 2 * 0.1) and d.reads == 2
     assert d.read_s(100) == pytest.approx(0.1)
+    # The queued writes waited for the reads: the next to land, due at 0.4, lands at 0.6.
+    assert d.write_until == pytest.approx(QUEUE * 0.2 + 0.2 + 2 * 0.1)
+    clock.advance(0.35)
+    assert not d.put(KEY[6], 6, [])
+    clock.advance(0.1)
+    assert d.put(KEY[6], 6, [])
 
 
 def test_loads_are_copied_beside_the_forward_like_a_swap_in() -> None:
