@@ -113,6 +113,8 @@ def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> 
         engine.close()
     extra = {"counters": counters, "host": host.summary(), "real_s": time.perf_counter() - t,
              "conversations": len(convs)}  # fmt: skip
+    if engine.disk is not None:  # its writes, reads, dropped writes and evictions
+        extra["disk"] = engine.disk.stats()
     run = run_record(mode_name, think, rate, records, span, extra)
     if stop is not None:
         run["metrics_whole"] = run["metrics"]

@@ -76,6 +76,7 @@ def test_a_disk_tier_reads_back_what_the_small_tiers_dropped() -> None:
     assert two["metrics"]["disk_tokens"] == 0 and disk["metrics"]["disk_tokens"] > 0
     assert disk["metrics"]["recomputed_tokens"] < two["metrics"]["recomputed_tokens"]
     assert disk["counters"]["spilled_tokens"] > 0
+    assert disk["disk"]["writes"] > 0 and disk["disk"]["reads"] > 0 and "disk" not in two
     assert f"disk {disk['metrics']['disk_tokens']} " in run_line(disk)
 
 
