@@ -6,6 +6,8 @@ device's cost model (`engine/sim`). Every figure it writes is SIMULATED.
     python -m bench.sim --scale 10000,50000,100000 --device h100       # host time per step
     python -m bench.sim --preset cpu --device cpu --compare real_1.json,real_2.json
                                         # against real `bench.serve --preset cpu` runs
+    python -m bench.sim --device h100 --modes pensieve,pensieve-disk --cpu-gb 40 --disk-gb 1000
+                                        # a disk tier behind a small CPU tier
 
 The replay is `bench.serve`'s (the same sample, arrivals, think times and metrics), driven
 by events in virtual time (`bench/lib/virtual.py`). After a mode's sweep crosses the latency
@@ -28,7 +30,7 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
-from bench.lib.metrics import claims, crossing, run_line, run_record, steady_metrics
+from bench.lib.metrics import claims, crossing, merge_runs, run_line, run_record, steady_metrics
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
@@ -37,6 +39,7 @@ from bench.lib.virtual import HostTime, replay
 
 SIM = RESULTS / "sim"
 REFINE = 2  # bisections of the crossing per mode
+SWEEP = ("rates", "max_rate", "modes")  # what --append may change between invocations
 
 
 def _log(*a) -> None:
@@ -67,6 +70,7 @@ def workload_of(preset: Preset, sample_file=None, log=_log):
     workload["pools"] = {
         "gpu_cache_chunks": preset.gpu_cache_chunks,
         "cpu_cache_chunks": preset.cpu_cache_chunks,
+        "disk_cache_gb": preset.disk_cache_gb,
     }
     return preset, convs, workload
 
@@ -109,6 +113,8 @@ def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> 
         engine.close()
     extra = {"counters": counters, "host": host.summary(), "real_s": time.perf_counter() - t,
              "conversations": len(convs)}  # fmt: skip
+    if engine.disk is not None:  # its writes, reads, dropped writes and evictions
+        extra["disk"] = engine.disk.stats()
     run = run_record(mode_name, think, rate, records, span, extra)
     if stop is not None:
         run["metrics_whole"] = run["metrics"]
@@ -334,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="a100-80gb", choices=DEVICES)
     ap.add_argument("--modes", help=f"comma-separated, of {sorted(MODES)}")
     ap.add_argument("--rates", help="comma-separated new conversations per second")
+    ap.add_argument("--max-rate", type=float, help="double the rate up to this until crossed")
+    ap.add_argument("--refine", type=int, default=REFINE, help="bisections of each crossing")
     ap.add_argument("--think", help="comma-separated mean think times (s)")
     ap.add_argument("--conversations", type=int)
+    ap.add_argument("--cpu-gb", type=float, help="the CPU tier in GiB (the preset's otherwise)")
+    ap.add_argument("--disk-gb", type=float, help="the disk tier in GiB (pensieve-disk mode)")
     ap.add_argument("--bound", type=float, help="mean normalized latency bound (s/token)")
     ap.add_argument(
         "--arrival", type=float, help="seconds of arrivals per rate (steady-state presets)"
@@ -344,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-file", type=Path)
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/sim/...)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the runs already in --out (a sweep split over several invocations); "
+        "a run of the same mode, think time and rate replaces the earlier one",
+    )
     ap.add_argument("--scale", help="comma-separated conversation counts: host time per step")
     ap.add_argument("--window", type=float, default=600.0, help="--scale: virtual seconds")
     ap.add_argument("--scale-rate", type=float, default=1.0, help="--scale: new conversations/s")
@@ -378,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         latency_bound=args.bound,
         threads=args.threads,
         arrival_s=args.arrival,
+        max_rate=args.max_rate,
+        cpu_cache_gb=args.cpu_gb,
+        disk_cache_gb=args.disk_gb,
     )
     if preset.threads:
         import torch
@@ -401,8 +420,19 @@ def main(argv: list[str] | None = None) -> int:
         result = scale(preset, args.device, counts, args.scale_rate, args.window, sample_file)
     else:
         # Against real runs: the rates they ran, no bisections in between.
-        refine = 0 if args.compare else REFINE
+        refine = 0 if args.compare else args.refine
         result = simulate(preset, args.device, modes, sample_file, refine=refine)
+        for r in result["runs"]:
+            r["git_commit"] = env["git_commit"]
+        if args.append and out.exists():
+            earlier = json.loads(out.read_text())
+            same = lambda p: {k: v for k, v in p.items() if k not in SWEEP}  # noqa: E731
+            if same(earlier["preset"]) != same(result["preset"]):
+                ap.error(f"--append: {out} holds runs of other settings")
+            for r in earlier["runs"]:
+                r.setdefault("git_commit", earlier["environment"]["git_commit"])
+            result["runs"] = merge_runs(earlier["runs"], result["runs"])
+            t0 -= earlier["elapsed_s"]  # the sweep's time over every invocation
         result["claims"] = claims(result["runs"], preset.latency_bound)
     result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
               "elapsed_s": time.monotonic() - t0, **result}  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.policy import CostModel, Policy
 from engine.cache.profile import load_or_profile
-from engine.disk import DiskTier, Loaded, namespace
+from engine.disk import DiskIndex, DiskTier, Loaded, namespace
 from engine.errors import ConversationBusy
 from engine.graphs import DecodeGraphs, bucket_sizes
 from engine.guide import Guides, check
@@ -107,8 +107,6 @@ class Engine:
         self.tp = None  # tensor parallelism: the other ranks (engine/parallel.py)
         self.sim = None  # on "sim:<device>": the cost model and virtual clock (engine/sim)
         if is_simulated(config.device):
-            if config.disk_cache_dir:
-                raise ValueError("the simulated device has no disk tier yet")
             self._simulate(config)
         else:
             self._load_model(config)
@@ -204,18 +202,24 @@ class Engine:
         self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
-        self.disk: DiskTier | None = None
-        if config.disk_cache_dir and config.cache_mode == "pensieve" and self.sim is None:
-            space = namespace(
-                config.model, str(self.dtype), kv, cs, self.args.n_layers,
-                self.args.n_kv_heads, self.args.head_dim,
-            )  # fmt: skip
-            self.disk = DiskTier(
-                config.disk_cache_dir, int(config.disk_cache_gb * 1e9), space, cost, cs
-            )
+        self.disk: DiskIndex | None = None
+        if config.disk_cache_dir and config.cache_mode == "pensieve":
+            self.disk = self._disk_tier(config, cost)
             self.cache.spilling = True
             self.cache.policy.restore_s = self._disk_restore_s
         self.lock = threading.RLock()  # guards all state below; held for a whole step
+
+    def _disk_tier(self, config: EngineConfig, cost: CostModel) -> DiskIndex:
+        """Files under `disk_cache_dir`; on a simulated device none (the directory only
+        turns the tier on), and the time its drive takes."""
+        size, cs = int(config.disk_cache_gb * 1e9), config.chunk_size
+        if self.sim is not None:
+            return self.sim.disk(size, self.pool.bytes_per_chunk, cost, cs)
+        space = namespace(
+            config.model, str(self.dtype), config.kv_dtype, cs, self.args.n_layers,
+            self.args.n_kv_heads, self.args.head_dim,
+        )  # fmt: skip
+        return DiskTier(config.disk_cache_dir, size, space, cost, cs)
 
     def _disk_restore_s(self) -> float | None:
         """Seconds to read a chunk back from the disk tier (None: it is not writing)."""
@@ -468,10 +472,14 @@ class Engine:
                     return Fetch.FAILED
             else:
                 req.read_for = dropped
-                req.fetch = self._reader.submit(
-                    self._read_back, req.state.id, req.base, dropped, req.prefix
-                )
-                return Fetch.PENDING
+                args = (req.state.id, req.base, dropped, req.prefix)
+                if self.sim is None:
+                    req.fetch = self._reader.submit(self._read_back, *args)
+                else:  # read now, ready when the simulated disk would have read it
+                    req.fetch = self.sim.read_later(self.disk, self._read_back, *args)
+                if not req.fetch.done():
+                    return Fetch.PENDING
+                return self._fetch(req, n)  # nothing to wait for
         if len(req.prefix) < n:
             req.error = LookupError(
                 f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
@@ -675,10 +683,28 @@ class Engine:
                     req.state.busy = False
             return failed
 
-    def wait_for_io(self, timeout: float = 0.05) -> None:
-        """Nothing could be scheduled: wait until a history read finishes."""
+    def _reads(self) -> list:
+        """The history (and disk tier) reads of queued turns."""
         queued = [*self.scheduler.waiting, *self.scheduler.prefetch.queue]
-        futures = [r.fetch for r in queued if r.fetch is not None]
+        return [r.fetch for r in queued if r.fetch is not None]
+
+    def next_read_s(self) -> float | None:
+        """A simulated engine: the virtual time the first read still running ends (None:
+        none is)."""
+        if self.sim is None:
+            return None
+        now = self.now()
+        return min((f.due for f in self._reads() if f.due > now), default=None)
+
+    def wait_for_io(self, timeout: float = 0.05) -> None:
+        """Nothing could be scheduled: wait until a history read finishes (simulated: move
+        the virtual clock to its end)."""
+        if self.sim is not None:
+            due = self.next_read_s()
+            if due is not None:
+                self.sim.clock.advance_to(due)
+            return
+        futures = self._reads()
         if futures:
             wait(futures, timeout=timeout)
         else:
@@ -783,7 +809,7 @@ class Engine:
         return n
 
     def close(self) -> None:
-        if self.disk is not None:
+        if self.disk is not None and self.sim is None:  # a simulation keeps nothing
             try:
                 self.write_back()
             except Exception:  # a stop must not fail on it: the next start recomputes

@@ -18,6 +18,7 @@ _USAGE = (
     "swapped_in_tokens",
     "recomputed_tokens",
     "prefetched_tokens",
+    "disk_tokens",
 )
 
 

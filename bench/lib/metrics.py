@@ -69,7 +69,7 @@ def window_metrics(records: list[wl.TurnRecord], wall: float) -> dict[str, Any]:
 
 def cache_use(ok: list[wl.TurnRecord], extra: tuple[str, ...] = ()) -> dict[str, int]:
     """Context tokens of the turns, and how much of it each way of keeping KV supplied."""
-    keys = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", *extra)
+    keys = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", "disk_tokens", *extra)
     out = {"context_tokens": sum(r.context_tokens for r in ok)}
     out.update({k: int(sum(r.stats.get(k, 0) for r in ok)) for k in keys})
     return out
@@ -189,5 +189,6 @@ def run_line(r: dict[str, Any]) -> str:
         f"norm lat mean {m['norm_latency_mean'] * 1e3:7.1f} p90 {m['norm_latency_p90'] * 1e3:7.1f} ms/tok  "
         f"ttft p50 {m['ttft_p50_s']:.2f}s p90 {m['ttft_p90_s']:.2f}s  "
         f"cached {m['cached_tokens']} swapped {m['swapped_in_tokens']} "
-        f"recomputed {m['recomputed_tokens']} susp {m['suspensions']} err {m['errors']}"
+        + (f"disk {m['disk_tokens']} " if m.get("disk_tokens") else "")
+        + f"recomputed {m['recomputed_tokens']} susp {m['suspensions']} err {m['errors']}"
     )

@@ -18,7 +18,15 @@ STYLE = {
     "stateless": ("tab:gray", "D"),
     "server": ("tab:green", "o"),
     "oracle": ("black", "*"),
+    "pensieve-disk": ("tab:brown", "P"),
 }
+
+
+TIERS = (
+    ("GPU", "gpu_cache_gb"),
+    ("CPU", "cpu_cache_gb"),
+    ("disk (pensieve-disk)", "disk_cache_gb"),
+)
 
 
 def plot_serve(result: dict[str, Any], path: Path) -> Path:
@@ -64,9 +72,14 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
             ax.legend(fontsize=8)
     preset = result.get("preset", {})
     env = result.get("environment", {})
+    facts = [f"{preset.get('conversations', '?')} ShareGPT conversations", preset.get("note", "")]
+    if preset.get("arrival_s"):
+        facts.append(f"steady state of {preset['arrival_s'] / 60:g} min of arrivals")
+    gib = [(n, preset[k]) for n, k in TIERS if preset.get(k)]
+    if result.get("simulated") and gib:  # as simulated (a real host may cap the CPU tier)
+        facts.append("tiers " + ", ".join(f"{n} {v:g} GiB" for n, v in gib))
     fig.suptitle(
-        f"{preset.get('model', '')} on {env.get('device', '?')}\n"
-        f"{preset.get('conversations', '?')} ShareGPT conversations; {preset.get('note', '')}",
+        f"{preset.get('model', '')} on {env.get('device', '?')}\n" + "; ".join(filter(None, facts)),
         fontsize=8,
     )
     fig.tight_layout()

@@ -13,7 +13,14 @@ from bench.lib.presets import Mode, Preset
 
 def engine_config(preset: Preset, mode: Mode):
     from engine import EngineConfig
+    from engine.sim import is_simulated
 
+    disk: dict = {}
+    if mode.disk:  # a simulated disk tier has no files: its directory is only a switch
+        sim = is_simulated(preset.device)
+        disk["disk_cache_dir"] = "simulated" if sim else tempfile.mkdtemp(prefix="pensieve-disk-")
+        if preset.disk_cache_gb is not None:  # the engine's GB are 1e9 bytes
+            disk["disk_cache_gb"] = preset.disk_cache_gb * 2**30 / 1e9
     return EngineConfig(
         model=preset.model,
         device=preset.device,
@@ -27,7 +34,7 @@ def engine_config(preset: Preset, mode: Mode):
         max_batch_tokens=preset.max_batch_tokens,
         max_running=preset.max_running,
         seed=preset.seed,
-        disk_cache_dir=tempfile.mkdtemp(prefix="pensieve-disk-") if mode.disk else None,
+        **disk,
     )
 
 

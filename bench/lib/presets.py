@@ -15,7 +15,7 @@ class Mode:
     eviction: str = "pensieve"
     unified: bool = True
     holds_all: bool = False  # the oracle: tiers that hold every conversation, never evicting
-    disk: bool = False  # a disk tier (a fresh directory) behind the CPU tier
+    disk: bool = False  # a disk tier (a fresh directory; none simulated) behind the CPU tier
 
 
 MODES = {
@@ -54,6 +54,7 @@ class Preset:
     gpu_fraction: float | None = None  # first tier = this share of the sample's history
     gpu_cache_gb: float | None = None  # sizes the pool from the model's KV bytes per chunk
     cpu_cache_gb: float | None = None
+    disk_cache_gb: float | None = None  # GiB, as the tiers (None: the engine's default)
     max_batch_tokens: int = 2048
     max_running: int = 256
     # Capacity: the throughput where a mode's MEAN normalized latency (s / output token)
@@ -176,7 +177,7 @@ PAPER = replace(
     # Arrivals for 20 minutes at each rate (the 600-conversation sample repeated past 0.5/s),
     # the last 14 measured: past the ramp-up, as long as a conversation's turns last.
     arrival_s=1200.0,
-    note="simulated; think time as recorded; CPU pool 200 GB; steady state of 20 min of arrivals",
+    note="simulated; think time as recorded",  # the plot adds the tiers and the window
 )
 PRESETS["paper-gqa"] = PAPER
 PRESETS["paper-opt"] = replace(

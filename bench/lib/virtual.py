@@ -115,8 +115,12 @@ def replay(
             advance(waiting.pop(id(req)), reply)
         if clock() > before or ended:
             stalls = 0
-        elif events:
-            clock.advance_to(events[0][0])  # nothing could run: wait for the next event
+            continue
+        # Nothing could run: wait for the next event, or the end of a read (the disk tier's)
+        wake = [t for t in (events[0][0] if events else None, engine.next_read_s())
+                if t is not None]  # fmt: skip
+        if wake:
+            clock.advance_to(min(wake))
         else:  # only a history read (a worker thread, real time) can unblock it
             engine.wait_for_io()
             stalls += 1

@@ -21,7 +21,7 @@ import torch
 from engine.copies import CopyPlan
 from engine.model.loader import cache_root
 from engine.sim.cost import Features, Fitted, Work
-from engine.sim.devices import VERSIONS, Copies, Device
+from engine.sim.devices import NVME, Copies, Device
 from engine.types import EngineConfig, SamplingParams, Turn
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ PROMPTS = (32, 64, 128, 256, 384, 512)  # one prompt alone per step
 BATCHES = (1, 4, 16, 32)  # decode batches ...
 CONTEXTS = (128, 768)  # ... at these contexts
 DECODE_TOKENS = 4
+FIT = 2  # the fit's own version (the device's, VERSIONS["cpu"], also counts its disk)
 
 
 def cpu_device(config: EngineConfig) -> Device:
@@ -49,12 +50,12 @@ def cpu_device(config: EngineConfig) -> Device:
 def device_from(fit: dict) -> Device:
     copies = Copies(fit["swap_in_bps"], fit["swap_out_bps"], 0.0, synchronous=True)
     cost = Fitted("cpu", tuple(fit["weights"]))
-    return Device("cpu", cost, copies, float("inf"), (fit["file"],))
+    return Device("cpu", cost, copies, float("inf"), (fit["file"], NVME.source), NVME)
 
 
 def _path(config: EngineConfig) -> Path:
     dtype = config.dtype or "float32"
-    name = f"cpu-{config.model}-{dtype}-{torch.get_num_threads()}t-v{VERSIONS['cpu']}.json"
+    name = f"cpu-{config.model}-{dtype}-{torch.get_num_threads()}t-v{FIT}.json"
     return cache_root(config.cache_dir) / "sim" / name.replace(":", "_").replace("/", "_")
 
 

@@ -20,9 +20,14 @@
   (matmul 81% of peak, attention and weights' reads the same share of HBM, swaps the same
   share of the link: 52.3 of PCIe 5's 64 GB/s), a stated assumption until one is measured.
 - `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps.
+- The disk tier's drive, on every device: one datacenter NVMe SSD, a Samsung PM9A3 U.2
+  (PCIe 4.0 x4): 6.5 GB/s sequential read, 3.5 GB/s sequential write (Samsung's figures at
+  its launch). An assumption until a server's drive is measured: a GPU server often has
+  several (striped, faster); the `cpu` device's machine has whatever it has, not measured.
 
 `VERSIONS`: a device's goes up whenever one of its figures or its model changes; every
-simulated result names it. (cpu v2: decodes padded to the step's longest context.)
+simulated result names it. (cpu v2: decodes padded to the step's longest context; v2 of
+the GPUs and v3 of cpu: the disk tier's drive.)
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
-VERSIONS = {"h100": 1, "a100-80gb": 1, "cpu": 2}
+VERSIONS = {"h100": 2, "a100-80gb": 2, "cpu": 3}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
 SWAP_H100 = RESULTS / "swap-NVIDIA_H100_80GB_HBM3.json"
@@ -48,6 +53,8 @@ A100_PEAK_FLOPS = 312e12  # A100 SXM 80GB dense bf16 (spec sheet)
 A100_HBM_SPEC = 2.039e12
 PCIE4_BPS = 32e9
 MATMUL_HALF_TOKENS = 64.0
+PM9A3_READ_BPS = 6.5e9  # Samsung PM9A3 U.2, sequential read (spec sheet)
+PM9A3_WRITE_BPS = 3.5e9  # sequential write
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,19 @@ class Copies:
 
 
 @dataclass(frozen=True)
+class Disk:
+    """The drive behind a simulated disk tier: reads and writes at its sequential rates
+    (one drive: `engine/sim/disk.py` puts reads first)."""
+
+    read_bps: float
+    write_bps: float
+    source: str
+
+
+NVME = Disk(PM9A3_READ_BPS, PM9A3_WRITE_BPS, "Samsung PM9A3 U.2 spec sheet (assumed drive)")
+
+
+@dataclass(frozen=True)
 class Device:
     """A simulated device for one model: what a step and a copy cost, and its memory."""
 
@@ -70,6 +90,7 @@ class Device:
     copies: Copies
     memory_bytes: float
     sources: tuple[str, ...]
+    disk: Disk | None = None  # the disk tier's drive (None: the device has no disk tier)
 
     @property
     def label(self) -> str:
@@ -179,7 +200,8 @@ def gpu_device(name: str, shape: Shape) -> Device:
     elif name != "h100":
         raise ValueError(f"unknown simulated device {name!r}; known: {', '.join(DEVICES)}")
     copies = Copies(spec.swap_in_bps, spec.swap_out_bps, spec.swap_in_hidden, False)
-    return Device(spec.name, Roofline(spec, shape), copies, spec.memory_bytes, spec.sources)
+    sources = (*spec.sources, NVME.source)
+    return Device(spec.name, Roofline(spec, shape), copies, spec.memory_bytes, sources, NVME)
 
 
-__all__ = ["Device", "Copies", "Features", "gpu_device", "DEVICES", "GPUS", "VERSIONS"]
+__all__ = ["Device", "Copies", "Disk", "Features", "gpu_device", "DEVICES", "GPUS", "VERSIONS"]

@@ -9,6 +9,11 @@ model says the forward and the copies take, with the overlap the real pool imple
 - ahead-of-time swap-outs after the forward run in the background on the copy stream (the
   next step's copies queue behind them; `swap_in_busy` tells the scheduler of a swap-in
   still running), off the critical path;
+- chunks read back from the disk tier (read into host memory off the step loop, while
+  their turn waited: `engine/sim/disk.py`) go to the GPU with the swap-in, layer by layer;
+- a chunk leaving for the disk tier from a GPU block is copied to the host before the
+  step's copies (the real engine's `read_block`, on the step loop); from a CPU block it is
+  a host copy, not counted;
 - on a CPU every copy runs in the step, one after the other.
 Every sampled token is 0: benchmarks replay reply lengths (`ignore_eos`), and the
 scheduler never looks at token ids.
@@ -34,7 +39,18 @@ class SimPool:
         self.swap_in_until = 0.0  # when the last swap-in is copied
         self._out_s = 0.0  # this step's swap-outs, before its forward
         self._in_s = 0.0  # this step's swap-in, beside its forward
+        self._spill_s = 0.0  # chunks for the disk tier copied out of GPU blocks
         self.copied_bytes = 0
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return self.block_bytes
+
+    def read_block(self, tier: str, block: int) -> list:
+        """A chunk leaving for the disk tier: no tensors, the time of its copy to the host."""
+        if tier == "gpu":
+            self._spill_s += self._seconds(1, self.device.copies.swap_out_bps)
+        return []
 
     def _seconds(self, blocks: int, bps: float) -> float:
         self.copied_bytes += blocks * self.block_bytes
@@ -42,8 +58,9 @@ class SimPool:
 
     def begin_step(self, plan: CopyPlan) -> None:
         c = self.device.copies
-        self._out_s = self._seconds(len(plan.swap_out), c.swap_out_bps)
-        self._in_s = self._seconds(len(plan.swap_in), c.swap_in_bps)
+        self._out_s = self._spill_s + self._seconds(len(plan.swap_out), c.swap_out_bps)
+        self._in_s = self._seconds(len(plan.swap_in) + len(plan.load), c.swap_in_bps)
+        self._spill_s = 0.0
 
     def run(self, forward_s: float) -> None:
         """The step's copies and its forward: move the clock to the step's end."""

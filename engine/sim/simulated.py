@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from engine.cache.policy import CostModel
 from engine.model.loader import model_args
@@ -10,6 +12,7 @@ from engine.sim import PREFIX
 from engine.sim.clock import VirtualClock
 from engine.sim.cost import Shape, chunk_costs
 from engine.sim.devices import GPUS, Device, gpu_device
+from engine.sim.disk import SimDisk, VirtualRead
 from engine.sim.runtime import SimPool, SimRunner
 from engine.types import EngineConfig
 
@@ -54,3 +57,22 @@ class Simulated:
 
     def runner(self, pool: SimPool) -> SimRunner:
         return SimRunner(self.device, pool)
+
+    def disk(
+        self, capacity_bytes: int, chunk_bytes: int, cost: CostModel, chunk_size: int
+    ) -> SimDisk:
+        """The disk tier: no files, its time from the device's drive."""
+        if self.device.disk is None:
+            raise ValueError(f"the simulated {self.device.name} has no disk tier")
+        return SimDisk(self.device.disk, self.clock, capacity_bytes, chunk_bytes, cost, chunk_size)
+
+    def read_later(self, disk: SimDisk | None, fn: Callable[..., Any], *args: Any) -> VirtualRead:
+        """A read off the step loop (`fn(*args)`, the engine's read back) done now, its
+        result ready once the disk tier has read what it asked for, or at once if nothing."""
+        reads = disk.reads if disk is not None else 0
+        try:
+            value, error = fn(*args), None
+        except Exception as e:  # the engine reports it as a failed read
+            value, error = None, e
+        due = disk.read_until if disk is not None and disk.reads > reads else self.clock()
+        return VirtualRead(self.clock, due, value, error)

@@ -49,6 +49,37 @@ def test_the_scale_probe_measures_host_time_per_step(tmp_path) -> None:
         assert r["gpu_blocks"][0] <= r["gpu_blocks"][1]
 
 
+def test_append_builds_one_sweep_from_several_invocations(tmp_path) -> None:
+    run(tmp_path, "--device", "h100", "--modes", "pensieve", "--rates", "2,64")
+    both = run(tmp_path, "--device", "h100", "--modes", "stateless", "--rates", "2", "--append")
+    assert [(r["mode"], r["rate"]) for r in both["runs"]] == [
+        ("pensieve", 2.0), ("pensieve", 64.0), ("stateless", 2.0)
+    ]  # fmt: skip
+    assert set(both["claims"]["think_0.5s"]["capacity_rps"]) == {"pensieve", "stateless"}
+    assert all(r["git_commit"] for r in both["runs"])
+    with pytest.raises(SystemExit):  # other tiers: not the same sweep
+        run(tmp_path, "--device", "h100", "--modes", "stateless", "--cpu-gb", "1", "--append")
+
+
+def test_a_disk_tier_reads_back_what_the_small_tiers_dropped() -> None:
+    from dataclasses import replace
+
+    from bench.lib.metrics import run_line
+    from bench.lib.presets import PRESETS
+
+    # The longest conversation just fits the GPU tier; the CPU tier holds 2 chunks.
+    tiny = replace(PRESETS["tiny"], gpu_cache_chunks=14, cpu_cache_chunks=2, think_s=[2.0],
+                   rates=[2.0], disk_cache_gb=1.0)  # fmt: skip
+    res = sim.simulate(tiny, "h100", ["pensieve", "pensieve-disk"], log=lambda *a: None)
+    two, disk = res["runs"]
+    assert res["workload"]["pools"]["disk_cache_gb"] == 1.0
+    assert two["metrics"]["disk_tokens"] == 0 and disk["metrics"]["disk_tokens"] > 0
+    assert disk["metrics"]["recomputed_tokens"] < two["metrics"]["recomputed_tokens"]
+    assert disk["counters"]["spilled_tokens"] > 0
+    assert disk["disk"]["writes"] > 0 and disk["disk"]["reads"] > 0 and "disk" not in two
+    assert f"disk {disk['metrics']['disk_tokens']} " in run_line(disk)
+
+
 def point(mode: str, rate: float, tput: float, lat: float, cached: int) -> dict:
     metrics = {"throughput_rps": tput, "norm_latency_mean": lat, "norm_latency_p90": lat,
                "cached_tokens": cached,
