@@ -60,11 +60,7 @@ def conversations(args, tokenizer, max_context: int) -> list[wl.Conversation]:
         max_turns=args.turns,
         min_context=args.min_context,
     )
-    # Every reply is exactly `output` tokens, so all systems see the same context lengths.
-    return [
-        wl.Conversation(c.id, [wl.TurnSpec(t.prompt, args.output, t.text) for t in c.turns])
-        for c in convs
-    ]
+    return wl.fixed_replies(convs, args.output)
 
 
 def rounds(convs: list[wl.Conversation]) -> list[list[tuple[str, wl.TurnSpec]]]:

@@ -408,10 +408,7 @@ def conversations(args) -> list[wl.Conversation]:
         max_turns=args.turns,
         min_context=args.min_context,
     )
-    return [
-        wl.Conversation(c.id, [wl.TurnSpec(t.prompt, args.output, t.text) for t in c.turns])
-        for c in convs
-    ]
+    return wl.fixed_replies(convs, args.output)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -317,6 +317,14 @@ def sample(
     return out
 
 
+def fixed_replies(convs: list[Conversation], output: int) -> list[Conversation]:
+    """The same turns with every reply exactly `output` tokens (`ignore_eos` runs), so that
+    every system compared sees the same context lengths."""
+    return [
+        Conversation(c.id, [TurnSpec(t.prompt, output, t.text) for t in c.turns]) for c in convs
+    ]
+
+
 # ---------------------------------------------------------------- summary (the paper's Table 2)
 
 

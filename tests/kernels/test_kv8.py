@@ -21,7 +21,7 @@ from engine.copies import CopyPlan
 from engine.engine import _pool_sizes
 from engine.kv_pool import KVPool
 from engine.model.shapes import DUMMY_SHAPES
-from kernels import AttentionMetadata, write_kv
+from kernels import AttentionMetadata, cpu_native, write_kv
 from kernels.quant import CODE_DTYPE, MIN_SCALE, SCALE_DTYPE, QuantizedKV, dequantize, quantize
 from kernels.reference import paged_attention_torch
 from tests.devices import fp8
@@ -140,14 +140,17 @@ def quantized_case(
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("case", CASES)
-def test_reference_attention_over_8bit_pool(fmt, case):
+def test_reference_attention_over_8bit_pool(fmt, case, monkeypatch):
     *shape, dtype = case
     q, k, v, kq, vq, meta = quantized_case(fmt, *shape, dtype, "torch")
     scale = 1 / math.sqrt(shape[2])
     out = paged_attention_torch(q, kq, vq, meta, scale)
-    # The 8-bit pool reads exactly as its dequantized float copy ...
+    # The 8-bit pool reads exactly as its dequantized float copy through the same PyTorch
+    # path (a float pool's decodes would otherwise take the native CPU kernel) ...
     deq = [dequantize(c.codes, c.scales, fmt, dtype) for c in (kq, vq)]
-    assert torch.equal(out, paged_attention_torch(q, *deq, meta, scale))
+    with monkeypatch.context() as m:
+        m.setattr(cpu_native, "usable", lambda q, k_cache: False)
+        assert torch.equal(out, paged_attention_torch(q, *deq, meta, scale))
     # ... and stays close to attention over the unquantized K/V.
     ref = paged_attention_torch(q.float(), k.float(), v.float(), meta, scale)
     assert rel_err(out.float(), ref) < QUANT_TOL[fmt]
