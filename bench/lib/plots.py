@@ -72,16 +72,19 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
             ax.legend(fontsize=8)
     preset = result.get("preset", {})
     env = result.get("environment", {})
-    facts = [f"{preset.get('conversations', '?')} ShareGPT conversations", preset.get("note", "")]
+    lines = [
+        f"{preset.get('model', '')} on {env.get('device', '?')}",
+        f"{preset.get('conversations', '?')} ShareGPT conversations; {preset.get('note', '')}",
+    ]
+    run = []  # a simulated run: its window and its tiers (a real host may cap the CPU tier)
     if preset.get("arrival_s"):
-        facts.append(f"steady state of {preset['arrival_s'] / 60:g} min of arrivals")
+        run.append(f"steady state of {preset['arrival_s'] / 60:g} min of arrivals")
     gib = [(n, preset[k]) for n, k in TIERS if preset.get(k)]
-    if result.get("simulated") and gib:  # as simulated (a real host may cap the CPU tier)
-        facts.append("tiers " + ", ".join(f"{n} {v:g} GiB" for n, v in gib))
-    fig.suptitle(
-        f"{preset.get('model', '')} on {env.get('device', '?')}\n" + "; ".join(filter(None, facts)),
-        fontsize=8,
-    )
+    if result.get("simulated") and gib:
+        run.append("tiers " + ", ".join(f"{n} {v:g} GiB" for n, v in gib))
+    if run:
+        lines.append("; ".join(run))
+    fig.suptitle("\n".join(lines), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
