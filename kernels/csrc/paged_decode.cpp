@@ -39,7 +39,7 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t token_stride = kvh * d, block_stride = bs * kvh * d;
+  const int64_t token_stride = kvh * d, block_stride = bs * kvh * d, n_blocks = k.size(0);
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, n_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -55,6 +55,7 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t cnt = std::min(bs, len - start);
         const int64_t block = bp[n * width + start / bs];
+        TORCH_CHECK(block >= 0 && block < n_blocks, "a block id is out of the pool");
         const T* kb = kp + block * block_stride + h * d;
         const T* vb = vp + block * block_stride + h * d;
         for (int64_t j = 0; j < cnt; ++j) load(kb + j * token_stride, x.data() + j * d, d);
@@ -118,16 +119,12 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "blocks, lens and rows must be int64");
   TORCH_CHECK(blocks.is_contiguous() && lens.is_contiguous() && rows.is_contiguous(),
               "blocks, lens and rows must be contiguous");
-  const int64_t width = blocks.size(1) * k_cache.size(1), n_blocks = k_cache.size(0);
+  const int64_t width = blocks.size(1) * k_cache.size(1);
   for (int64_t n = 0; n < rows.size(0); ++n) {  // cheap: what every task reads is in range
     const int64_t len = lens.data_ptr<int64_t>()[n], row = rows.data_ptr<int64_t>()[n];
     TORCH_CHECK(len >= 1 && len <= width, "a length exceeds its block table");
     TORCH_CHECK(row >= 0 && row < q.size(0), "a row is out of range");
   }
-  const auto b = blocks.narrow(0, 0, blocks.size(0));
-  TORCH_CHECK(blocks.numel() == 0 || (b.min().item<int64_t>() >= 0 &&
-                                      b.max().item<int64_t>() < n_blocks),
-              "a block id is out of the pool");
   if (q.scalar_type() == at::kFloat) {
     decode<float>(q, k_cache, v_cache, blocks, lens, rows, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
