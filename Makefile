@@ -93,5 +93,9 @@ gpu-report:
 	  case $$f in *-sim-*) ;; *) $(GPU_PY) -m bench.sim --gpu-report $$f --device h100 ;; esac; \
 	done ;; esac
 
+# The CPU serving preset (bench/README.md); BENCH_ARGS adds flags, e.g. BENCH_ARGS="--dtype bfloat16".
+bench: install
+	$(BIN)/python -m bench.serve --preset cpu $(BENCH_ARGS)
+
 bench-kernel: install
 	$(BIN)/python -m bench.kernel

@@ -189,6 +189,8 @@ class Engine:
         )
         if self.guides is not None:
             self.runner.guides = self.guides
+        if config.compile_cpu and self.sim is None:
+            self._compile_cpu()
         if self.graphs_enabled:
             self.runner.graphs = DecodeGraphs(
                 self.model,
@@ -208,6 +210,19 @@ class Engine:
             self.cache.spilling = True
             self.cache.policy.restore_s = self._disk_restore_s
         self.lock = threading.RLock()  # guards all state below; held for a whole step
+
+    def _compile_cpu(self) -> None:
+        """The forward compiled by Inductor (engine/model/compiled.py), compiled now; where
+        it cannot serve (not the CPU, an 8-bit pool, ranks), eager with packed linears."""
+        from engine.model.compiled import CompiledForward, usable
+
+        if self.tp is None and usable(self.model, self.pool.layers):
+            self.runner.compiled = CompiledForward(self.model, self.pool.layers)
+            self.runner.compiled.warm_up(block=0)
+        else:
+            log.warning("compile_cpu serves a CPU model over a 16-bit or float32 pool, one rank")
+            if self.config.pack_cpu_weights:
+                pack_linears(self.model)
 
     def _disk_tier(self, config: EngineConfig, cost: CostModel) -> DiskIndex:
         """Files under `disk_cache_dir`; on a simulated device none (the directory only
@@ -245,8 +260,8 @@ class Engine:
         self.model, self.args = loaded.model, loaded.args
         self.tokenizer = loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
-        if config.pack_cpu_weights:
-            pack_linears(self.model)  # float32 CPU layers only; a no-op elsewhere
+        if config.pack_cpu_weights and not config.compile_cpu:  # compiled: Inductor packs
+            pack_linears(self.model)  # CPU layers only; a no-op elsewhere
 
     def _simulate(self, config: EngineConfig) -> None:
         """No model: its shape, and the device's cost model in place of the forward."""

@@ -9,6 +9,7 @@ from engine.copies import CopyPlan
 from engine.graphs import DecodeGraphs
 from engine.guide import Guides, plan_masks
 from engine.kv_pool import KVPool
+from engine.model.compiled import CompiledForward
 from engine.model.decoder import Decoder
 from engine.sampler import Sampler
 from engine.scheduler import Piece
@@ -26,6 +27,7 @@ class Runner:
         self.sampler = Sampler(self.device)
         self.upload = Uploader(self.device)
         self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
+        self.compiled: CompiledForward | None = None  # the compiled CPU forward
         self.guides: Guides | None = None  # constrained decoding (the engine sets it)
         self.overlap_masks = True  # fill a step's masks in a thread during the forward
 
@@ -69,6 +71,9 @@ class Runner:
         return self.run(b)
 
     def run(self, b: Batch) -> torch.Tensor:
+        if self.compiled is not None:
+            self.pool.swap_in_now()  # the CPU copies each layer before its attention anyway
+            return self.compiled(b)
         return self.model(
             b.ids,
             b.positions,

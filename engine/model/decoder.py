@@ -115,8 +115,13 @@ class Block(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv(self.attn_norm(x), rope)
         k_cache, v_cache = kv
-        kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend)
+        if torch.compiler.is_compiling():  # one opaque op (engine/model/compiled.py)
+            o = torch.ops.pensieve.attend_paged(q, k, v, k_cache, v_cache, slots, a.head_dim**-0.5)
+        else:
+            kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
+            o = kernels.paged_attention(
+                q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend
+            )
         h = x + self.wo(o.reshape(t, a.n_heads * a.head_dim))
         return h + self.mlp(self.mlp_norm(h))
 

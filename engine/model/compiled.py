@@ -1,0 +1,133 @@
+"""CPU only: the model's forward compiled by Inductor (torch.compile) into one graph per step.
+
+Eager, a decode step of a small model is hundreds of small operators issued one by one from
+Python; compiled, the elementwise work between the linears is fused into C++ loops and
+Inductor's freezing packs the weights for oneDNN (what `engine/model/packed.py` does
+eagerly). Attention over the paged pool is called out: one opaque op per layer that writes
+the layer's new K/V into the pool and attends (kernels/reference.py, with the native decode
+kernel), reading the step's `AttentionMetadata` from the step that is running.
+
+One graph serves every batch: token and logit-row counts are symbolic, and both are padded
+to at least 2 (Dynamo specialises sizes 0 and 1), so no batch shape recompiles. The pool is
+static (its tensors never change). `warm_up` compiles at start, not in a user's first step.
+
+The op writes into the pool without declaring it: declared, functionalization would copy
+the whole pool per layer to keep the graph pure. Nothing else in the graph reads the pool,
+and each layer's op depends on the previous layer's output, so the order is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+import torch._inductor.config as inductor_config
+from torch.fx.experimental import _config as fx_config
+
+import kernels
+from engine.batch import Batch
+from engine.model.decoder import Decoder
+from kernels.reference import paged_attention_torch, write_kv_torch
+
+log = logging.getLogger(__name__)
+
+_step = threading.local()  # .meta: the AttentionMetadata of the step being run
+
+
+@torch.library.custom_op("pensieve::attend_paged", mutates_args=())
+def attend_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Writes k, v [T, kv_heads, d] to their slots, then paged attention of q [T, heads, d]."""
+    write_kv_torch(k_cache, v_cache, k, v, slots)
+    return paged_attention_torch(q, k_cache, v_cache, _step.meta, scale)
+
+
+@attend_paged.register_fake
+def _(q, k, v, k_cache, v_cache, slots, scale):
+    return torch.empty_like(q)
+
+
+def usable(model: Decoder, layers: list) -> bool:
+    """A CPU model over plain tensor pools (an 8-bit pool is not a tensor: eager)."""
+    return model.embed.weight.device.type == "cpu" and all(
+        isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) for k, v in layers
+    )
+
+
+def _pad(t: torch.Tensor, fill: int) -> torch.Tensor:
+    """A copy with at least 2 entries, made under inference mode like every input (Dynamo
+    guards on how a tensor was made). Extra ids and positions (fill 0) are inert: slot -1 is
+    never written, and a row past query_start[-1] belongs to no sub-request; an extra logit
+    row (row 0) is cut off after the forward."""
+    if t.numel() >= 2:
+        return t.clone()
+    return torch.cat([t, t.new_full((2 - t.numel(),), fill)])
+
+
+class CompiledForward:
+    """`Decoder.forward` over the pool's layers, compiled once for every batch shape."""
+
+    def __init__(self, model: Decoder, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.model = model
+        self.layers = layers
+        model.inv_freq(torch.device("cpu"))  # cached before tracing: no guard on the cache
+        for k, v in layers:
+            torch._dynamo.mark_static(k)
+            torch._dynamo.mark_static(v)
+        self.compiled = torch.compile(self._forward, dynamic=True)
+
+    def _forward(self, ids, positions, slots, rows) -> torch.Tensor:
+        return Decoder.forward.__wrapped__(
+            self.model, ids, positions, self.layers, None, slots, rows
+        )
+
+    def __call__(self, b: Batch) -> torch.Tensor:
+        n = b.rows.numel()
+        _step.meta = b.meta
+        try:
+            # Freezing: weights as constants, folded and packed for oneDNN. No duck sizing: a
+            # row count equal to a pool dimension by chance must not specialise the graph.
+            with (
+                torch.inference_mode(),
+                inductor_config.patch(freezing=True),
+                fx_config.patch(use_duck_shape=False),
+            ):
+                logits = self.compiled(
+                    _pad(b.ids, 0), _pad(b.positions, 0), _pad(b.slots, -1), _pad(b.rows, 0)
+                )
+        finally:
+            _step.meta = None
+        return logits[:n]
+
+    def warm_up(self, block: int) -> float:
+        """Compile now on a 3-token prompt with 2 logit rows (in block `block`, left as found);
+        returns the seconds it took."""
+        t0 = time.perf_counter()
+        saved = [(k[block].clone(), v[block].clone()) for k, v in self.layers]
+        ids = torch.tensor([1, 2, 3], dtype=torch.long)
+        meta = kernels.AttentionMetadata.build([3], [0], [[block]], "cpu")
+        b = Batch(
+            ids=ids,
+            positions=torch.arange(3),
+            slots=torch.arange(3) + block * self.layers[0][0].shape[1],
+            rows=torch.tensor([1, 2]),
+            query_start=meta.query_start,
+            query_pos=meta.query_pos,
+            tables=meta.block_tables,
+        )
+        self(b)
+        for (k, v), (sk, sv) in zip(self.layers, saved, strict=True):
+            k[block].copy_(sk)
+            v[block].copy_(sv)
+        took = time.perf_counter() - t0
+        log.info("compiled the CPU forward in %.0f s", took)
+        return took
