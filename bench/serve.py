@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device")
     ap.add_argument("--dtype", help="model dtype (float32, bfloat16, float16)")
     ap.add_argument(
+        "--compile-cpu", action="store_true", help="the CPU forward compiled by torch.compile"
+    )
+    ap.add_argument(
         "--kv-dtype",
         choices=("auto", "fp8", "int8"),
         help="KV cache dtype; 8-bit pools get the chunks that auto's bytes hold",
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
+        compile_cpu=args.compile_cpu or None,
         gpu_cache_chunks=args.gpu_chunks,
         cpu_cache_chunks=args.cpu_chunks,
         threads=args.threads,

@@ -26,6 +26,7 @@ def engine_config(preset: Preset, mode: Mode):
         device=preset.device,
         dtype=preset.dtype,
         kv_dtype=preset.kv_dtype,
+        compile_cpu=preset.compile_cpu,
         gpu_cache_chunks=preset.gpu_cache_chunks,
         cpu_cache_chunks=preset.cpu_cache_chunks if mode.cache_mode == "pensieve" else 0,
         cache_mode=mode.cache_mode,

@@ -39,6 +39,7 @@ class Preset:
     device: str | None = None
     dtype: str | None = None
     kv_dtype: str = "auto"  # fp8 / int8: 8-bit KV, pools sized for the same bytes as auto
+    compile_cpu: bool = False  # the CPU forward compiled by Inductor (EngineConfig.compile_cpu)
     conversations: int = 100
     rates: list[float] = field(default_factory=lambda: [0.5, 1.0])  # new conversations / s
     think_s: list[float] = field(default_factory=lambda: [60.0])  # mean user think time
