@@ -217,12 +217,17 @@ class Engine:
         from engine.model.compiled import CompiledForward, usable
 
         if self.tp is None and usable(self.model, self.pool.layers):
-            self.runner.compiled = CompiledForward(self.model, self.pool.layers)
-            self.runner.compiled.warm_up(block=0)
+            compiled = CompiledForward(self.model, self.pool.layers)
+            try:
+                compiled.warm_up(block=0)
+                self.runner.compiled = compiled
+                return
+            except Exception as e:  # no C++ compiler, an op Inductor cannot lower: any failure
+                log.warning("compile_cpu: the forward did not compile (%s); it runs eagerly", e)
         else:
             log.warning("compile_cpu serves a CPU model over a 16-bit or float32 pool, one rank")
-            if self.config.pack_cpu_weights:
-                pack_linears(self.model)
+        if self.config.pack_cpu_weights:
+            pack_linears(self.model)
 
     def _disk_tier(self, config: EngineConfig, cost: CostModel) -> DiskIndex:
         """Files under `disk_cache_dir`; on a simulated device none (the directory only

@@ -74,3 +74,19 @@ def test_an_8bit_pool_runs_eagerly_with_a_warning(caplog):
     assert "compile_cpu" in caplog.text
     (r,) = engine.run([Turn("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
     assert len(r.token_ids) == 4
+
+
+def test_a_forward_that_does_not_compile_runs_eagerly(caplog):
+    """No usable C++ compiler (here: a compiler that does not exist) means eager steps."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # nothing compiled earlier in this process is reused
+    with (
+        inductor_config.patch({"cpp.cxx": ("no-such-c++",), "fx_graph_cache": False}),
+        caplog.at_level(logging.WARNING, logger="engine.engine"),
+    ):
+        engine = make("dummy:tiny", compile_cpu=True, gpu_cache_chunks=16)
+    assert engine.runner.compiled is None
+    assert "did not compile" in caplog.text
+    (r,) = engine.run([Turn("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert len(r.token_ids) == 4
