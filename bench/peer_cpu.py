@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +411,15 @@ def conversations(args) -> list[wl.Conversation]:
     return wl.fixed_replies(convs, args.output)
 
 
+def sized(spec: EngineSpec, convs: list[wl.Conversation], chunk: int = 32) -> EngineSpec:
+    """The spec with tiers that hold every conversation at once, twice over, where it sets
+    none: a server's default tiers take a share of host memory each, and several servers
+    side by side would take it all (pages of the others then swap instead of computing)."""
+    need = sum(-(-c.context_lens()[-1] // chunk) + len(c.turns) for c in convs)
+    pools = {"gpu_cache_chunks": str(2 * need), "cpu_cache_chunks": str(need)}
+    return replace(spec, settings={**pools, **spec.settings})
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.peer_cpu", description=__doc__.split("\n")[0]
@@ -470,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)  # the in-process engine's, as the servers'
     convs = conversations(args)
     print(wl.format_summary(wl.summarize(convs)), flush=True)
+    specs = [sized(spec, convs) for spec in specs]
 
     runs: list[Run] = []
     t0 = time.monotonic()

@@ -134,3 +134,19 @@ def test_others_cpu_is_the_machines_busy_time_less_ours() -> None:
     for i in range(2_000_000):
         x += i
     assert 0.0 <= meter.cores() < 64
+
+
+def test_servers_get_tiers_sized_to_the_workload():
+    from bench.lib import workload as wl
+    from bench.lib.engine_specs import parse
+    from bench.peer_cpu import sized
+
+    convs = [wl.Conversation("a", [wl.TurnSpec([1] * 40, 96), wl.TurnSpec([1] * 10, 96)])]
+    spec = sized(parse("bfloat16"), convs)  # 242 tokens: 8 chunks, + 2 for the turns
+    assert spec.settings == {
+        "gpu_cache_chunks": "20",
+        "cpu_cache_chunks": "10",
+        "dtype": "bfloat16",
+    }
+    own = sized(parse("gpu-cache-chunks=7"), convs)
+    assert own.settings["gpu_cache_chunks"] == "7"  # what the command line says wins
