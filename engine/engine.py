@@ -213,7 +213,7 @@ class Engine:
 
     def _compile_cpu(self) -> None:
         """The forward compiled by Inductor (engine/model/compiled.py), compiled now; where
-        it cannot serve (not the CPU, an 8-bit pool, ranks), eager with packed linears."""
+        it cannot serve (not the CPU, an 8-bit pool, ranks), eager."""
         from engine.model.compiled import CompiledForward, usable
 
         if self.tp is None and usable(self.model, self.pool.layers):
@@ -221,13 +221,10 @@ class Engine:
             try:
                 compiled.warm_up(block=0)
                 self.runner.compiled = compiled
-                return
             except Exception as e:  # no C++ compiler, an op Inductor cannot lower: any failure
                 log.warning("compile_cpu: the forward did not compile (%s); it runs eagerly", e)
         else:
             log.warning("compile_cpu serves a CPU model over a 16-bit or float32 pool, one rank")
-        if self.config.pack_cpu_weights:
-            pack_linears(self.model)
 
     def _disk_tier(self, config: EngineConfig, cost: CostModel) -> DiskIndex:
         """Files under `disk_cache_dir`; on a simulated device none (the directory only
@@ -265,7 +262,7 @@ class Engine:
         self.model, self.args = loaded.model, loaded.args
         self.tokenizer = loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
-        if config.pack_cpu_weights and not config.compile_cpu:  # compiled: Inductor packs
+        if config.pack_cpu_weights:
             pack_linears(self.model)  # CPU layers only; a no-op elsewhere
 
     def _simulate(self, config: EngineConfig) -> None:

@@ -11,7 +11,9 @@ bfloat16 weights are packed the same way where the CPU computes in bfloat16 nati
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -19,6 +21,11 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 BATCH_HINT = 16  # the row count oneDNN picks its weight layout for: a decode batch
+
+
+# Every live packed linear by its key: how the compiled forward's opaque op finds its weight
+_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
 
 class PackedLinear(nn.Module):
@@ -29,11 +36,28 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.key = next(_KEYS)
+        _PACKED[self.key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a packed weight cannot be traced: one opaque op
+            return torch.ops.pensieve.packed_linear(x, self.key, self.out_features)
+        return self.apply_to(x)
+
+    def apply_to(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, "none", [], ""
         )
+
+
+@torch.library.custom_op("pensieve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return _PACKED[key].apply_to(x)
+
+
+@packed_linear.register_fake
+def _(x, key, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
