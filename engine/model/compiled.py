@@ -1,11 +1,12 @@
 """CPU only: the model's forward compiled by Inductor (torch.compile) into one graph per step.
 
 Eager, a decode step of a small model is hundreds of small operators issued one by one from
-Python; compiled, the elementwise work between the linears is fused into C++ loops and
-Inductor's freezing packs the weights for oneDNN (what `engine/model/packed.py` does
-eagerly). Attention over the paged pool is called out: one opaque op per layer that writes
-the layer's new K/V into the pool and attends (kernels/reference.py, with the native decode
-kernel), reading the step's `AttentionMetadata` from the step that is running.
+Python; compiled, the elementwise work between the linears is fused into C++ loops. Called
+out as opaque ops: each packed linear (engine/model/packed.py: a packed oneDNN weight
+cannot be traced, and Inductor's own packing is slower at 16 rows), and attention over the
+paged pool, one op per layer that writes the layer's new K/V into the pool and attends
+(kernels/reference.py, with the native decode kernel), reading the step's
+`AttentionMetadata` from the step that is running.
 
 One graph serves every batch: token and logit-row counts are symbolic, and both are padded
 to at least 2 (Dynamo specialises sizes 0 and 1), so no batch shape recompiles. The pool is
@@ -94,7 +95,7 @@ class CompiledForward:
         n = b.rows.numel()
         _step.meta = b.meta
         try:
-            # Freezing: weights as constants, folded and packed for oneDNN. No duck sizing: a
+            # Freezing: the weights left (norms, embeddings) as constants. No duck sizing: a
             # row count equal to a pool dimension by chance must not specialise the graph.
             with (
                 torch.inference_mode(),
