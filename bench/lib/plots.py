@@ -38,8 +38,16 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
     )
     bound = result.get("preset", {}).get("latency_bound")
 
-    def caps(think: float) -> dict[str, float]:
-        return result.get("claims", {}).get(f"think_{think:g}s", {}).get("capacity_rps", {})
+    def claims(think: float) -> dict:
+        return result.get("claims", {}).get(f"think_{think:g}s", {})
+
+    def cap_label(think: float, mode: str) -> str:
+        """The mode and its capacity: at the bound, or the most it served never reaching it."""
+        cap = claims(think).get("capacity_rps", {}).get(mode)
+        if not cap:
+            return mode
+        crossed = claims(think).get("crossed", {}).get(mode, True)
+        return f"{mode}: {cap:.2f} req/s " + ("at the bound" if crossed else "(never over it)")
 
     for col, think in enumerate(thinks):
         for row, (key, label) in enumerate(
@@ -57,8 +65,7 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
                     continue
                 color, marker = STYLE.get(mode, (None, "o"))
                 xs, ys = zip(*pts, strict=True)
-                cap = caps(think).get(mode) if key == "norm_latency_mean" else None
-                name = f"{mode}: {cap:.2f} req/s at the bound" if cap else mode
+                name = cap_label(think, mode) if key == "norm_latency_mean" else mode
                 ax.plot(xs, [y * 1e3 for y in ys], marker=marker, color=color, label=name)
             if bound:
                 ax.axhline(bound * 1e3, ls="--", lw=1, color="black", label="bound")
