@@ -41,7 +41,7 @@ ENGINE_HELP: dict[str, str] = {
     "seed": "seed of dummy weights",
     "cache_dir": "converted models and cost profiles (default: ~/.cache/pensieve)",
     "attention_backend": "attention implementation (default: Triton on CUDA, torch elsewhere)",
-    "pack_cpu_weights": "float32 on the CPU: oneDNN-packed linears",
+    "pack_cpu_weights": "CPU: oneDNN-packed float32 and bfloat16 linears",
     "compile_cpu": "CPU: compile the forward with torch.compile at start (faster steps)",
     "share_prefixes": "pensieve mode: store chunks of first prompts equal across conversations "
     "(a system prompt) once, and link them instead of computing them",

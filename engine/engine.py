@@ -219,7 +219,7 @@ class Engine:
         if self.tp is None and usable(self.model, self.pool.layers):
             compiled = CompiledForward(self.model, self.pool.layers)
             try:
-                compiled.warm_up(block=0)
+                compiled.warm_up()
                 self.runner.compiled = compiled
             except Exception as e:  # no C++ compiler, an op Inductor cannot lower: any failure
                 log.warning("compile_cpu: the forward did not compile (%s); it runs eagerly", e)

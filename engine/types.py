@@ -40,9 +40,9 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights
     cache_dir: str | None = None  # converted models and cost profiles; None: ~/.cache/pensieve
     attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
-    pack_cpu_weights: bool = True  # float32 on the CPU: oneDNN-packed linears (faster decode)
-    # CPU: the forward compiled by Inductor into one graph for every batch shape (about a
-    # minute and a half at start for the bundled model; engine/model/compiled.py)
+    pack_cpu_weights: bool = True  # CPU: oneDNN-packed float32 / bfloat16 linears (faster decode)
+    # CPU: the forward compiled by Inductor into one graph for every batch shape (about 50 s
+    # at start for the bundled model on 2 cores; engine/model/compiled.py)
     compile_cpu: bool = False
     # pensieve mode: full chunks of first prompts that are equal across conversations (a
     # system prompt) are stored once and linked by new conversations instead of computed
