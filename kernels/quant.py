@@ -52,7 +52,11 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     the clamp absorbs the rounding."""
     qmax = QMAX[fmt]
     x = x.float()
-    scale = (x.abs().amax(-1) / qmax).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    amax = x.abs().amax(-1)
+    # Divided by a tensor on x's device, not by a Python number: CUDA torch divides by a CPU
+    # scalar as a multiply by its reciprocal, which misses the correctly rounded quotient
+    # (the Triton write's div_rn) by an ulp now and then, and the float16 scale with it.
+    scale = (amax / amax.new_tensor(qmax)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
     y = (x / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
     if fmt == "fp8":
         codes = y.to(torch.float8_e4m3fn).view(torch.uint8)

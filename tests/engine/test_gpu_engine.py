@@ -80,17 +80,13 @@ def test_triton_backend_matches_reference_backend(model):
 
 
 def prefill_logits(engine: Engine) -> torch.Tensor:
-    import engine.runner as runner
-
+    """The logits of one mixed prefill batch, seen by wrapping this engine's sampler."""
     seen = []
-    sample = runner.sample
-    runner.sample = lambda logits, params, gens: (
-        seen.append(logits.float().cpu()) or sample(logits, params, gens)
+    sampler = engine.runner.sampler
+    engine.runner.sampler = lambda logits, *rest: (
+        seen.append(logits.float().cpu()) or sampler(logits, *rest)
     )
-    try:
-        engine.run([Turn(f"l{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(PROMPTS)])
-    finally:
-        runner.sample = sample
+    engine.run([Turn(f"l{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(PROMPTS)])
     return seen[0]
 
 

@@ -4,10 +4,12 @@ refused; a killed worker fails turns with an error instead of a hang."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -278,9 +280,21 @@ def cuda_engines(model: str, **kw) -> tuple[Engine, Engine]:
     close_open()  # one tensor-parallel engine per process
     kw = dict(model=model, device="cuda", dtype="float32", **SMALL_POOLS, **kw)
     n = cuda_ranks(model)
-    tp = Engine(EngineConfig(**kw, tensor_parallel=n, force_tensor_parallel=True))
+    tp = Engine(EngineConfig(**kw, tensor_parallel=n, force_tensor_parallel=True), now=ticks())
     _OPEN.append(tp)
-    return tp, Engine(EngineConfig(**kw, cuda_graphs=False))
+    one = Engine(EngineConfig(**kw, cuda_graphs=False), now=ticks())
+    for engine in (tp, one):
+        # On CUDA a swap-in is copied asynchronously, and swap-out ahead waits while one is in
+        # flight: how fast the copy ends would decide what moves. Both engines wait for it.
+        engine.pool.swap_in_busy = lambda: torch.cuda.synchronize() or False
+    return tp, one
+
+
+def ticks() -> Callable[[], float]:
+    """A clock that moves 1 ms per read: idle times (Cost/T), hence the cache's decisions, do
+    not depend on how fast each engine's steps ran."""
+    reads = itertools.count(1)
+    return lambda: next(reads) * 1e-3
 
 
 def id_prompts(n_convs: int, n_turns: int, seed: int, vocab: int) -> list[list[list[int]]]:
