@@ -1,12 +1,13 @@
-"""The first command on a lent GPU: every `-m gpu` test, then the report's short parts.
+"""The first command on a lent GPU: every `-m gpu` test, the swap bench, then the report's
+short parts.
 
     python -m bench.gpu_check            # make gpu-check: at most ~9 min on an H100
     python -m bench.gpu_check --dry-run  # the same sequence on the CPU with dummy:tiny
 
 Needs only what a bare GPU machine has (torch, triton, transformers, pytest, numpy; no web
 stack, no data packages). Writes bench/results/gpu-check-<device>.json (the tests' outcome,
-with the device and commit) and, through bench.gpu_report, gpu-report-<device>.json with
-the `mfu` and `decode` parts; `make gpu-report` adds `serve` and `extra` to the same file.
+with the device and commit), swap-<device>.json (bench.swap) and, through bench.gpu_report,
+gpu-report-<device>.json with the `mfu` and `decode` parts; `make gpu-report` adds `serve` and `extra` to the same file.
 A dry run writes under the temp dir unless --out-dir is given. Exits non-zero when a test
 fails or a part breaks, and at once when there is no CUDA device (without --dry-run).
 """
@@ -29,6 +30,7 @@ from bench.lib.common import RESULTS, ROOT, environment
 
 TOTAL_S = 540.0  # the whole command, on an H100 from a bare machine
 TESTS_S = 300.0  # the GPU tests' share; the report's parts get what is left
+SWAP_S = 120.0  # bench.swap (about a minute on an H100: loads the 13B shape, then copies)
 
 
 def _log(*a) -> None:
@@ -77,6 +79,19 @@ def read_junit(path: Path) -> dict[str, Any]:
     }
 
 
+def run_swap(out: Path, timeout: float, env: dict[str, str], dry: bool) -> int | None:
+    """bench.swap: chunk swaps contiguous and scattered, through the block-copy kernel and
+    run by run (what the serving runs' swaps cost)."""
+    cmd = [sys.executable, "-m", "bench.swap", "--out", str(out)]
+    if dry:
+        cmd += ["--model", "dummy:tiny", "--device", "cpu", "--chunks", "16", "--repeats", "2"]
+    _log("$ " + " ".join(cmd[2:]))
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def run_report(parts: str, extra: list[str], timeout: float, env: dict[str, str]) -> int | None:
     cmd = [sys.executable, "-m", "bench.gpu_report", "--part", parts, *extra]
     _log("$ " + " ".join(cmd[2:]))
@@ -116,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tests = run_tests(Path(tmp) / "junit.xml", min(TESTS_S, args.total / 2), env)
+    swap = out_dir / f"swap-{slug}.json"
+    t_swap = time.monotonic()
+    swap_rc = run_swap(swap, SWAP_S, env, args.dry_run)
+    swap_s = time.monotonic() - t_swap
     report = out_dir / f"gpu-report-{slug}.json"
     extra = ["--out", str(report), "--no-plot"]
     if args.dry_run:
@@ -137,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             "returncode": parts_rc,
             "elapsed_s": time.monotonic() - t_parts,
         },
+        "swap": {"file": swap.name, "returncode": swap_rc, "elapsed_s": swap_s},
         "elapsed_s": time.monotonic() - t0,
     }
     out = out_dir / f"gpu-check-{slug}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     ok = tests.get("returncode") in (0, 5) and not tests.get("failures") and parts_rc == 0
+    ok = ok and swap_rc == 0
     _log(summary(result))
     _log(f"wrote {out}")
     return 0 if ok else 1
@@ -159,6 +180,9 @@ def summary(result: dict[str, Any]) -> str:
     lines += [f"  FAILED {f['test']}: {f['message']}" for f in t.get("failures", [])]
     state = "ok" if r["returncode"] == 0 else f"exit {r['returncode']}"
     lines.append(f"  report parts mfu,decode: {state} in {r['elapsed_s']:.0f} s -> {r['file']}")
+    w = result["swap"]
+    state = "ok" if w["returncode"] == 0 else f"exit {w['returncode']}"
+    lines.append(f"  swap bench: {state} in {w['elapsed_s']:.0f} s -> {w['file']}")
     return "\n".join(lines)
 
 

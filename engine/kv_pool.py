@@ -10,12 +10,19 @@ layer i waits for layer i's event only. On the CPU the same calls copy synchrono
 With an 8-bit KV (`kv_dtype` "fp8" or "int8") each tier holds 8-bit codes in that layout plus
 float16 scales [layers, 2, num_blocks, block_size, kv_heads] (one per token and KV head, see
 `kernels/quant.py`); a block's scales travel with its codes in every copy.
+
+Swapped chunks are mostly scattered (runs of one block), and a copy per run, layer and K/V
+is thousands of small transfers a step. From `KERNEL_RUNS` runs up, a step's copies go
+through one kernel launch per layer (swap-in) or per step (swap-out) that moves every block
+(`kernels/triton_swap.py`, reading and writing the page-locked tier directly); on CUDA only
+where a start-up check shows the kernel copies exactly, else run by run as before.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +31,8 @@ from engine.model.shapes import ModelArgs
 from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 
 log = logging.getLogger(__name__)
+
+KERNEL_RUNS = 4  # fewer runs go as one copy each: long runs move fastest on the copy engine
 
 
 class KVPool:
@@ -61,8 +70,10 @@ class KVPool:
                 for i in range(layers)
             ]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # Scattered copies in one launch (tests turn it on for the CPU under the interpreter).
+        self.copy_kernel = self.cuda and kernel_copies_work(self.device)
         self._layer_events: list | None = None
-        self._pending_swap_in: list[tuple[int, int, int]] = []  # runs: (cpu, gpu, length)
+        self._pending_swap_in: Moves | None = None
         self._pending_load: list[tuple[list, int]] = []  # this step's loads from the disk tier
         self._background_done = None
 
@@ -147,7 +158,7 @@ class KVPool:
                     compute.wait_event(freed)
                 events = None
                 if plan.swap_in or plan.load:  # no events for the usual step without
-                    moves, events = runs(plan.swap_in), []
+                    moves, events = self._moves(plan.swap_in), []
                     for layer in range(len(self.layers)):
                         self._copy_in(moves, layer)
                         self._load(plan.load, layer)
@@ -158,7 +169,7 @@ class KVPool:
             self._background_done = None
         else:
             self._copy_out(plan.swap_out)
-            self._pending_swap_in = runs(plan.swap_in)
+            self._pending_swap_in = self._moves(plan.swap_in) if plan.swap_in else None
             self._pending_load = plan.load
 
     def before_attention(self, layer: int) -> None:
@@ -167,7 +178,7 @@ class KVPool:
             if self._layer_events is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
         else:
-            if self._pending_swap_in:
+            if self._pending_swap_in is not None:
                 self._copy_in(self._pending_swap_in, layer)
             if self._pending_load:
                 self._load(self._pending_load, layer)
@@ -179,7 +190,7 @@ class KVPool:
 
     def end_step(self, plan: CopyPlan) -> None:
         """After the forward: start the ahead-of-time swap-outs in the background."""
-        self._pending_swap_in = []
+        self._pending_swap_in = None
         self._pending_load = []
         if not plan.background:
             return
@@ -203,8 +214,26 @@ class KVPool:
 
     # ---- copies ----------------------------------------------------------------------------
 
+    def _moves(self, pairs: list[tuple[int, int]]) -> Moves:
+        """(src, dst) block pairs as runs, and as id tensors where the kernel will copy them."""
+        moves = Moves(runs(pairs))
+        if self.copy_kernel and len(moves.runs) >= KERNEL_RUNS:
+            blocks = [(s + i, d + i) for s, d, n in moves.runs for i in range(n)]
+            src, dst = zip(*blocks, strict=True)
+            moves.ids = tuple(
+                torch.tensor(x, dtype=torch.int64, device=self.device) for x in (src, dst)
+            )
+        return moves
+
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        for gpu, cpu, n in runs(pairs):
+        if not pairs:
+            return
+        moves = self._moves(pairs)
+        if moves.ids is not None:
+            for g, c in self._tiers:
+                _copy_blocks(g, c, *moves.ids, range(g.shape[0]))
+            return
+        for gpu, cpu, n in moves.runs:
             for layer in range(self.gpu.shape[0]):
                 for g, c in self._tiers:
                     for kv in (0, 1):
@@ -212,14 +241,64 @@ class KVPool:
                             g[layer, kv, gpu : gpu + n], non_blocking=self.cuda
                         )
 
-    def _copy_in(self, moves: list[tuple[int, int, int]], layer: int) -> None:
+    def _copy_in(self, moves: Moves, layer: int) -> None:
         """One layer of a swap-in, as (cpu, gpu, length) runs (worked out once per step)."""
-        for cpu, gpu, n in moves:
+        if moves.ids is not None:
+            for g, c in self._tiers:
+                _copy_blocks(c, g, *moves.ids, range(layer, layer + 1))
+            return
+        for cpu, gpu, n in moves.runs:
             for g, c in self._tiers:
                 for kv in (0, 1):
                     g[layer, kv, gpu : gpu + n].copy_(
                         c[layer, kv, cpu : cpu + n], non_blocking=self.cuda
                     )
+
+
+@dataclass
+class Moves:
+    """A step's copies in one direction: (src, dst, length) runs, and the source and
+    destination block ids (int64 tensors on the device) when the kernel copies them."""
+
+    runs: list[tuple[int, int, int]]
+    ids: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _copy_blocks(*args) -> None:
+    from kernels.triton_swap import copy_blocks  # Triton is imported only where it copies
+
+    copy_blocks(*args)
+
+
+_KERNEL_WORKS: dict[torch.device, bool] = {}
+
+
+def kernel_copies_work(device: torch.device) -> bool:
+    """Once per device: does the block-copy kernel move scattered blocks GPU -> page-locked
+    host -> GPU exactly? Where it does not (no Triton, a driver that refuses host pointers),
+    copies go run by run, with one log line."""
+    if device not in _KERNEL_WORKS:
+        try:
+            gpu = torch.randn((2, 2, 4, 8, 16), device=device).to(torch.bfloat16)
+            host = torch.zeros((2, 2, 3, 8, 16), dtype=torch.bfloat16).pin_memory()
+            back = torch.zeros_like(gpu)
+            ids = [torch.tensor(x, dtype=torch.int64, device=device) for x in ([3, 0], [0, 2])]
+            _copy_blocks(gpu, host, ids[0], ids[1], range(2))
+            _copy_blocks(host, back, ids[1], ids[0], range(2))
+            torch.cuda.synchronize(device)
+            ok = torch.equal(back[:, :, [3, 0]], gpu[:, :, [3, 0]]) and not back[:, :, 1].any()
+        except Exception as e:  # noqa: BLE001 - any failure means: copy run by run
+            log.warning(
+                "block-copy kernel unavailable on %s (%s): swaps copy run by run", device, e
+            )
+            ok = False
+        else:
+            if not ok:
+                log.warning(
+                    "block-copy kernel copied wrong bytes on %s: swaps copy run by run", device
+                )
+        _KERNEL_WORKS[device] = ok
+    return _KERNEL_WORKS[device]
 
 
 def _parts(args: ModelArgs, block_size: int, dtype, kv_dtype: str) -> list[tuple]:
