@@ -209,14 +209,23 @@ def decode_point(engine, batch: int, context: int, steps: int, tag: str) -> dict
     while not all(r.output for r in reqs):  # prefill until every turn decodes
         engine.step()
     _step_time(engine, warm)
+    made = engine.snapshot().counters.generated_tokens
     times = _step_time(engine, steps)
+    # Tokens each timed step decoded: `batch` unless the engine ran fewer rows than asked (a
+    # step time under its roofline means exactly that).
+    rows = (engine.snapshot().counters.generated_tokens - made) / steps
     for r in reqs:
         engine.cancel(r)
     while engine.has_work():
         engine.step()
     for cid in ids:
         engine.free(cid)
-    return {"seconds": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    return {
+        "seconds": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "rows_per_step": rows,
+    }
 
 
 def part_decode(s: Settings, budget: float) -> dict[str, Any]:
@@ -280,10 +289,14 @@ def _decode_line(r: dict[str, Any]) -> str:
     head = f"decode batch {r['batch']:>4} context {r['context']:>5}: "
     if "skipped" in r:
         return head + "skipped (" + r["skipped"] + ")"
-    return head + (
+    line = head + (
         f"{r['seconds'] * 1e3:8.2f} ms/step, roofline {r['roofline_s'] * 1e3:7.2f} ms, "
         f"x{r['ratio']:.2f}"
     )
+    rows = r.get("rows_per_step")  # absent in reports made before it was counted
+    if rows is not None and rows < r["batch"]:
+        line += f" (ONLY {rows:.1f} rows a step: not the batch asked for)"
+    return line
 
 
 # ---------------------------------------------------------------- serve
