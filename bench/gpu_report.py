@@ -199,14 +199,22 @@ def decode_point(engine, batch: int, context: int, steps: int, tag: str) -> dict
     vocab = engine.args.vocab_size
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     warm = 3
+    # First turns only fill the contexts (one token each); the second turns, one token each,
+    # then start together and decode in lockstep. One turn per conversation would not: its
+    # early turns decode through the later ones' prefill steps (128 of them at 256 x 1k) and
+    # end before the timed steps, which then run a fraction of the batch.
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    fill = SamplingParams(max_tokens=1, ignore_eos=True)
+    for cid in ids:
+        engine.submit(Turn(cid, torch.randint(0, vocab, (context,), generator=gen).tolist(), fill))
+    while engine.has_work():
+        engine.step()
     sampling = SamplingParams(max_tokens=warm + steps + 4, ignore_eos=True)
-    reqs, ids = [], []
-    for i in range(batch):
-        cid = f"{tag}-{i}"
-        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-        reqs.append(engine.submit(Turn(cid, prompt, sampling)))
-        ids.append(cid)
-    while not all(r.output for r in reqs):  # prefill until every turn decodes
+    reqs = [
+        engine.submit(Turn(cid, torch.randint(0, vocab, (1,), generator=gen).tolist(), sampling))
+        for cid in ids
+    ]
+    while not all(r.output for r in reqs):
         engine.step()
     _step_time(engine, warm)
     made = engine.snapshot().counters.generated_tokens
