@@ -34,12 +34,13 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Generator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, SAMPLES, device_slug, environment
+from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment
 from bench.lib.drivers import EngineDriver
 from bench.lib.metrics import crossing, run_line, window_metrics
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
@@ -48,6 +49,7 @@ from bench.lib.samples import read_sample
 from bench.lib.sweep import measure, over
 
 PARTS = ("mfu", "decode", "serve", "extra")
+SERVE_MODES = ("stateless", "gpu", "pensieve")  # in this order: each next should serve more
 SAMPLE = SAMPLES / "gpu.json"
 
 
@@ -68,7 +70,7 @@ class Settings:
     decode_steps: int = 20
     copy_mib: int = 4096
     # serve
-    sample: str = str(SAMPLE)
+    sample: str = str(SAMPLE.relative_to(ROOT))  # relative to the checkout
     conversations: int = 200
     think_s: float = 60.0
     scale: float = 4.0  # k: think time / k, both tiers / k
@@ -293,7 +295,7 @@ def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
     """The committed sample; the dry run keeps short pieces of a few conversations that fit."""
     from engine.model.loader import model_args
 
-    convs, info = read_sample(Path(s.sample))
+    convs, info = read_sample(ROOT / s.sample)  # an absolute path stays as it is
     limit = model_args(s.model).max_context
     if s.dry:
         convs = wl.shorten(convs, prompt=40, output=6, turns=3)
@@ -394,22 +396,47 @@ class Runner:
         self.engines.clear()
 
 
-async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
-    """Runs at ladder rates from `start`, up while under the bound, down while over, until
-    an adjacent pair under/over is known (or the ladder or the budget ends)."""
-    ladder, runs, seen = r.s.rates, [], {}
+def walk(n: int, start: int) -> Generator[int, bool, None]:
+    """The ladder indices of one sweep: from `start`, up while under the bound, down while
+    over, until an adjacent pair under/over is known (or the ladder ends). Send each run's
+    `over` back to get the next index (`bench.sim.serve_part` walks it in virtual time)."""
+    seen: dict[int, bool] = {}
     i = start
-    while 0 <= i < len(ladder):
-        run = await r.run(mode, ladder[i], k, oracle, label)
+    while 0 <= i < n:
+        seen[i] = yield i
+        step = -1 if seen[i] else 1
+        if i + step in seen:
+            return
+        i += step
+
+
+def next_start(ladder: list[float], runs: list[dict[str, Any]], bound: float, start: int) -> int:
+    """Where the next mode's sweep starts: the rate where this one was last under (each
+    next mode should serve more), else where this one started."""
+    under = [x["rate"] for x in runs if not over(x, bound)]
+    return _start_index(ladder, max(under)) if under else start
+
+
+async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
+    """One mode's runs along `walk` (or until the budget ends)."""
+    runs: list[dict[str, Any]] = []
+    steps = walk(len(r.s.rates), start)
+    i = next(steps, None)
+    while i is not None:
+        run = await r.run(mode, r.s.rates[i], k, oracle, label)
         if run is None:
             break
         runs.append(run)
-        seen[i] = over(run, r.s.bound)
-        step = -1 if seen[i] else 1
-        if i + step in seen:
-            break
-        i += step
+        i = next_index(steps, over(run, r.s.bound))
     return runs
+
+
+def next_index(steps: Generator[int, bool, None], was_over: bool) -> int | None:
+    """The walk's next index after a run (None: the sweep is done)."""
+    try:
+        return steps.send(was_over)
+    except StopIteration:
+        return None
 
 
 def _start_index(ladder: list[float], rate: float) -> int:
@@ -422,12 +449,10 @@ async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[
     runs: list[dict[str, Any]] = []
     start = _start_index(s.rates, s.start_rate)
     try:
-        for mode in ("stateless", "gpu", "pensieve"):  # each next mode should serve more
+        for mode in SERVE_MODES:
             got = await sweep(r, mode, start, s.scale)
             runs += got
-            under = [x["rate"] for x in got if not over(x, s.bound)]
-            if under:
-                start = _start_index(s.rates, max(under))
+            start = next_start(s.rates, got, s.bound, start)
     finally:
         await r.close()
     return _serve_result(s, info, runs, r.skipped, convs)
