@@ -83,9 +83,10 @@ class Settings:
     rates: list[float] = field(
         default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]
     )
-    # The first mode's sweep starts here: the simulated H100 puts every mode's capacity
-    # between 12 and 16/s (11.2-11.7 req/s), so each sweep needs two runs if the card agrees.
-    start_rate: float = 12.0
+    # The first mode's sweep starts here. The simulated H100 puts every mode's crossing
+    # between 12 and 16/s, the simulated H200 between 16 and 24/s: from 16/s each mode's
+    # sweep takes two runs on either (`python -m bench.sim --gpu-serve --device h200`).
+    start_rate: float = 16.0
     window_s: float = 45.0
     # A run over the bound costs window + drain: 20 s keeps seven runs within the budget
     # (six are needed: a run under and one over for each mode).
