@@ -2,7 +2,7 @@
 
     python -m bench.gpu_report                        # every part, about 23 min on an H100
     python -m bench.gpu_report --part mfu,decode      # about 5 min
-    python -m bench.gpu_report --part serve           # at most 9 min: the capacity sweep
+    python -m bench.gpu_report --part serve           # about 7.5 min: the capacity sweep
     python -m bench.gpu_report --part extra           # at most 9 min: unscaled check, oracle, lru
     python -m bench.gpu_report --device cpu --model dummy:tiny   # dry run of every part
 
