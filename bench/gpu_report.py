@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment
+from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment, host_memory_gb
 from bench.lib.drivers import EngineDriver
 from bench.lib.metrics import crossing, run_line, window_metrics
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
@@ -487,6 +487,35 @@ def _serve_result(s, info, runs, skipped, convs) -> dict[str, Any]:
     }
 
 
+def oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int:
+    """Tiers that never evict in a scaled run at up to `rate`: the whole context of every
+    conversation that arrives within its window (not the whole sample), +10% and 64 chunks."""
+    plans = wl.plan(convs, rate, s.think_s / s.scale, 0)
+    came = [p.conversation for p in plans if p.arrival_s < s.window_s]
+    return int(history_chunks(came) * 1.1) + 64
+
+
+def no_room(s: Settings, chunks: int) -> str | None:
+    """Why tiers of `chunks` cannot be allocated on this machine (None: they can): the first
+    beside the weights in the GPU's memory, the second (pinned) in 60% of the host's RAM."""
+    if not s.device.startswith("cuda"):
+        return None
+    import torch
+
+    from engine.model.loader import model_args
+
+    kv = chunks * kv_bytes_per_chunk(s.model, s.dtype)
+    weights = weight_bytes(model_args(s.model), getattr(torch, s.dtype).itemsize)
+    gpu = torch.cuda.get_device_properties(torch.device(s.device)).total_memory
+    host = (host_memory_gb() or 0.0) * 2**30
+    if kv + weights > 0.9 * gpu or kv > 0.6 * host:
+        return (
+            f"its tiers of {kv / 1e9:.0f} GB each do not fit beside {weights / 1e9:.0f} GB of "
+            f"weights in {gpu / 1e9:.0f} GB of GPU memory, or in {host / 1e9:.0f} GB of RAM"
+        )
+    return None
+
+
 async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
     """At pensieve's last rate under the bound (from the serve part): the same run unscaled,
     with lru eviction, and the oracle's sweep from there."""
@@ -494,7 +523,8 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     serve_runs = (previous or {}).get("serve", {}).get("runs", [])
     cap = crossing([x for x in serve_runs if x["mode"] == "pensieve"], s.bound)
     rate = cap.get("under_rate") or s.start_rate
-    oracle = int(history_chunks(convs) * 1.1) + 64
+    top = next((x for x in s.rates if x > rate), rate)  # the oracle's sweep may go one up
+    oracle = oracle_chunks(s, convs, top)
     r = Runner(s, convs, budget)
     runs: list[dict[str, Any]] = []
     try:
@@ -513,8 +543,12 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
         runs += [got] if got else []
         got = await r.run("pensieve", rate, 1.0, label="pensieve-unscaled")
         runs += [got] if got else []
-        runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
-                            s.scale, label="oracle", oracle=oracle)  # fmt: skip
+        if why := no_room(s, oracle):  # at a saturating rate, hundreds of GB on one GPU
+            r.skipped.append(f"oracle: {why}")
+            _log(f"skip the oracle: {why}")
+        else:
+            runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
+                                s.scale, label="oracle", oracle=oracle)  # fmt: skip
     finally:
         await r.close()
     out = _serve_result(s, info, runs, r.skipped, convs)
