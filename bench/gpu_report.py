@@ -364,6 +364,13 @@ class Runner:
             _log(f"skip {name} at {rate:g}/s: it would not finish within the part's budget")
             return None
         preset = preset_for(s, k, oracle)
+        cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
+        # The oracle near saturation, the unscaled second tier on a small host: skipped,
+        # with the sizes, rather than ending the part when the allocation fails.
+        if why := no_room(s, preset.gpu_cache_chunks, cpu):
+            self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): {why}")
+            _log(f"skip {name} at {rate:g}/s: {why}")
+            return None
         engine = await self._engine(mode, preset)
         deadline = time.monotonic() + window + drain
         driver = EngineDriver(engine, f"{name}-{k:g}-{rate:g}", temperature, deadline)
@@ -495,23 +502,28 @@ def oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int
     return int(history_chunks(came) * 1.1) + 64
 
 
-def no_room(s: Settings, chunks: int) -> str | None:
-    """Why tiers of `chunks` cannot be allocated on this machine (None: they can): the first
-    beside the weights in the GPU's memory, the second (pinned) in 60% of the host's RAM."""
+def no_room(s: Settings, gpu_chunks: int, cpu_chunks: int) -> str | None:
+    """Why these tiers cannot be allocated on this machine (None: they can): the first
+    beside the weights in 90% of the GPU's memory, the second (pinned) in 60% of the RAM."""
     if not s.device.startswith("cuda"):
         return None
     import torch
 
     from engine.model.loader import model_args
 
-    kv = chunks * kv_bytes_per_chunk(s.model, s.dtype)
+    per = kv_bytes_per_chunk(s.model, s.dtype)
     weights = weight_bytes(model_args(s.model), getattr(torch, s.dtype).itemsize)
     gpu = torch.cuda.get_device_properties(torch.device(s.device)).total_memory
-    host = (host_memory_gb() or 0.0) * 2**30
-    if kv + weights > 0.9 * gpu or kv > 0.6 * host:
+    if gpu_chunks * per + weights > 0.9 * gpu:
         return (
-            f"its tiers of {kv / 1e9:.0f} GB each do not fit beside {weights / 1e9:.0f} GB of "
-            f"weights in {gpu / 1e9:.0f} GB of GPU memory, or in {host / 1e9:.0f} GB of RAM"
+            f"a first tier of {gpu_chunks * per / 1e9:.0f} GB does not fit beside "
+            f"{weights / 1e9:.0f} GB of weights in {gpu / 1e9:.0f} GB of GPU memory"
+        )
+    host = host_memory_gb()  # None: unknown, not checked
+    if host is not None and cpu_chunks * per > 0.6 * host * 2**30:
+        return (
+            f"a second tier of {cpu_chunks * per / 1e9:.0f} GB (pinned) is over 60% of "
+            f"{host * 2**30 / 1e9:.0f} GB of RAM"
         )
     return None
 
@@ -543,12 +555,8 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
         runs += [got] if got else []
         got = await r.run("pensieve", rate, 1.0, label="pensieve-unscaled")
         runs += [got] if got else []
-        if why := no_room(s, oracle):  # at a saturating rate, hundreds of GB on one GPU
-            r.skipped.append(f"oracle: {why}")
-            _log(f"skip the oracle: {why}")
-        else:
-            runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
-                                s.scale, label="oracle", oracle=oracle)  # fmt: skip
+        runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
+                            s.scale, label="oracle", oracle=oracle)  # fmt: skip
     finally:
         await r.close()
     out = _serve_result(s, info, runs, r.skipped, convs)
