@@ -86,11 +86,13 @@ gpu-check:
 # Then the serving parts, each at most ~9 min: one command per part where commands are
 # limited to 10 minutes (make gpu-report PARTS=serve, then PARTS=extra). See bench/README.md.
 PARTS ?= serve,extra
-# After the serve part, the same runs on the simulated H100: the simulator's error beside it.
+# After the serve part, the same runs on the simulated H100 and H200 (seconds each): the
+# simulator's error beside the report.
 gpu-report:
 	$(GPU_PY) -m bench.gpu_report --part $(PARTS)
 	case ",$(PARTS)," in *,serve,*) for f in bench/results/gpu-report-*.json; do \
-	  case $$f in *-sim-*) ;; *) $(GPU_PY) -m bench.sim --gpu-report $$f --device h100 ;; esac; \
+	  case $$f in *-sim-*) ;; *) for d in h100 h200; do \
+	    $(GPU_PY) -m bench.sim --gpu-report $$f --device $$d; done ;; esac; \
 	done ;; esac
 
 # The CPU serving preset (bench/README.md); BENCH_ARGS adds flags, e.g. BENCH_ARGS="--dtype bfloat16".

@@ -2,7 +2,7 @@
 
     python -m bench.gpu_report                        # every part, about 23 min on an H100
     python -m bench.gpu_report --part mfu,decode      # about 5 min
-    python -m bench.gpu_report --part serve           # at most 9 min: the capacity sweep
+    python -m bench.gpu_report --part serve           # about 7.5 min: the capacity sweep
     python -m bench.gpu_report --part extra           # at most 9 min: unscaled check, oracle, lru
     python -m bench.gpu_report --device cpu --model dummy:tiny   # dry run of every part
 
@@ -34,12 +34,13 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Generator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, SAMPLES, device_slug, environment
+from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment, host_memory_gb
 from bench.lib.drivers import EngineDriver
 from bench.lib.metrics import crossing, run_line, window_metrics
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
@@ -48,6 +49,7 @@ from bench.lib.samples import read_sample
 from bench.lib.sweep import measure, over
 
 PARTS = ("mfu", "decode", "serve", "extra")
+SERVE_MODES = ("stateless", "gpu", "pensieve")  # in this order: each next should serve more
 SAMPLE = SAMPLES / "gpu.json"
 
 
@@ -68,17 +70,27 @@ class Settings:
     decode_steps: int = 20
     copy_mib: int = 4096
     # serve
-    sample: str = str(SAMPLE)
-    conversations: int = 200
+    sample: str = str(SAMPLE.relative_to(ROOT))  # relative to the checkout
+    # Sized with the simulator (`python -m bench.sim --gpu-serve --device h100`): at 32/s a
+    # 45 s window draws 1,440 new conversations, so the sample lasts the whole window at
+    # every rate up to there. 200 ran out at 16/s and no mode crossed the bound on an H200.
+    conversations: int = 1600
     think_s: float = 60.0
     scale: float = 4.0  # k: think time / k, both tiers / k
     gpu_cache_gb: float = 40.0  # unscaled tiers, as in the paper
     cpu_cache_gb: float = 200.0
     bound: float = 0.18  # mean normalized latency, s / output token
-    rates: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
-    start_rate: float = 1.0  # the first mode's sweep starts here
+    rates: list[float] = field(
+        default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]
+    )
+    # The first mode's sweep starts here. The simulated H100 puts every mode's crossing
+    # between 12 and 16/s, the simulated H200 between 16 and 24/s: from 16/s each mode's
+    # sweep takes two runs on either (`python -m bench.sim --gpu-serve --device h200`).
+    start_rate: float = 16.0
     window_s: float = 45.0
-    drain_s: float = 25.0
+    # A run over the bound costs window + drain: 20 s keeps seven runs within the budget
+    # (six are needed: a run under and one over for each mode).
+    drain_s: float = 20.0
     unscaled_window_s: float = 180.0
     unscaled_drain_s: float = 60.0
     max_batch_tokens: int = 2048
@@ -314,7 +326,7 @@ def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
     """The committed sample; the dry run keeps short pieces of a few conversations that fit."""
     from engine.model.loader import model_args
 
-    convs, info = read_sample(Path(s.sample))
+    convs, info = read_sample(ROOT / s.sample)  # an absolute path stays as it is
     limit = model_args(s.model).max_context
     if s.dry:
         convs = wl.shorten(convs, prompt=40, output=6, turns=3)
@@ -373,6 +385,13 @@ class Runner:
             _log(f"skip {name} at {rate:g}/s: it would not finish within the part's budget")
             return None
         preset = preset_for(s, k, oracle)
+        cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
+        # The oracle near saturation, the unscaled second tier on a small host: skipped,
+        # with the sizes, rather than ending the part when the allocation fails.
+        if why := no_room(s, preset.gpu_cache_chunks, cpu):
+            self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): {why}")
+            _log(f"skip {name} at {rate:g}/s: {why}")
+            return None
         engine = await self._engine(mode, preset)
         deadline = time.monotonic() + window + drain
         driver = EngineDriver(engine, f"{name}-{k:g}-{rate:g}", temperature, deadline)
@@ -415,22 +434,47 @@ class Runner:
         self.engines.clear()
 
 
-async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
-    """Runs at ladder rates from `start`, up while under the bound, down while over, until
-    an adjacent pair under/over is known (or the ladder or the budget ends)."""
-    ladder, runs, seen = r.s.rates, [], {}
+def walk(n: int, start: int) -> Generator[int, bool, None]:
+    """The ladder indices of one sweep: from `start`, up while under the bound, down while
+    over, until an adjacent pair under/over is known (or the ladder ends). Send each run's
+    `over` back to get the next index (`bench.sim.serve_part` walks it in virtual time)."""
+    seen: dict[int, bool] = {}
     i = start
-    while 0 <= i < len(ladder):
-        run = await r.run(mode, ladder[i], k, oracle, label)
+    while 0 <= i < n:
+        seen[i] = yield i
+        step = -1 if seen[i] else 1
+        if i + step in seen:
+            return
+        i += step
+
+
+def next_start(ladder: list[float], runs: list[dict[str, Any]], bound: float, start: int) -> int:
+    """Where the next mode's sweep starts: the rate where this one was last under (each
+    next mode should serve more), else where this one started."""
+    under = [x["rate"] for x in runs if not over(x, bound)]
+    return _start_index(ladder, max(under)) if under else start
+
+
+async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
+    """One mode's runs along `walk` (or until the budget ends)."""
+    runs: list[dict[str, Any]] = []
+    steps = walk(len(r.s.rates), start)
+    i = next(steps, None)
+    while i is not None:
+        run = await r.run(mode, r.s.rates[i], k, oracle, label)
         if run is None:
             break
         runs.append(run)
-        seen[i] = over(run, r.s.bound)
-        step = -1 if seen[i] else 1
-        if i + step in seen:
-            break
-        i += step
+        i = next_index(steps, over(run, r.s.bound))
     return runs
+
+
+def next_index(steps: Generator[int, bool, None], was_over: bool) -> int | None:
+    """The walk's next index after a run (None: the sweep is done)."""
+    try:
+        return steps.send(was_over)
+    except StopIteration:
+        return None
 
 
 def _start_index(ladder: list[float], rate: float) -> int:
@@ -443,12 +487,10 @@ async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[
     runs: list[dict[str, Any]] = []
     start = _start_index(s.rates, s.start_rate)
     try:
-        for mode in ("stateless", "gpu", "pensieve"):  # each next mode should serve more
+        for mode in SERVE_MODES:
             got = await sweep(r, mode, start, s.scale)
             runs += got
-            under = [x["rate"] for x in got if not over(x, s.bound)]
-            if under:
-                start = _start_index(s.rates, max(under))
+            start = next_start(s.rates, got, s.bound, start)
     finally:
         await r.close()
     return _serve_result(s, info, runs, r.skipped, convs)
@@ -473,6 +515,40 @@ def _serve_result(s, info, runs, skipped, convs) -> dict[str, Any]:
     }
 
 
+def oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int:
+    """Tiers that never evict in a scaled run at up to `rate`: the whole context of every
+    conversation that arrives within its window (not the whole sample), +10% and 64 chunks."""
+    plans = wl.plan(convs, rate, s.think_s / s.scale, 0)
+    came = [p.conversation for p in plans if p.arrival_s < s.window_s]
+    return int(history_chunks(came) * 1.1) + 64
+
+
+def no_room(s: Settings, gpu_chunks: int, cpu_chunks: int) -> str | None:
+    """Why these tiers cannot be allocated on this machine (None: they can): the first
+    beside the weights in 90% of the GPU's memory, the second (pinned) in 60% of the RAM."""
+    if not s.device.startswith("cuda"):
+        return None
+    import torch
+
+    from engine.model.loader import model_args
+
+    per = kv_bytes_per_chunk(s.model, s.dtype)
+    weights = weight_bytes(model_args(s.model), getattr(torch, s.dtype).itemsize)
+    gpu = torch.cuda.get_device_properties(torch.device(s.device)).total_memory
+    if gpu_chunks * per + weights > 0.9 * gpu:
+        return (
+            f"a first tier of {gpu_chunks * per / 1e9:.0f} GB does not fit beside "
+            f"{weights / 1e9:.0f} GB of weights in {gpu / 1e9:.0f} GB of GPU memory"
+        )
+    host = host_memory_gb()  # None: unknown, not checked
+    if host is not None and cpu_chunks * per > 0.6 * host * 2**30:
+        return (
+            f"a second tier of {cpu_chunks * per / 1e9:.0f} GB (pinned) is over 60% of "
+            f"{host * 2**30 / 1e9:.0f} GB of RAM"
+        )
+    return None
+
+
 async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
     """At pensieve's last rate under the bound (from the serve part): the same run unscaled,
     with lru eviction, and the oracle's sweep from there."""
@@ -480,7 +556,8 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     serve_runs = (previous or {}).get("serve", {}).get("runs", [])
     cap = crossing([x for x in serve_runs if x["mode"] == "pensieve"], s.bound)
     rate = cap.get("under_rate") or s.start_rate
-    oracle = int(history_chunks(convs) * 1.1) + 64
+    top = next((x for x in s.rates if x > rate), rate)  # the oracle's sweep may go one up
+    oracle = oracle_chunks(s, convs, top)
     r = Runner(s, convs, budget)
     runs: list[dict[str, Any]] = []
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, ROOT, environment
+from bench.lib.common import RESULTS, ROOT, SAMPLES, environment
 from bench.lib.metrics import claims, crossing, merge_runs, run_line, run_record, steady_metrics
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
@@ -259,33 +259,52 @@ def compare(reals: list[dict], sim: dict) -> dict:
     return {"points": rows, "capacity": caps}
 
 
+def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, window: float,
+             device: str, oracle: int | None = None) -> dict:  # fmt: skip
+    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time:
+    every turn sent in the window runs to its end (no drain cut)."""
+    from bench.gpu_report import preset_for
+    from engine import Engine
+
+    preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
+    engine = Engine(engine_config(preset, MODES[engine_mode]))
+    try:
+        plans = wl.plan(convs, rate, s.think_s / k, 0)
+        records, span = replay(engine, plans, mode, 1.0, window)
+    finally:
+        engine.close()
+    run = run_record(mode, s.think_s, rate, records, span, {})
+    run["scale"] = k
+    return run
+
+
+def report_settings(settings: dict):
+    """A report's `Settings`, replaying the committed sample of the same name (the report
+    records the path it had on the GPU machine)."""
+    from bench.gpu_report import Settings
+
+    known = Settings.__dataclass_fields__
+    s = replace(Settings(), **{k: v for k, v in settings.items() if k in known})
+    return replace(s, sample=str(SAMPLES / Path(s.sample).name))
+
+
 def twin(report: dict, device: str = "h100", log=_log) -> dict:
     """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
     each run with the same sample, rate, replayed think time, tiers and window, and the
     error of the simulation against it (throughput, mean normalized latency, capacity).
     The real runs cut turns still running at the end of their drain (counted at their lower
     bound); the simulated ones run every turn sent in the window to its end."""
-    from bench.gpu_report import Settings, load_sample, preset_for
-    from engine import Engine
+    from bench.gpu_report import load_sample
 
-    known = Settings.__dataclass_fields__
-    s = replace(Settings(), **{k: v for k, v in report["settings"].items() if k in known})
+    s = report_settings(report["settings"])
     convs, _ = load_sample(s)
     runs, points = [], []
     for real in report["serve"]["runs"]:
-        k = real["scale"]
         oracle = real["gpu_cache_chunks"] if real["mode"] == "oracle" else None
-        preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
-        engine = Engine(engine_config(preset, MODES[real["engine_mode"]]))
-        try:
-            plans = wl.plan(convs, real["rate"], real["think_replayed_s"], 0)
-            records, span = replay(engine, plans, real["mode"], 1.0, real["window_s"])
-        finally:
-            engine.close()
-        run = run_record(real["mode"], real["think_s"], real["rate"], records, span, {})
-        run["scale"] = k
+        run = twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
+                       real["scale"], real["window_s"], device, oracle)  # fmt: skip
         runs.append(run)
-        point = {"mode": real["mode"], "rate": real["rate"], "scale": k}
+        point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
         for key in ("throughput_rps", "norm_latency_mean"):
             r, v = real["metrics"][key], run["metrics"][key]
             point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
@@ -299,6 +318,64 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
         r, v = real.get("capacity_rps"), sim.get("capacity_rps")
         caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None}
     return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}
+
+
+# What a real serve part spends besides its runs' windows and drains (the H200's, ba0cc72:
+# 394 s in all for 7 runs of 370 s): starting each mode's engine, and per run the settling
+# sleep and freeing its conversations.
+ENGINE_START_S = 7.0
+RUN_OVERHEAD_S = 1.0
+
+
+def serve_part(s, device: str = "h100", log=_log) -> dict:
+    """The GPU report's serve part rehearsed in virtual time: the same sweeps (`walk`, each
+    mode from where the previous was last under) and the same budget rule, each run's wall
+    time estimated as its simulated span, cut at window + drain as the real run cuts it.
+    Says which runs the budget would skip and whether every mode crosses the bound."""
+    from bench.gpu_report import (
+        SERVE_MODES,
+        _start_index,
+        load_sample,
+        next_index,
+        next_start,
+        walk,
+    )
+
+    convs, info = load_sample(s)
+    log(wl.format_summary(info["summary"]))
+    t, runs, skipped = 0.0, [], []
+    start = _start_index(s.rates, s.start_rate)
+    for mode in SERVE_MODES:
+        t += ENGINE_START_S
+        got: list[dict] = []
+        steps = walk(len(s.rates), start)
+        i = next(steps, None)
+        while i is not None:
+            rate = s.rates[i]
+            if t + s.window_s + s.drain_s + 15 >= s.budget_s:  # Runner.fits
+                skipped.append(f"{mode} at {rate:g}/s")
+                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
+                break
+            run = twin_run(s, convs, mode, mode, rate, s.scale, s.window_s, device)
+            run["estimated_wall_s"] = min(run["wall_s"], s.window_s + s.drain_s)
+            t += run["estimated_wall_s"] + RUN_OVERHEAD_S
+            run["ends_at_s"] = t
+            got.append(run)
+            log(run_line(run) + f"  [ends at ~{t:.0f} s]")
+            i = next_index(steps, over(run, s.bound))
+        runs += got
+        start = next_start(s.rates, got, s.bound, start)
+    caps = {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in SERVE_MODES}
+    return {
+        "simulated": label(device),
+        "settings": asdict(s),
+        "workload": {k: v for k, v in info.items() if k != "parse"},
+        "runs": runs,
+        "skipped": skipped,
+        "capacity": caps,
+        "estimated_s": t,
+        "all_crossed": all(c["crossed"] for c in caps.values()),
+    }
 
 
 def table(cmp: dict) -> str:
@@ -369,7 +446,33 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="simulate a GPU report's serve runs; writes <report>-sim-<device>.json beside it",
     )
+    ap.add_argument(
+        "--gpu-serve",
+        action="store_true",
+        help="rehearse the GPU report's serve part (its default settings; --rates, "
+        "--conversations, --bound change them): runs, wall time against its budget, crossings",
+    )
     args = ap.parse_args(argv)
+
+    if args.gpu_serve:
+        from bench.gpu_report import Settings
+
+        s = Settings()
+        if args.rates:
+            s = replace(s, rates=floats(args.rates))
+        if args.conversations:
+            s = replace(s, conversations=args.conversations)
+        if args.bound:
+            s = replace(s, bound=args.bound)
+        result = serve_part(s, args.device)
+        result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
+        out = args.out or SIM / f"gpu-serve_{args.device}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(f"about {result['estimated_s']:.0f} s of the {s.budget_s:.0f} s budget; "
+              f"skipped {result['skipped'] or 'nothing'}; every mode crossed: {result['all_crossed']}")  # fmt: skip
+        print(f"wrote {out}")
+        return 0
 
     if args.gpu_report:
         report = json.loads(args.gpu_report.read_text())

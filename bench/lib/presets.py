@@ -99,7 +99,9 @@ GPU = Preset(
     cpu_cache_gb=200.0,
     latency_bound=0.18,
     max_rate=32.0,
-    sample_file="bench/samples/gpu.json",  # drawn with --save-sample from this preset
+    # Drawn with `--save-sample bench/samples/gpu.json --conversations 1600` from this
+    # preset: it replays the first 200, the GPU report's serve part all 1,600.
+    sample_file="bench/samples/gpu.json",
     note="think time x0.1; CPU pool: 200 GB or 60% of host RAM, whichever is smaller",
 )
 

@@ -19,6 +19,17 @@
   TB/s HBM2e, PCIe 4.0 x16 (32 GB/s a direction). Achieved shares are taken from the H100's
   (matmul 81% of peak, attention and weights' reads the same share of HBM, swaps the same
   share of the link: 52.3 of PCIe 5's 64 GB/s), a stated assumption until one is measured.
+- `h200`: an H200 (141 GB HBM3e), from this project's first GPU report on one
+  (`bench/results/gpu-report-nvidia-h200.json`, at ba0cc72):
+  - its `mfu` part: the best bf16 matmul (797 TFLOP/s, the probe's `matmul_flops_per_s`),
+    and the 2048-token prefill forward (4 prompts in 0.317 s), which sets the per-token
+    cost of the unfused elementwise work as the H100's swap forward does;
+  - its `decode` part: the weights' read rate is the 4 GiB device copy's (4262 GB/s,
+    `hbm.bytes_per_s`); its decode step times are the check (`bench/README.md`).
+  The report measures neither the attention kernel nor swaps: the kernel's fit (launch,
+  KV bytes/s, prefill FLOP/s) and the swap rates over PCIe 5 (and the share of a swap-in
+  hidden) are the H100's, as measured there. The H200's faster HBM makes attention
+  pessimistic here; its link is the H100's (PCIe 5 x16), so the swaps should hold.
 - `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps.
 - The disk tier's drive, on every device: one datacenter NVMe SSD, a Samsung PM9A3 U.2
   (PCIe 4.0 x4): 6.5 GB/s sequential read, 3.5 GB/s sequential write (Samsung's figures at
@@ -39,8 +50,9 @@ from pathlib import Path
 
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
-VERSIONS = {"h100": 2, "a100-80gb": 2, "cpu": 3}
+VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 3}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+REPORT_H200 = RESULTS / "gpu-report-nvidia-h200.json"
 KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
 SWAP_H100 = RESULTS / "swap-NVIDIA_H100_80GB_HBM3.json"
 STEP_PREP = RESULTS / "step_prep_cpu.json"
@@ -185,7 +197,25 @@ def a100_spec(h100: GPUSpec) -> GPUSpec:
     )
 
 
-GPUS = ("h100", "a100-80gb")
+def h200_spec(h100: GPUSpec, shape: Shape) -> GPUSpec:
+    """The H200's measured matmul rate, copy bandwidth and prefill forward; the rest the
+    H100's (see the module's docstring)."""
+    report = json.loads(REPORT_H200.read_text())
+    prefill = next(p for p in report["mfu"]["prefill"] if p["prompt_tokens"] == 2048)
+    spec = replace(
+        h100,
+        name="h200",
+        matmul_flops=report["mfu"]["matmul_flops_per_s"],
+        hbm_bps=report["decode"]["hbm"]["bytes_per_s"],
+        token_layer_s=0.0,  # fitted below on the H200's own forward
+        memory_bytes=141e9,
+        sources=(*h100.sources, REPORT_H200.name),
+    )
+    # One 2048-token prompt per step (the report's max_batch_tokens): a forward each.
+    return _fit_token_cost(spec, shape, 2048, prefill["seconds"] / prefill["requests"])
+
+
+GPUS = ("h100", "h200", "a100-80gb")
 DEVICES = (*GPUS, "cpu")
 
 
@@ -197,6 +227,8 @@ def gpu_device(name: str, shape: Shape) -> Device:
     spec = _h100(measured)
     if name == "a100-80gb":
         spec = a100_spec(spec)
+    elif name == "h200":
+        spec = h200_spec(spec, measured)
     elif name != "h100":
         raise ValueError(f"unknown simulated device {name!r}; known: {', '.join(DEVICES)}")
     copies = Copies(spec.swap_in_bps, spec.swap_out_bps, spec.swap_in_hidden, False)

@@ -72,3 +72,17 @@ def test_dry_run_of_every_part_writes_one_report(tmp_path) -> None:
     assert "MFU" in r["table"] and set(r["claims"]) >= {"pensieve_over_stateless"}
     assert out.with_name(out.stem + "-serve.png").stat().st_size > 5_000
     assert out.with_name(out.stem + "-decode.png").stat().st_size > 5_000
+
+
+def test_the_oracle_holds_what_arrives_in_its_window_not_the_whole_sample() -> None:
+    from dataclasses import replace
+
+    from bench.lib.pools import history_chunks
+
+    s = gpu_report.Settings(device="cpu")
+    convs, _ = gpu_report.load_sample(s)
+    whole = int(history_chunks(convs) * 1.1) + 64
+    low, high = (gpu_report.oracle_chunks(s, convs, r) for r in (4.0, 16.0))
+    assert 64 < low < high < whole  # at 16/s, 720 of 1,600 conversations arrive in 45 s
+    assert gpu_report.oracle_chunks(replace(s, window_s=1e6), convs, 4.0) == whole
+    assert gpu_report.no_room(s, whole, whole) is None  # checked on a GPU machine only

@@ -141,3 +141,25 @@ def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
         got = p["norm_latency_mean"]
         assert got["sim"] == r["metrics"]["norm_latency_mean"]
         assert got["error"] == pytest.approx((got["sim"] - got["real"]) / got["real"])
+
+
+def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
+    from dataclasses import replace
+
+    from bench.gpu_report import SERVE_MODES, dry_settings, walk
+
+    steps = walk(5, 2)  # over at 2, under at 1: done
+    assert next(steps) == 2 and steps.send(True) == 1
+    with pytest.raises(StopIteration):
+        steps.send(False)
+
+    s = replace(dry_settings("dummy:tiny"), budget_s=1000.0)
+    out = sim.serve_part(s, "h100", log=lambda *a: None)
+    assert [m for m in dict.fromkeys(r["mode"] for r in out["runs"])] == list(SERVE_MODES)
+    assert out["runs"][0]["rate"] == s.start_rate and not out["skipped"]
+    for r in out["runs"]:
+        assert 0 < r["estimated_wall_s"] <= s.window_s + s.drain_s
+    assert out["estimated_s"] == pytest.approx(out["runs"][-1]["ends_at_s"])
+    # A budget that fits no run: every mode's first run is skipped.
+    tight = sim.serve_part(replace(s, budget_s=20.0), "h100", log=lambda *a: None)
+    assert not tight["runs"] and len(tight["skipped"]) == len(SERVE_MODES)

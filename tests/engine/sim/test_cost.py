@@ -58,6 +58,24 @@ def test_the_h100_model_reproduces_the_measured_prefill_it_was_fitted_to() -> No
     assert got == pytest.approx(swap["forward_s"], rel=0.01)
 
 
+def test_the_h200_model_is_traced_to_the_h200_report() -> None:
+    import json
+
+    report = json.loads((RESULTS / "gpu-report-nvidia-h200.json").read_text())
+    h200, h100 = gpu_device("h200", GQA).cost, gpu_device("h100", GQA).cost
+    assert h200.spec.matmul_flops == report["mfu"]["matmul_flops_per_s"]
+    assert h200.spec.hbm_bps == report["decode"]["hbm"]["bytes_per_s"]
+    # What the report does not measure is the H100's: the attention kernel, the swaps.
+    assert (h200.spec.attn_bps, h200.spec.swap_in_bps) == (
+        h100.spec.attn_bps,
+        h100.spec.swap_in_bps,
+    )
+    prefill = next(p for p in report["mfu"]["prefill"] if p["prompt_tokens"] == 2048)
+    got = h200.forward_s([Work(2048, 0, True)])
+    assert got == pytest.approx(prefill["seconds"] / prefill["requests"], rel=0.01)
+    assert h200.forward_s([Work(1, 1024, True)] * 16) < h100.forward_s([Work(1, 1024, True)] * 16)
+
+
 def test_every_device_names_its_sources() -> None:
     for name in DEVICES[:-1]:
         dev = gpu_device(name, GQA)
