@@ -83,7 +83,8 @@ def history_chunks(convs: list[wl.Conversation], chunk: int = 32) -> int:
 def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> Preset:
     """First tier = gpu_fraction of the sample's history (at least room for the longest
     conversation twice over); the second tier holds all of it. Sized in bytes of the
-    model's own dtype: an 8-bit KV gets the chunks that the same bytes hold."""
+    model's own dtype: an 8-bit KV gets the chunks that the same bytes hold. A tier given
+    in chunks (`--gpu-chunks`, `--cpu-chunks`) is kept as given."""
     total = history_chunks(convs, chunk)
     longest = max(_chunks(c, chunk) for c in convs)
     gpu = max(int(total * preset.gpu_fraction), 2 * longest + 2)
@@ -93,7 +94,11 @@ def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> 
         per = kv_bytes_per_chunk(preset.model, dtype, chunk_size=chunk)
         per8 = kv_bytes_per_chunk(preset.model, dtype, preset.kv_dtype, chunk)
         gpu, cpu = gpu * per // per8, cpu * per // per8
-    return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+    return replace(
+        preset,
+        gpu_cache_chunks=gpu if preset.gpu_cache_chunks is None else preset.gpu_cache_chunks,
+        cpu_cache_chunks=cpu if preset.cpu_cache_chunks is None else preset.cpu_cache_chunks,
+    )
 
 
 def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -222,3 +223,17 @@ def test_a_disk_tier_mode_runs_and_counts_its_reads(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert [r["mode"] for r in result["runs"]] == ["pensieve-disk"]
     assert "disk_tokens" in result["runs"][0]["counters"]
+
+
+def test_fit_pools_keeps_tiers_given_in_chunks() -> None:
+    # The CPU preset sizes both tiers from its sample's history; `--cpu-chunks 192` (a small
+    # second tier, say in front of a disk tier) must stay 192, not be refitted to it all.
+    from bench.lib.pools import fit_pools, history_chunks
+    from bench.lib.presets import PRESETS
+
+    convs = [wl.Conversation(f"c{i}", [wl.TurnSpec([1] * 300, 16)] * 3) for i in range(8)]
+    total = history_chunks(convs)
+    fitted = fit_pools(PRESETS["cpu"], convs)
+    assert fitted.cpu_cache_chunks == total and fitted.gpu_cache_chunks < total
+    small = fit_pools(replace(PRESETS["cpu"], cpu_cache_chunks=5), convs)
+    assert small.cpu_cache_chunks == 5 and small.gpu_cache_chunks == fitted.gpu_cache_chunks
