@@ -242,7 +242,7 @@ class KVPool:
                         )
 
     def _copy_in(self, moves: Moves, layer: int) -> None:
-        """One layer of a swap-in, as (cpu, gpu, length) runs (worked out once per step)."""
+        """One layer of a swap-in (its runs and ids worked out once per step)."""
         if moves.ids is not None:
             for g, c in self._tiers:
                 _copy_blocks(c, g, *moves.ids, range(layer, layer + 1))
