@@ -5,6 +5,10 @@ padded copy and no short-query SDPA, 3-6x faster than the PyTorch path on decode
 built with the machine's C++ compiler on first use (`-march=native`; the build is cached by
 PyTorch's extension loader, keyed by the source) and skipped, with one log line, where that
 fails: the PyTorch path then serves.
+
+The loader serialises builds with a lock file in the build directory and waits for it
+without limit, so a process killed mid-build would hang every later engine at its first
+decode step; a lock older than any build (`STALE_LOCK_S`) is removed first.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -22,6 +28,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
+NAME = "pensieve_paged_decode"
+STALE_LOCK_S = 600.0  # a build takes about a minute on 2 cores
 
 
 @functools.cache
@@ -31,18 +39,37 @@ def module() -> ModuleType | None:
     if os.environ.get("PENSIEVE_NATIVE_CPU", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        build = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_pensieve" / NAME
+        build.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build / "lock")
         return load(
-            name="pensieve_paged_decode",
+            name=NAME,
             sources=[str(SOURCE)],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
             verbose=False,
         )
     except Exception as e:  # a missing compiler or headers: any build error
         log.warning("no native CPU attention kernel (%s); decode attention runs in PyTorch", e)
         return None
+
+
+def clear_stale_lock(lock: Path, now: float | None = None) -> bool:
+    """Remove a build lock left by a process killed mid-build (older than any build).
+    Returns whether one was removed."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False  # a build in progress, in another process: wait for it
+    log.warning("removing a stale build lock (%.0f s old, a build killed midway?): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def usable(q: torch.Tensor, k_cache) -> bool:

@@ -73,3 +73,15 @@ def test_bad_inputs_are_refused():
     with pytest.raises(RuntimeError, match="out of the pool"):
         m.paged_decode(q, k, v, blocks + 1000, lens, rows, 0.125, out)
     assert not cpu_native.usable(q.half(), k.half())  # float16: the PyTorch path
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    # A process killed while it built the kernel leaves the loader's lock behind, and the
+    # loader would wait on it forever; one younger than any build is another's build.
+    lock = tmp_path / "lock"
+    assert not cpu_native.clear_stale_lock(lock)  # none: nothing to do
+    lock.touch()
+    now = lock.stat().st_mtime
+    assert not cpu_native.clear_stale_lock(lock, now=now + 60) and lock.exists()
+    assert cpu_native.clear_stale_lock(lock, now=now + cpu_native.STALE_LOCK_S + 1)
+    assert not lock.exists()
