@@ -164,3 +164,28 @@ def test_engine_on_a_second_gpu_stepped_from_another_thread():
     thread.start()
     thread.join()
     assert got == [want]
+
+
+def disk_tier_equals_keeping_everything(device: str, disk) -> dict:
+    """Chunks the small tiers drop go to files and come back from disk (into page-locked
+    host buffers, then layer by layer to the GPU on CUDA): the same greedy tokens as an
+    engine whose first tier keeps everything."""
+    kw = dict(model="dummy:tiny", device=device, dtype="float32", max_batch_tokens=64)
+    small = Engine(
+        EngineConfig(**kw, gpu_cache_chunks=24, cpu_cache_chunks=4, disk_cache_dir=str(disk))
+    )
+    large = Engine(EngineConfig(**kw, gpu_cache_chunks=96, cpu_cache_chunks=4))
+    try:
+        assert run_turns(small, n_turns=4) == run_turns(large, n_turns=4)
+        small.disk.flush()
+        counters = small.snapshot().counters
+        assert counters.spilled_tokens > 0 and counters.disk_tokens > 0, counters
+        assert large.snapshot().counters.disk_tokens == 0
+        return vars(counters)
+    finally:
+        small.close()
+        large.close()
+
+
+def test_disk_tier_on_cuda(tmp_path):
+    disk_tier_equals_keeping_everything("cuda", tmp_path)
