@@ -79,26 +79,27 @@ def read_junit(path: Path) -> dict[str, Any]:
     }
 
 
+def run_module(args: list[str], timeout: float, env: dict[str, str]) -> int | None:
+    """`python -m <args>` in the checkout: its exit code, None if it ran past `timeout`."""
+    cmd = [sys.executable, "-m", *args]
+    _log("$ " + " ".join(args))
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def run_swap(out: Path, timeout: float, env: dict[str, str], dry: bool) -> int | None:
     """bench.swap: chunk swaps contiguous and scattered, through the block-copy kernel and
     run by run (what the serving runs' swaps cost)."""
-    cmd = [sys.executable, "-m", "bench.swap", "--out", str(out)]
+    args = ["bench.swap", "--out", str(out)]
     if dry:
-        cmd += ["--model", "dummy:tiny", "--device", "cpu", "--chunks", "16", "--repeats", "2"]
-    _log("$ " + " ".join(cmd[2:]))
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        return None
+        args += ["--model", "dummy:tiny", "--device", "cpu", "--chunks", "16", "--repeats", "2"]
+    return run_module(args, timeout, env)
 
 
 def run_report(parts: str, extra: list[str], timeout: float, env: dict[str, str]) -> int | None:
-    cmd = [sys.executable, "-m", "bench.gpu_report", "--part", parts, *extra]
-    _log("$ " + " ".join(cmd[2:]))
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        return None
+    return run_module(["bench.gpu_report", "--part", parts, *extra], timeout, env)
 
 
 def main(argv: list[str] | None = None) -> int:
