@@ -27,7 +27,7 @@ ENGINE_HELP: dict[str, str] = {
     "gpu_cache_chunks": "GPU KV cache size in chunks (default: from free memory)",
     "cpu_cache_chunks": "CPU KV cache size in chunks (default: from host memory)",
     "cache_mode": "pensieve | gpu | stateless",
-    "eviction": "pensieve | lru",
+    "eviction": "pensieve (Cost/T) | returns (Cost x learned chance of a return) | lru",
     "max_batch_tokens": "token budget of one step",
     "max_running": "most turns decoding at once",
     "max_waiting": "most turns queued for the engine; more are refused as busy",

@@ -133,9 +133,10 @@ class Engine:
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock(self.now) if clock is None else clock
         self.counters = EngineCounters()  # the cache and prefetch add to it too
-        if config.eviction == "pensieve" and config.cache_mode != "stateless" and self.sim:
+        costed = config.eviction != "lru" and config.cache_mode != "stateless"
+        if costed and self.sim:
             cost = self.sim.policy_cost(cs, config.max_batch_tokens)
-        elif config.eviction == "pensieve" and config.cache_mode != "stateless":
+        elif costed:
             cost = load_or_profile(
                 self.model,
                 config.model if self.tp is None else self.tp.profile_name,
@@ -345,6 +346,8 @@ class Engine:
             if length != state.length:
                 self._resync(state, length)
             now = self.now()
+            if state.idle_since is not None:  # what the `returns` eviction value learns from
+                self.cache.policy.returns.returned(now - state.idle_since)
             self.clock.touch(state.id, now)
             state.busy = True
             prompt = list(turn.prompt_token_ids)
@@ -656,6 +659,8 @@ class Engine:
         if not req.output:
             req.stats.first_token_s = now
         self.clock.touch(state.id, now)
+        state.idle_since = now
+        self.cache.policy.returns.ended()
         if self.owns_history:
             self.history.append(state.id, req.output)
 

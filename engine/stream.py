@@ -16,6 +16,7 @@ class StreamState:
     kv_len: int = 0  # leading positions whose KV was computed (held by the chunks, or dropped)
     tail: list[int] = field(default_factory=list)  # tokens [kv_len, length): KV not computed yet
     busy: bool = False  # a turn of it is queued or running
+    idle_since: float | None = None  # when its last turn ended (None: none has, here)
     # The chain hash of each full chunk of the stream (`chain_hashes`): the disk tier's keys.
     hashes: list[bytes] = field(default_factory=list)
     # Tokens after the last hashed chunk; None when unknown (after a cut or a restart the

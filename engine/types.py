@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Literal
 
 CACHE_MODES = ("pensieve", "gpu", "stateless")
-EVICTION_POLICIES = ("pensieve", "lru")
+EVICTION_POLICIES = ("pensieve", "returns", "lru")  # engine/cache/policy.py
 KV_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype
 
 

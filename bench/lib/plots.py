@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 STYLE = {
     "pensieve": ("tab:red", "o"),
     "pensieve-lru": ("tab:orange", "v"),
+    "pensieve-returns": ("tab:cyan", "X"),
     "pensieve-separate": ("tab:purple", "s"),
     "gpu": ("tab:blue", "^"),
     "stateless": ("tab:gray", "D"),

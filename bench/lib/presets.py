@@ -25,6 +25,7 @@ MODES = {
         Mode("gpu", cache_mode="gpu"),
         Mode("stateless", cache_mode="stateless"),
         Mode("pensieve-lru", eviction="lru"),
+        Mode("pensieve-returns", eviction="returns"),
         Mode("pensieve-separate", unified=False),
         Mode("oracle", holds_all=True),
         Mode("pensieve-disk", disk=True),

@@ -1,4 +1,5 @@
-"""Eviction order: the retention value V = Cost(l) / T of Pensieve, or plain LRU."""
+"""Eviction order: the retention value V = Cost(l) / T of Pensieve, Cost(l) weighted by
+the learned chance of a return (`returns`), or plain LRU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.cache.chunks import ChunkTable
+from engine.cache.returns import Returns
 
 
 @dataclass
@@ -44,6 +46,9 @@ class CostModel:
 
 
 MIN_IDLE_S = 1e-3
+# `returns`: past the longest gap seen a chunk's density is 0; this keeps the paper's order
+# among those (far below any density: a return in a window of gaps is at least 1e-6 per s)
+TIE = 1e-9
 
 
 class Policy:
@@ -62,6 +67,7 @@ class Policy:
         # With a disk tier a dropped chunk comes back for at most the time to read it: the
         # seconds that caps a chunk's cost (None: no disk tier, or it does not write)
         self.restore_s: Callable[[], float | None] | None = None
+        self.returns = Returns()  # fed by the engine at each turn's end and arrival
 
     def expect(self, conversation_id: str, until: float) -> None:
         self.expected[conversation_id] = until
@@ -81,11 +87,16 @@ class Policy:
         return 0.0 if t is None else t  # never seen active: as idle as can be
 
     def value(self, conv: ChunkTable, chunk: int, now: float) -> float:
-        """Retention value of a chunk: recompute cost over idle time."""
+        """Retention value of a chunk: recompute cost over idle time, or (`returns`, once it
+        has seen enough turns) times the chance of a return per second still to hold."""
         idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
         cost = self.cost(chunk * self.chunk_size)
         cap = self.restore_s() if self.restore_s is not None else None
-        return (cost if cap is None else min(cost, cap)) / idle
+        if cap is not None:
+            cost = min(cost, cap)
+        if self.kind == "returns" and self.returns.ready:
+            return cost * (self.returns.density(idle) + TIE / idle)
+        return cost / idle
 
     def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[bool, float, int]:
         """Chunks of expected conversations come after every other idle chunk."""

@@ -25,6 +25,10 @@ def manager(gpu: int, cpu: int, mode="pensieve", eviction="pensieve", **kw):
     now = FakeTime()
     clock = LocalClock(now=now)
     policy = Policy(eviction, CostModel.linear(CS, 1024), CS, clock)
+    for k in range(100):  # gaps of 1-20 s after 4 of 5 turns, for the `returns` value
+        policy.returns.ended()
+        if k % 5:
+            policy.returns.returned(1.0 + k % 20)
     return KVCacheManager(gpu, cpu, CS, policy, mode, now=now, **kw), clock, now
 
 
@@ -205,7 +209,7 @@ def test_double_release_is_caught():
     gpu=st.integers(4, 16),
     cpu=st.integers(0, 12),
     mode=st.sampled_from(["pensieve", "gpu", "stateless"]),
-    eviction=st.sampled_from(["pensieve", "lru"]),
+    eviction=st.sampled_from(["pensieve", "returns", "lru"]),
 )
 def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction):
     """Randomized multi-turn workload: after every step, no block is leaked or double-owned

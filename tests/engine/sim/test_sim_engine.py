@@ -91,3 +91,14 @@ def test_the_cpu_device_is_calibrated_once_and_cached(tmp_path, monkeypatch) -> 
     # A second engine reads the file instead of calibrating again.
     monkeypatch.setattr(calibrate, "calibrate", lambda config: pytest.fail("calibrated twice"))
     Engine(cfg)
+
+
+def test_the_engine_teaches_the_policy_each_turns_end_and_return() -> None:
+    engine = sim_engine(eviction="returns")
+    out = conversations(engine, n=8, turns=3)
+    returns = engine.cache.policy.returns
+    assert len(returns.gaps) == 16  # the second and third turns of each conversation
+    assert 23.5 < returns.ends < 24  # 24 turn ends, decayed a little
+    # a gap is the time from a turn's end to the next turn's arrival: within the run's span
+    assert all(0 <= g <= engine.now() for g in returns.gaps)
+    assert len(out) == 24
