@@ -36,6 +36,7 @@ from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder, over, plan, then
 from bench.lib.virtual import HostTime, replay
+from engine.types import KV_DTYPES
 
 SIM = RESULTS / "sim"
 REFINE = 2  # bisections of the crossing per mode
@@ -423,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--cpu-gb", type=float, help="the CPU tier in GiB (the preset's otherwise)")
     ap.add_argument("--disk-gb", type=float, help="the disk tier in GiB (pensieve-disk mode)")
+    ap.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, help="8-bit KV: ~2x the chunks in the same GiB"
+    )
     ap.add_argument("--bound", type=float, help="mean normalized latency bound (s/token)")
     ap.add_argument(
         "--arrival", type=float, help="seconds of arrivals per rate (steady-state presets)"
@@ -500,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         max_rate=args.max_rate,
         cpu_cache_gb=args.cpu_gb,
         disk_cache_gb=args.disk_gb,
+        kv_dtype=args.kv_dtype,
     )
     if preset.threads:
         import torch
