@@ -3,7 +3,9 @@ swaps, recomputes and suspensions, for the bundled model and dummy:tiny."""
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable
 from dataclasses import asdict
 
 import pytest
@@ -39,6 +41,14 @@ def prompts(
             )
         out.append(turns)
     return out
+
+
+def ticks() -> Callable[[], float]:
+    """A clock that moves 1 ms per read: idle times (Cost/T), hence the cache's decisions, do
+    not depend on how fast each engine's steps ran (for engines compared decision by
+    decision; pass as `Engine(..., now=ticks())`)."""
+    reads = itertools.count(1)
+    return lambda: next(reads) * 1e-3
 
 
 def check_against_hf(

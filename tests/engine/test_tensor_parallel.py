@@ -4,7 +4,6 @@ refused; a killed worker fails turns with an error instead of a hang."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import signal
@@ -26,7 +25,7 @@ from engine.parallel import (
     TensorParallelError,
     _rank_device,
 )
-from tests.engine.test_engine_equality import prompts
+from tests.engine.test_engine_equality import prompts, ticks
 from tests.engine.test_gpu_engine import bundled_available
 from tests.oracle import hf_greedy, hf_model
 
@@ -34,8 +33,20 @@ from tests.oracle import hf_greedy, hf_model
 SMALL_POOLS = dict(gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64)
 
 
-def make(tp: int, **kw) -> Engine:
-    return Engine(EngineConfig(model="dummy:tiny", device="cpu", tensor_parallel=tp, **kw))
+def make(tp: int, now: Callable[[], float] | None = None, **kw) -> Engine:
+    config = EngineConfig(model="dummy:tiny", device="cpu", tensor_parallel=tp, **kw)
+    return Engine(config, now=now)
+
+
+def twins(tp: int, force: bool = False, **kw) -> tuple[Engine, Engine]:
+    """A tensor-parallel engine and the one-rank engine, whose cache decisions can then only
+    differ by what they compute: clocks that move per read, not with how fast each engine's
+    steps ran (Cost/T compares idle times), and the same chunk costs (each width profiles
+    its own shard)."""
+    par = make(tp, now=ticks(), force_tensor_parallel=force, **kw)
+    one = make(1, now=ticks(), **kw)
+    one.cache.policy.cost = par.cache.policy.cost
+    return par, one
 
 
 _OPEN: list[Engine] = []  # one tensor-parallel engine per process at a time
@@ -48,7 +59,7 @@ def close_open() -> None:
 
 @pytest.fixture(scope="module")
 def tp_engine():
-    engine = make(2, **SMALL_POOLS)
+    engine = make(2, now=ticks(), **SMALL_POOLS)  # see `twins`
     _OPEN.append(engine)
     yield engine
     close_open()
@@ -105,7 +116,7 @@ def test_two_ranks_with_8bit_kv_equal_one_rank():
     # as one rank would, through swaps and recomputes. Runs before the module's engine
     # starts (one tensor-parallel engine per process).
     pools = dict(gpu_cache_chunks=6, cpu_cache_chunks=3, max_batch_tokens=64, kv_dtype="int8")
-    two, one = make(2, **pools), make(1, **pools)
+    two, one = twins(2, **pools)
     try:
         plan = prompts(one, 3, 3, seed=2, min_len=40, max_len=64)
         sp = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -128,7 +139,7 @@ def test_one_rank_through_the_parallel_path_equals_the_plain_engine():
     # of one, the sharded layers with their collectives, a Step per forward, ParallelPool)
     # gives the plain engine's tokens and cache decisions. Runs before the module's engine.
     pools = dict(SMALL_POOLS, max_batch_tokens=48)
-    par, one = make(1, force_tensor_parallel=True, **pools), make(1, **pools)
+    par, one = twins(1, force=True, **pools)
     try:
         assert par.tp is not None and par.tp.world == 1 and not par.tp.procs
         assert dist.get_world_size() == 1
@@ -158,7 +169,8 @@ def test_one_rank_through_the_parallel_path_equals_the_plain_engine():
 
 @pytest.mark.timeout(240)
 def test_two_ranks_equal_one_rank_and_hf(tp_engine):
-    one = make(1, **SMALL_POOLS)
+    one = make(1, now=ticks(), **SMALL_POOLS)  # see `twins`
+    one.cache.policy.cost = tp_engine.cache.policy.cost
     hf = hf_model(one)
     plan = prompts(one, 4, 3, seed=1, min_len=40, max_len=64)
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -283,18 +295,12 @@ def cuda_engines(model: str, **kw) -> tuple[Engine, Engine]:
     tp = Engine(EngineConfig(**kw, tensor_parallel=n, force_tensor_parallel=True), now=ticks())
     _OPEN.append(tp)
     one = Engine(EngineConfig(**kw, cuda_graphs=False), now=ticks())
+    one.cache.policy.cost = tp.cache.policy.cost  # see `twins`
     for engine in (tp, one):
         # On CUDA a swap-in is copied asynchronously, and swap-out ahead waits while one is in
         # flight: how fast the copy ends would decide what moves. Both engines wait for it.
         engine.pool.swap_in_busy = lambda: torch.cuda.synchronize() or False
     return tp, one
-
-
-def ticks() -> Callable[[], float]:
-    """A clock that moves 1 ms per read: idle times (Cost/T), hence the cache's decisions, do
-    not depend on how fast each engine's steps ran."""
-    reads = itertools.count(1)
-    return lambda: next(reads) * 1e-3
 
 
 def id_prompts(n_convs: int, n_turns: int, seed: int, vocab: int) -> list[list[list[int]]]:
