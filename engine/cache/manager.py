@@ -126,12 +126,14 @@ class _LazyHeap:
 
 
 # How long the eviction order is kept. Keys (recompute cost over idle time) are taken at
-# one time and the heaps reused, until a turn ends (a candidate more recent than the keys'
-# time joins), the policy's expectations change, or the keys are older than REORDER_SHARE
-# of the idle time of the most recently active chunk evicted since (so no evicted value
-# has drifted by more than that share), at least REORDER_S (while nothing has been evicted
-# yet) and at most REORDER_MAX_S. Rebuilding the heaps on every step would cost
-# O(conversations) per step of a few milliseconds on a GPU.
+# one time and the heaps reused, until the policy's expectations change or the keys are
+# older than REORDER_SHARE of the idle time of the most recently active chunk evicted since
+# (so no evicted value has drifted by more than that share), at least REORDER_S (while
+# nothing has been evicted yet) and at most REORDER_MAX_S. A table whose turn ends in
+# between needs no rebuild: its entry is keyed again when popped (a heap re-checks every
+# entry it pops), where its activity, after the keys' time, makes it as recent as can be,
+# so it goes after every older chunk. Rebuilding the heaps at every turn's end, or every
+# step, would cost O(conversations) per step of a few milliseconds on a GPU.
 REORDER_S = 0.5
 REORDER_SHARE = 0.05
 REORDER_MAX_S = 10.0
@@ -174,7 +176,6 @@ class KVCacheManager:
         self._key_now = self._now  # the time the heaps' keys are taken at
         self._key_expected = policy.expectations  # the policy's expectations they were taken with
         self._frontier_idle: float | None = None  # least idle time evicted since, at _key_now
-        self._joined = False  # a turn ended: a candidate newer than the keys' time
         self._stale: list[int] = []  # CPU blocks to free once this step's swap-in has read them
         self._pinned_gpu = 0  # GPU blocks of pinned tables and of shared chunks they hold
         self._reclaimable = 0  # GPU blocks of idle chunks that have a CPU copy
@@ -198,12 +199,7 @@ class KVCacheManager:
         keep = self.reorder_s
         if self._frontier_idle is not None:
             keep = min(REORDER_MAX_S, max(keep, REORDER_SHARE * self._frontier_idle))
-        joined, self._joined = self._joined, False
-        if (
-            joined
-            or self._now - self._key_now >= keep
-            or self._key_expected != self.policy.expectations
-        ):
+        if self._now - self._key_now >= keep or self._key_expected != self.policy.expectations:
             self._key_now, self._key_expected = self._now, self.policy.expectations
             self._frontier_idle = None
             for heap in self._heaps:
@@ -738,8 +734,7 @@ class KVCacheManager:
         for c in self._run(t):
             self._pin_shared(c, sign)
         if not pinned:
-            self._changed(t)  # a candidate again, active after the keys' time: take them anew
-            self._joined = True
+            self._changed(t)  # a candidate again
 
     def _pin_shared(self, c: Chunk, sign: int) -> None:
         before = c.pins > 0
@@ -841,7 +836,7 @@ class KVCacheManager:
             t = found[0]
             holders = t.holders if isinstance(t, Chunk) else (t,)
             last = max(self.policy.last_active(h, self._key_now) for h in holders)  # type: ignore[union-attr]
-            idle = self._key_now - last
+            idle = max(0.0, self._key_now - last)
             self._frontier_idle = (
                 idle if self._frontier_idle is None else min(self._frontier_idle, idle)
             )

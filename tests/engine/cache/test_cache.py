@@ -396,10 +396,36 @@ def test_the_eviction_order_is_kept_for_a_share_of_the_evicted_idle_time():
     now.t = keys + REORDER_SHARE * 100 + 1  # ... and taken again after it
     m.begin_step()
     assert m._key_now == now.t
-    m.release(c, 8)  # a turn ends: c is a candidate more recent than the keys
+    keys = now.t
+    m.release(c, 8)  # a turn ends: c joins the heaps as it is, no rebuild
     now.t += 0.1
     m.begin_step()
-    assert m._key_now == now.t
+    assert m._key_now == keys
+    m.check()
+
+
+@pytest.mark.parametrize("eviction", ["pensieve", "lru", "returns"])
+def test_a_turn_ended_after_the_keys_were_taken_keeps_its_chunks(eviction):
+    """A table released after the eviction keys were taken, and stamped active after its
+    release (as the engine does), goes after older idle chunks with no rebuild of the heaps:
+    its entry, keyed at its release, is keyed again when popped."""
+    m, clock, now = manager(gpu=4, cpu=8, eviction=eviction)
+    turn(m, clock, "old", 8, when=900.0)  # idle 100 s
+    now.t = 1000.0
+    m.begin_step()
+    keys = m._key_now
+    b = m.table("b")  # never stamped so far: by the clock, as idle as can be
+    m.admit(b, 0, 8)
+    now.t += 0.1
+    m.release(b, 8)
+    clock.touch("b", now.t)
+    now.t += 0.1
+    m.begin_step()
+    assert m._key_now == keys
+    c = m.table("c")
+    m.admit(c, 0, 8)  # takes 2 of the 4 blocks
+    assert m.table("old").tiers() == ["cpu", "cpu"]
+    assert b.tiers() == ["gpu", "gpu"]
     m.check()
 
 
