@@ -30,7 +30,9 @@ PROMPTS = (32, 64, 128, 256, 384, 512)  # one prompt alone per step
 BATCHES = (1, 4, 16, 32)  # decode batches ...
 CONTEXTS = (128, 768)  # ... at these contexts
 DECODE_TOKENS = 4
-FIT = 2  # the fit's own version (the device's, VERSIONS["cpu"], also counts its disk)
+# A prompt of n tokens joining b decodes at CONTEXTS[-1] (after their chunked prefills)
+MIXED = tuple((n, b) for n in (64, 256, 448) for b in BATCHES[1:])
+FIT = 3  # the fit's own version (the device's, VERSIONS["cpu"], also counts its disk)
 
 
 def cpu_device(config: EngineConfig) -> Device:
@@ -89,17 +91,24 @@ def calibrate(config: EngineConfig) -> dict:
     rng = random.Random(0)
     vocab = real.args.vocab_size
 
-    def run(turns: list[Turn]) -> None:
+    def run(turns: list[Turn], joining: Turn | None = None, after: int = 0) -> None:
+        """Serve `turns` to their ends; `joining` is submitted after `after` steps, and the
+        steps after the one it joins are not recorded (the decode grid has them)."""
         for t in turns:
             real.submit(t)
-        while real.has_work():
+        steps, last = 0, None if joining is None else after
+        while real.has_work() or joining is not None:
+            if joining is not None and steps >= after:
+                real.submit(joining)
+                joining = None
             seen.clear()
             t0 = time.perf_counter()
             real.step()
             dt = time.perf_counter() - t0
-            if seen:
+            if seen and (last is None or steps <= last):
                 rows.append(seen[0].row())
                 times.append(dt)
+            steps += 1
 
     def turn(cid: str, n: int, out: int) -> Turn:
         ids = [rng.randrange(1, vocab) for _ in range(n)]
@@ -117,6 +126,12 @@ def calibrate(config: EngineConfig) -> dict:
     lo, hi = min(CONTEXTS), max(CONTEXTS)
     for b in BATCHES[1:]:  # mixed contexts: the decodes' padding to the longest shows
         run([turn(f"m{b}-{i}", lo + (hi - lo) * i // (b - 1), DECODE_TOKENS) for i in range(b)])
+    # Most serving steps carry a prompt with the decodes (one batch): time them too, with
+    # the prompt joining once every decode has its context.
+    for n, b in MIXED:
+        prefill = -(-b * hi // config.max_batch_tokens) + 1
+        decodes = [turn(f"j{n}-{b}-{i}", hi, prefill + 4) for i in range(b)]
+        run(decodes, turn(f"j{n}-{b}", n, 1), after=prefill)
     weights = _nonnegative_fit(rows, times)
     pred = [sum(w * x for w, x in zip(weights, r, strict=True)) for r in rows]
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))

@@ -38,7 +38,8 @@
 
 `VERSIONS`: a device's goes up whenever one of its figures or its model changes; every
 simulated result names it. (cpu v2: decodes padded to the step's longest context; v2 of
-the GPUs and v3 of cpu: the disk tier's drive.)
+the GPUs and v3 of cpu: the disk tier's drive; cpu v4: the calibration also times steps
+where a prompt joins decodes, as most serving steps do.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from pathlib import Path
 
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
-VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 3}
+VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 4}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 REPORT_H200 = RESULTS / "gpu-report-nvidia-h200.json"
 KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
