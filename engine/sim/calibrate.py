@@ -91,21 +91,21 @@ def calibrate(config: EngineConfig) -> dict:
     rng = random.Random(0)
     vocab = real.args.vocab_size
 
-    def run(turns: list[Turn], joining: Turn | None = None, after: int = 0) -> None:
-        """Serve `turns` to their ends; `joining` is submitted after `after` steps, and the
-        steps after the one it joins are not recorded (the decode grid has them)."""
+    def run(turns: list[Turn], joining: Turn | None = None, after: int | None = None) -> None:
+        """Serve `turns` to their ends; `joining` is submitted at step `after`, and the steps
+        after that one are not recorded (the decode grid has them)."""
         for t in turns:
             real.submit(t)
-        steps, last = 0, None if joining is None else after
+        steps = 0
         while real.has_work() or joining is not None:
-            if joining is not None and steps >= after:
+            if joining is not None and steps == after:
                 real.submit(joining)
                 joining = None
             seen.clear()
             t0 = time.perf_counter()
             real.step()
             dt = time.perf_counter() - t0
-            if seen and (last is None or steps <= last):
+            if seen and (after is None or steps <= after):
                 rows.append(seen[0].row())
                 times.append(dt)
             steps += 1
