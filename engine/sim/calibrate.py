@@ -1,7 +1,8 @@
 """The `cpu` device model, calibrated on the machine it runs on: real steps of the real
 engine over a grid of prompt lengths, decode batches and contexts (equal, and mixed in one
 batch), fitted by least squares
-on the features of `engine/sim/cost.py`; the tiers' copy rate from real pool copies.
+on the features of `engine/sim/cost.py`; the tiers' copy rate from real pool copies; the
+eviction policy's Cost(l) the real engine's own profile on this machine (the same file).
 
 Cached per model, dtype and torch thread count (a step on one thread costs about twice a
 step on two), like the eviction policy's cost profile.
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cache.policy import CostModel
 from engine.copies import CopyPlan
 from engine.model.loader import cache_root
 from engine.sim.cost import Features, Fitted, Work
@@ -32,7 +34,7 @@ CONTEXTS = (128, 768)  # ... at these contexts
 DECODE_TOKENS = 4
 # A prompt of n tokens joining b decodes at CONTEXTS[-1] (after their chunked prefills)
 MIXED = tuple((n, b) for n in (64, 256, 448) for b in BATCHES[1:])
-FIT = 3  # the fit's own version (the device's, VERSIONS["cpu"], also counts its disk)
+FIT = 4  # the fit's own version (the device's, VERSIONS["cpu"], also counts its disk)
 
 
 def cpu_device(config: EngineConfig) -> Device:
@@ -52,7 +54,8 @@ def cpu_device(config: EngineConfig) -> Device:
 def device_from(fit: dict) -> Device:
     copies = Copies(fit["swap_in_bps"], fit["swap_out_bps"], 0.0, synchronous=True)
     cost = Fitted("cpu", tuple(fit["weights"]))
-    return Device("cpu", cost, copies, float("inf"), (fit["file"], NVME.source), NVME)
+    policy = CostModel.from_dict(fit["policy_cost"])
+    return Device("cpu", cost, copies, float("inf"), (fit["file"], NVME.source), NVME, policy)
 
 
 def _path(config: EngineConfig) -> Path:
@@ -74,7 +77,9 @@ def calibrate(config: EngineConfig) -> dict:
             gpu_cache_chunks=4096,
             cpu_cache_chunks=0,
             cache_mode="gpu",
-            eviction="lru",  # nothing is evicted here: no need to profile Cost(l)
+            # Nothing is evicted here, but the policy's Cost(l) is profiled (or read from
+            # the profile a real engine on this machine made): the simulation's policy uses it.
+            eviction="pensieve",
             cache_dir=config.cache_dir,
         )
     )
@@ -136,6 +141,7 @@ def calibrate(config: EngineConfig) -> dict:
     pred = [sum(w * x for w, x in zip(weights, r, strict=True)) for r in rows]
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
     swap_in, swap_out = _copy_rates(real)
+    policy = real.cache.policy.cost.to_dict()
     real.close()
     return {
         "file": _path(config).name,
@@ -150,6 +156,7 @@ def calibrate(config: EngineConfig) -> dict:
         "p90_abs_error": errors[int(len(errors) * 0.9)],
         "swap_in_bps": swap_in,
         "swap_out_bps": swap_out,
+        "policy_cost": policy,
     }
 
 

@@ -30,7 +30,8 @@
   KV bytes/s, prefill FLOP/s) and the swap rates over PCIe 5 (and the share of a swap-in
   hidden) are the H100's, as measured there. The H200's faster HBM makes attention
   pessimistic here; its link is the H100's (PCIe 5 x16), so the swaps should hold.
-- `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps.
+- `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps;
+  its eviction policy's Cost(l) is the real engine's profile on that machine.
 - The disk tier's drive, on every device: one datacenter NVMe SSD, a Samsung PM9A3 U.2
   (PCIe 4.0 x4): 6.5 GB/s sequential read, 3.5 GB/s sequential write (Samsung's figures at
   its launch). An assumption until a server's drive is measured: a GPU server often has
@@ -39,7 +40,8 @@
 `VERSIONS`: a device's goes up whenever one of its figures or its model changes; every
 simulated result names it. (cpu v2: decodes padded to the step's longest context; v2 of
 the GPUs and v3 of cpu: the disk tier's drive; cpu v4: the calibration also times steps
-where a prompt joins decodes, as most serving steps do.)
+where a prompt joins decodes, as most serving steps do; cpu v5: the policy's Cost(l) is the
+real engine's measured profile, not one derived from the fit.)
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.cache.policy import CostModel
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
-VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 4}
+VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 5}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 REPORT_H200 = RESULTS / "gpu-report-nvidia-h200.json"
 KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
@@ -104,6 +107,9 @@ class Device:
     memory_bytes: float
     sources: tuple[str, ...]
     disk: Disk | None = None  # the disk tier's drive (None: the device has no disk tier)
+    # The eviction policy's Cost(l) where the real engine measures it on this device (the
+    # `cpu` model: its profile); None: derived from `cost`, as a GPU's has no real profile.
+    policy_cost: CostModel | None = None
 
     @property
     def label(self) -> str:

@@ -50,6 +50,8 @@ class Simulated:
         return gpu, 4 * gpu
 
     def policy_cost(self, chunk_size: int, batch_tokens: int) -> CostModel:
+        if self.device.policy_cost is not None:  # measured as the real engine measures it
+            return self.device.policy_cost
         return chunk_costs(self.device.cost, chunk_size, self.args.max_context, batch_tokens)
 
     def pool(self, bytes_per_block: int, cpu_blocks: int) -> SimPool:

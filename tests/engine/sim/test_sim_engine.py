@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -84,6 +84,10 @@ def test_the_cpu_device_is_calibrated_once_and_cached(tmp_path, monkeypatch) -> 
     assert fit["steps"] >= 6 and fit["swap_in_bps"] > 0
     assert isinstance(engine.sim.device.cost, Fitted)
     assert all(w >= 0 for w in fit["weights"]) and sum(fit["weights"]) > 0
+    # The policy's Cost(l) is the one a real engine on this machine evicts by (its profile)
+    real = Engine(replace(cfg, device="cpu"))
+    assert engine.cache.policy.cost == real.cache.policy.cost
+    real.close()
     res = engine.run(
         [Turn("a", list(range(1, 100)), SamplingParams(max_tokens=5, ignore_eos=True))]
     )
