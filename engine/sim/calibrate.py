@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.cache.policy import CostModel
+from engine.cache.profile import load_or_profile
 from engine.copies import CopyPlan
 from engine.model.loader import cache_root
 from engine.sim.cost import Features, Fitted, Work
@@ -77,9 +78,7 @@ def calibrate(config: EngineConfig) -> dict:
             gpu_cache_chunks=4096,
             cpu_cache_chunks=0,
             cache_mode="gpu",
-            # Nothing is evicted here, but the policy's Cost(l) is profiled (or read from
-            # the profile a real engine on this machine made): the simulation's policy uses it.
-            eviction="pensieve",
+            eviction="lru",  # timed as before (its Cost(l) is read below, not timed)
             cache_dir=config.cache_dir,
         )
     )
@@ -141,7 +140,7 @@ def calibrate(config: EngineConfig) -> dict:
     pred = [sum(w * x for w, x in zip(weights, r, strict=True)) for r in rows]
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
     swap_in, swap_out = _copy_rates(real)
-    policy = real.cache.policy.cost.to_dict()
+    policy = _policy_cost(real, config).to_dict()
     real.close()
     return {
         "file": _path(config).name,
@@ -158,6 +157,21 @@ def calibrate(config: EngineConfig) -> dict:
         "swap_out_bps": swap_out,
         "policy_cost": policy,
     }
+
+
+def _policy_cost(real, config: EngineConfig) -> CostModel:
+    """The eviction policy's Cost(l) a real engine of this model evicts by on this machine:
+    its profile, read from the file the real engine keeps (or profiled now, into it)."""
+    return load_or_profile(
+        real.model,
+        config.model,
+        real.config.chunk_size,
+        real.max_context,
+        real.device,
+        real.dtype,
+        cache_root(config.cache_dir),
+        real.backend,
+    )
 
 
 def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> list[float]:
