@@ -52,6 +52,7 @@ async def bench_engine(
     preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
 ) -> dict[str, Any]:
     from engine import AsyncEngine
+    from engine.sim.calibrate import speed_probe
 
     preset = size_pools(preset)
     convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)
@@ -83,10 +84,14 @@ async def bench_engine(
                     driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
                     plans = plan(convs, rate, think, preset.time_scale, preset.seed)
                     desc = f"{mode_name} rate {rate:g}"
+                    probe = [speed_probe()] if preset.device == "cpu" else []
                     records, wall, counters = await measure(
                         engine, driver, plans, desc, time_scale=preset.time_scale
                     )
-                    run = run_record(mode_name, think, rate, records, wall, {"counters": counters})
+                    extra: dict[str, Any] = {"counters": counters}
+                    if probe:  # the machine's speed before and after: is it drifting?
+                        extra["probe_s"] = [*probe, speed_probe()]
+                    run = run_record(mode_name, think, rate, records, wall, extra)
                     runs.append(run)
                     log(run_line(run))
                     if on_run is not None:

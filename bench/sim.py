@@ -257,7 +257,24 @@ def compare(reals: list[dict], sim: dict) -> dict:
                 "sim": cap,
                 "error": (cap - mean) / mean if cap and mean else None,
             }
-    return {"points": rows, "capacity": caps}
+    return {"points": rows, "capacity": caps, "speed": speed(reals, sim)}
+
+
+def speed(reals: list[dict], sim: dict) -> dict:
+    """The machine's speed probe during the real runs against the calibration's (a `cpu`
+    model's): a ratio over 1 is a machine slower than when it was calibrated."""
+    cal = sim.get("environment", {}).get("calibration", {}).get("probe_s")
+    if not cal:
+        return {}
+    base = sum(cal) / len(cal)
+    runs = [[r["mode"], r["rate"], [p / base for p in r["probe_s"]]]
+            for real in reals for r in real["runs"] if r.get("probe_s")]  # fmt: skip
+    ratios = [x for *_, ps in runs for x in ps]
+    return {
+        "calibration_probe_s": cal,
+        "runs": runs,  # mode, rate, [before, after] over the calibration's
+        "ratio_range": [min(ratios), max(ratios)] if ratios else None,
+    }
 
 
 def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, window: float,
@@ -379,6 +396,16 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
     }
 
 
+def calibration(preset) -> dict:
+    """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
+    from engine import EngineConfig
+    from engine.sim.calibrate import fitted
+
+    fit = fitted(EngineConfig(model=preset.model, device="sim:cpu", dtype=preset.dtype))
+    keys = ("file", "created", "steps", "median_abs_error", "p90_abs_error", "probe_s")
+    return {k: fit[k] for k in keys if k in fit}
+
+
 def table(cmp: dict) -> str:
     """The error table as markdown (bench/README.md)."""
     lines = [
@@ -404,6 +431,11 @@ def table(cmp: dict) -> str:
         err = "-" if c["error"] is None else f"{c['error'] * 100:+.0f}%"
         sim = "-" if c["sim"] is None else f"{c['sim']:.3f}"
         lines.append(f"| {mode} | {real} | {sim} | {err} |")
+    if cmp.get("speed", {}).get("ratio_range"):
+        lo, hi = cmp["speed"]["ratio_range"]
+        lines.append("")
+        lines.append(f"The machine's speed probe in the real runs: x{lo:.2f} to x{hi:.2f} the time "
+                     "it took at calibration (over 1: slower).")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -522,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     env["device"] = label(args.device)
     env["simulated"] = True
+    if args.device == "cpu":  # the calibration this run stands on: its error and speed
+        env["calibration"] = calibration(preset)
 
     if args.scale:
         counts = [int(x) for x in args.scale.split(",")]

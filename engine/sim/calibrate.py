@@ -40,6 +40,11 @@ FIT = 4  # the fit's own version (the device's, VERSIONS["cpu"], also counts its
 
 def cpu_device(config: EngineConfig) -> Device:
     """The fitted CPU model of `config.model`, calibrated now if this machine has none."""
+    return device_from(fitted(config))
+
+
+def fitted(config: EngineConfig) -> dict:
+    """This machine's calibration of `config.model` (made now if there is none)."""
     path = _path(config)
     if not path.exists():
         t = time.perf_counter()
@@ -49,7 +54,30 @@ def cpu_device(config: EngineConfig) -> Device:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(fit, indent=1))
         tmp.replace(path)
-    return device_from(json.loads(path.read_text()))
+    return json.loads(path.read_text())
+
+
+def speed_probe(repeats: int = 5) -> float:
+    """Median seconds of a fixed piece of work shaped like an engine step on a CPU (a
+    decode's weight reads and a prompt's matmuls, 75 MB of weights: past the caches): the
+    machine's speed now. A shared machine's speed drifts; a calibration and the real runs
+    compared with it are only comparable where their probes agree."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1536, 1536, generator=g) for _ in range(8)]
+    decode, prompt = torch.randn(16, 1536, generator=g), torch.randn(128, 1536, generator=g)
+
+    def work() -> None:
+        for w in weights:
+            decode @ w
+            prompt @ w
+
+    work()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def device_from(fit: dict) -> Device:
@@ -92,6 +120,7 @@ def calibrate(config: EngineConfig) -> dict:
         return step(pieces, plan)
 
     real.runner.step = recorded
+    probes = [speed_probe()]
     rng = random.Random(0)
     vocab = real.args.vocab_size
 
@@ -139,6 +168,7 @@ def calibrate(config: EngineConfig) -> dict:
     weights = _nonnegative_fit(rows, times)
     pred = [sum(w * x for w, x in zip(weights, r, strict=True)) for r in rows]
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
+    probes.append(speed_probe())
     swap_in, swap_out = _copy_rates(real)
     policy = _policy_cost(real, config).to_dict()
     real.close()
@@ -156,6 +186,7 @@ def calibrate(config: EngineConfig) -> dict:
         "swap_in_bps": swap_in,
         "swap_out_bps": swap_out,
         "policy_cost": policy,
+        "probe_s": probes,  # the machine's speed before and after the timed steps
     }
 
 

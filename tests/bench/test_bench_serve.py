@@ -145,6 +145,7 @@ def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
         assert m["errors"] == 0 and m["turns"] == turns
         assert m["output_tokens"] == 6 * turns  # ignore_eos: every reply has its planned length
         assert m["norm_latency_p90"] >= m["norm_latency_p50"] > 0
+        assert len(r["probe_s"]) == 2 and min(r["probe_s"]) > 0  # the machine's speed: drift?
     by_mode = {r["mode"]: r["metrics"] for r in result["runs"]}
     # Later turns reuse the kept context in pensieve mode; stateless recomputes all of it.
     # Context before each turn, less the last token of each reply: it gets its KV computed

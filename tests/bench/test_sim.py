@@ -114,6 +114,22 @@ def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
     assert "(past bound)" in md
 
 
+def test_compare_tells_how_far_the_machine_drifted_from_its_calibration() -> None:
+    def probed(rate: float, probe: list[float]) -> dict:
+        return {**point("pensieve", rate, 0.5, 0.4, 900), "probe_s": probe}
+
+    reals = [{"runs": [probed(0.5, [0.10, 0.12])]}, {"runs": [probed(0.5, [0.15, 0.20])]}]
+    simulated = {"preset": {"latency_bound": 1.0}, "runs": [point("pensieve", 0.5, 0.5, 0.4, 900)],
+                 "environment": {"calibration": {"probe_s": [0.09, 0.11]}}}  # fmt: skip
+    cmp = sim.compare(reals, simulated)
+    assert cmp["speed"]["ratio_range"] == pytest.approx([1.0, 2.0])
+    assert cmp["speed"]["runs"][1] == ["pensieve", 0.5, pytest.approx([1.5, 2.0])]
+    assert "x1.00 to x2.00" in sim.table(cmp)
+    # No probe in the calibration (a GPU model, an older file): nothing is claimed
+    del simulated["environment"]
+    assert sim.compare(reals, simulated)["speed"] == {}
+
+
 def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
     from dataclasses import asdict
 

@@ -82,6 +82,7 @@ def test_the_cpu_device_is_calibrated_once_and_cached(tmp_path, monkeypatch) -> 
     engine = Engine(cfg)
     fit = json.loads(path.read_text())
     assert fit["steps"] >= 6 and fit["swap_in_bps"] > 0
+    assert len(fit["probe_s"]) == 2 and all(p > 0 for p in fit["probe_s"])
     assert isinstance(engine.sim.device.cost, Fitted)
     assert all(w >= 0 for w in fit["weights"]) and sum(fit["weights"]) > 0
     # The policy's Cost(l) is the one a real engine on this machine evicts by (its profile)
