@@ -396,12 +396,12 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
     }
 
 
-def calibration(preset) -> dict:
+def calibration(preset, mode: str) -> dict:
     """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
-    from engine import EngineConfig
     from engine.sim.calibrate import fitted
 
-    fit = fitted(EngineConfig(model=preset.model, device="sim:cpu", dtype=preset.dtype))
+    sim = replace(preset, device="sim:cpu")  # the config its engines had (their token budget)
+    fit = fitted(engine_config(sim, MODES[mode]))
     keys = ("file", "created", "steps", "median_abs_error", "p90_abs_error", "probe_s")
     return {k: fit[k] for k in keys if k in fit}
 
@@ -554,8 +554,6 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     env["device"] = label(args.device)
     env["simulated"] = True
-    if args.device == "cpu":  # the calibration this run stands on: its error and speed
-        env["calibration"] = calibration(preset)
 
     if args.scale:
         counts = [int(x) for x in args.scale.split(",")]
@@ -576,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"] = merge_runs(earlier["runs"], result["runs"])
             t0 -= earlier["elapsed_s"]  # the sweep's time over every invocation
         result["claims"] = claims(result["runs"], preset.latency_bound)
+    if args.device == "cpu":  # the calibration the runs stood on (made by their engines)
+        env["calibration"] = calibration(preset, modes[0])
     result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
               "elapsed_s": time.monotonic() - t0, **result}  # fmt: skip
     if args.compare:

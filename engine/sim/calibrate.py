@@ -176,6 +176,7 @@ def calibrate(config: EngineConfig) -> dict:
         "file": _path(config).name,
         "model": config.model,
         "threads": torch.get_num_threads(),
+        "max_batch_tokens": config.max_batch_tokens,  # the grid's steps are cut to it
         "machine": platform.processor() or platform.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "features": list(Features.NAMES),

@@ -114,6 +114,21 @@ def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
     assert "(past bound)" in md
 
 
+def test_a_cpu_simulation_names_the_calibration_its_engines_made(tmp_path, monkeypatch) -> None:
+    from engine.sim import calibrate
+
+    monkeypatch.setattr(calibrate, "PROMPTS", (32, 128))
+    monkeypatch.setattr(calibrate, "BATCHES", (1, 4))
+    monkeypatch.setattr(calibrate, "CONTEXTS", (64,))
+    monkeypatch.setattr(calibrate, "MIXED", ((32, 4),))
+    monkeypatch.setattr(calibrate, "_path", lambda config: tmp_path / "cpu.json")
+    out = run(tmp_path, "--device", "cpu", "--modes", "pensieve", "--rates", "4")
+    cal = out["environment"]["calibration"]
+    assert cal["file"] == "cpu.json" and len(cal["probe_s"]) == 2
+    # made with the preset's token budget, as its engines ran (not an engine's default)
+    assert json.loads((tmp_path / "cpu.json").read_text())["max_batch_tokens"] == 256
+
+
 def test_compare_tells_how_far_the_machine_drifted_from_its_calibration() -> None:
     def probed(rate: float, probe: list[float]) -> dict:
         return {**point("pensieve", rate, 0.5, 0.4, 900), "probe_s": probe}
