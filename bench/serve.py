@@ -84,13 +84,13 @@ async def bench_engine(
                     driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
                     plans = plan(convs, rate, think, preset.time_scale, preset.seed)
                     desc = f"{mode_name} rate {rate:g}"
-                    probe = [speed_probe()] if preset.device == "cpu" else []
+                    before = speed_probe() if preset.device == "cpu" else None
                     records, wall, counters = await measure(
                         engine, driver, plans, desc, time_scale=preset.time_scale
                     )
                     extra: dict[str, Any] = {"counters": counters}
-                    if probe:  # the machine's speed before and after: is it drifting?
-                        extra["probe_s"] = [*probe, speed_probe()]
+                    if before is not None:  # the machine's speed before and after: drifting?
+                        extra["probe_s"] = [before, speed_probe()]
                     run = run_record(mode_name, think, rate, records, wall, extra)
                     runs.append(run)
                     log(run_line(run))

@@ -137,16 +137,7 @@ class Engine:
         if costed and self.sim:
             cost = self.sim.policy_cost(cs, config.max_batch_tokens)
         elif costed:
-            cost = load_or_profile(
-                self.model,
-                config.model if self.tp is None else self.tp.profile_name,
-                cs,
-                self.max_context,
-                self.device,
-                self.dtype,
-                cache_root(config.cache_dir),
-                self.backend,
-            )
+            cost = self.measured_cost()
         else:
             cost = CostModel.linear(cs, self.max_context)
         self.cache = KVCacheManager(
@@ -211,6 +202,20 @@ class Engine:
             self.cache.spilling = True
             self.cache.policy.restore_s = self._disk_restore_s
         self.lock = threading.RLock()  # guards all state below; held for a whole step
+
+    def measured_cost(self) -> CostModel:
+        """Cost(l) of this model on this device: its profile, read from the file kept per
+        model and device (profiled now, into it, the first time)."""
+        return load_or_profile(
+            self.model,
+            self.config.model if self.tp is None else self.tp.profile_name,
+            self.config.chunk_size,
+            self.max_context,
+            self.device,
+            self.dtype,
+            cache_root(self.config.cache_dir),
+            self.backend,
+        )
 
     def _compile_cpu(self) -> None:
         """The forward compiled by Inductor (engine/model/compiled.py), compiled now; where

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from engine.cache.policy import CostModel
-from engine.cache.profile import load_or_profile
 from engine.copies import CopyPlan
 from engine.model.loader import cache_root
 from engine.sim.cost import Features, Fitted, Work
@@ -170,7 +169,7 @@ def calibrate(config: EngineConfig) -> dict:
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
     probes.append(speed_probe())
     swap_in, swap_out = _copy_rates(real)
-    policy = _policy_cost(real, config).to_dict()
+    policy = real.measured_cost().to_dict()  # what a real engine here evicts by
     real.close()
     return {
         "file": _path(config).name,
@@ -189,21 +188,6 @@ def calibrate(config: EngineConfig) -> dict:
         "policy_cost": policy,
         "probe_s": probes,  # the machine's speed before and after the timed steps
     }
-
-
-def _policy_cost(real, config: EngineConfig) -> CostModel:
-    """The eviction policy's Cost(l) a real engine of this model evicts by on this machine:
-    its profile, read from the file the real engine keeps (or profiled now, into it)."""
-    return load_or_profile(
-        real.model,
-        config.model,
-        real.config.chunk_size,
-        real.max_context,
-        real.device,
-        real.dtype,
-        cache_root(config.cache_dir),
-        real.backend,
-    )
 
 
 def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> list[float]:
