@@ -52,7 +52,7 @@ async def bench_engine(
     preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
 ) -> dict[str, Any]:
     from engine import AsyncEngine
-    from engine.sim.calibrate import speed_probe
+    from engine.calibrate import speed_probe
 
     preset = size_pools(preset)
     convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)

@@ -398,10 +398,11 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
 
 def calibration(preset, mode: str) -> dict:
     """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
-    from engine.sim.calibrate import fitted
+    from engine.calibrate import fitted
+    from engine.engine import Engine
 
     sim = replace(preset, device="sim:cpu")  # the config its engines had (their token budget)
-    fit = fitted(engine_config(sim, MODES[mode]))
+    fit = fitted(engine_config(sim, MODES[mode]), Engine)
     keys = ("file", "created", "steps", "median_abs_error", "p90_abs_error", "probe_s")
     return {k: fit[k] for k in keys if k in fit}
 

@@ -80,8 +80,8 @@ def run_engine(a, name: str, tp: int, force: bool) -> dict:
         ids = [100 + (7 * i) % 5000 for i in range(a.prompt)]
         engine.run([Turn(f"warm{i}", ids, sp) for i in range(a.convs)])  # warm-up, compiles
         sent = {"s": 0.0, "n": 0, "bytes": []}
-        if engine.tp is not None:
-            send = engine.tp.send
+        if engine.backend.tp is not None:
+            send = engine.backend.tp.send
 
             def timed_send(msg) -> None:
                 if len(sent["bytes"]) < 100:  # a sample of the sizes (pickling costs too)
@@ -91,7 +91,7 @@ def run_engine(a, name: str, tp: int, force: bool) -> dict:
                 sent["s"] += time.perf_counter() - t
                 sent["n"] += 1
 
-            engine.tp.send = timed_send
+            engine.backend.tp.send = timed_send
         sync(a.device)
         steps0 = engine.counters.steps
         t = time.perf_counter()
@@ -103,14 +103,14 @@ def run_engine(a, name: str, tp: int, force: bool) -> dict:
         row = {
             "name": name,
             "tensor_parallel": tp,
-            "parallel_path": engine.tp is not None,
+            "parallel_path": engine.backend.tp is not None,
             "wall_s": round(wall, 3),
             "steps": steps,
             "ms_per_step": round(1e3 * wall / steps, 3),
             "tokens_per_s": round(a.rounds * a.convs * a.output / wall, 1),
         }
-        if engine.tp is not None:
-            engine.tp.send = send
+        if engine.backend.tp is not None:
+            engine.backend.tp.send = send
             row["message_ms_per_step"] = round(1e3 * sent["s"] / max(1, steps), 3)
             row["messages"] = sent["n"]
             row["message_bytes_mean"] = round(statistics.mean(sent["bytes"]))

@@ -47,13 +47,13 @@ def run(tp: int, rounds: int, prompt: int, output: int, convs: int, threads: int
             "ms_per_step": round(1e3 * wall / steps, 2),
             "tokens_per_s": round(rounds * convs * output / wall, 1),
         }
-        if engine.tp is not None:
+        if engine.backend.tp is not None:
             from engine.parallel import Step
 
             n = 200
             t = time.perf_counter()
             for _ in range(n):
-                engine.tp.send(Step([], None))
+                engine.backend.tp.send(Step([], None))
             row["empty_message_ms"] = round(1e3 * (time.perf_counter() - t) / n, 3)
         return row
     finally:

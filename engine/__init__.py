@@ -4,7 +4,9 @@ from engine.errors import ConversationBusy, EngineOverloaded
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
 from engine.types import (
+    CacheMode,
     EngineConfig,
+    Eviction,
     FinishReason,
     Guide,
     SamplingParams,
@@ -16,6 +18,7 @@ from engine.types import (
 __all__ = [
     "ActivityClock",
     "AsyncEngine",
+    "CacheMode",
     "ConversationBusy",
     "ConversationInfo",
     "Engine",
@@ -23,6 +26,7 @@ __all__ = [
     "EngineCounters",
     "EngineOverloaded",
     "EngineSnapshot",
+    "Eviction",
     "FinishReason",
     "LocalClock",
     "MemoryHistory",

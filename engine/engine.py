@@ -5,29 +5,20 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 
-import torch
-
+from engine.backends import Backend, pick
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.policy import CostModel, Policy
-from engine.cache.profile import load_or_profile
-from engine.disk import DiskIndex, DiskTier, Loaded, namespace
+from engine.disk import DiskIndex
 from engine.errors import ConversationBusy
-from engine.graphs import DecodeGraphs, bucket_sizes
-from engine.guide import Guides, check
-from engine.kv_pool import KVPool
-from engine.model.loader import cache_root, load
-from engine.model.packed import pack_linears
+from engine.guide import check
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
+from engine.reads import Reads
 from engine.request import Request, Status
-from engine.runner import Runner
 from engine.sampler import make_generator
-from engine.scheduler import Fetch, Scheduler
-from engine.sim import is_simulated
+from engine.scheduler import Scheduler
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -36,60 +27,17 @@ from engine.snapshot import (
     SharingUsage,
 )
 from engine.stream import StreamState
-from engine.types import EngineConfig, FinishReason, Turn, TurnResult, TurnStats
-from kernels import pick_backend
+from engine.types import (
+    CacheMode,
+    EngineConfig,
+    Eviction,
+    FinishReason,
+    Turn,
+    TurnResult,
+    TurnStats,
+)
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _pool_sizes(
-    config: EngineConfig,
-    bytes_per_block: int,
-    device: torch.device,
-    simulated: tuple[int, int] | None = None,
-) -> tuple[int, int]:
-    """Tiers in blocks: the config's, else from free memory (a simulated device's own)."""
-    gpu, cpu = config.gpu_cache_chunks, config.cpu_cache_chunks
-    if simulated is not None:
-        gpu = simulated[0] if gpu is None else gpu
-        cpu = simulated[1] if cpu is None else cpu
-    if gpu is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            gpu = int(free * 0.85 - (2 << 30)) // bytes_per_block  # leave room for activations
-        else:
-            gpu = max(64, (1 << 30) // bytes_per_block)  # 1 GiB of "device" pool on the CPU
-    if cpu is None:
-        try:
-            import os
-
-            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError):
-            host = 8 << 30
-        cpu = min(int(host * 0.4) // bytes_per_block, 4 * gpu)
-    if config.cache_mode != "pensieve":
-        cpu = 0
-    if gpu < 2:
-        raise ValueError(f"the KV pool holds only {gpu} blocks: not enough memory")
-    return gpu, cpu
-
-
-def _dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
-def _check_kv_dtype(kv_dtype: str, backend: str, device: torch.device) -> None:
-    """Triton converts to and from e4m3 only on GPUs with native fp8 (compute capability 8.9+)."""
-    if kv_dtype != "fp8" or backend != "triton" or device.type != "cuda":
-        return
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError("kv_dtype='fp8' needs a GPU of compute capability 8.9+; use 'int8'")
 
 
 class Engine:
@@ -101,45 +49,28 @@ class Engine:
         history: TokenHistory | None = None,
         clock: ActivityClock | None = None,
         now: Callable[[], float] | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         config.validate()
-        self.tp = None  # tensor parallelism: the other ranks (engine/parallel.py)
-        self.sim = None  # on "sim:<device>": the cost model and virtual clock (engine/sim)
-        if is_simulated(config.device):
-            self._simulate(config)
-        else:
-            self._load_model(config)
-        # Every time the engine and its parts read: wall time, or a simulation's virtual time.
-        self.now = self.sim.clock if self.sim else time.time if now is None else now
+        # What it runs on, chosen once (engine/backends/): nothing below asks which it is.
+        self.backend = b = backend or pick(config, Engine, now)
+        self.now = b.now  # every time the engine and its parts read (virtual if simulated)
+        self.device, self.dtype, self.args = b.device, b.dtype, b.args
+        self.model, self.tokenizer, self.stop_token_ids = b.model, b.tokenizer, b.stop_token_ids
+        self.attention = b.attention
         self.max_context = self.args.max_context  # a sliding window caps it
-        self.backend = None if self.sim else pick_backend(self.device, config.attention_backend)
 
         cs = config.chunk_size
-        kv = config.kv_dtype
-        _check_kv_dtype(kv, self.backend, self.device)
-        pool_args = self.args if self.tp is None else self.tp.args  # a rank's KV heads
-        per_block = KVPool.bytes_per_block(pool_args, cs, self.dtype, kv)
-        simulated = None if self.sim is None else self.sim.pool_sizes(per_block)
-        gpu, cpu = _pool_sizes(config, per_block, self.device, simulated)
-        if self.sim is not None:
-            self.pool = self.sim.pool(per_block, cpu)
-        elif self.tp is None:
-            self.pool = KVPool(self.args, gpu, cpu, cs, self.device, self.dtype, kv)
-        else:
-            self.pool = self.tp.pool(gpu, cpu, self.backend)
+        gpu, cpu = b.tier_sizes(b.bytes_per_block)
+        self.pool = b.pool(gpu, cpu)
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         self.owns_history = history is None
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock(self.now) if clock is None else clock
         self.counters = EngineCounters()  # the cache and prefetch add to it too
-        costed = config.eviction != "lru" and config.cache_mode != "stateless"
-        if costed and self.sim:
-            cost = self.sim.policy_cost(cs, config.max_batch_tokens)
-        elif costed:
-            cost = self.measured_cost()
-        else:
-            cost = CostModel.linear(cs, self.max_context)
+        costed = config.eviction != Eviction.LRU and config.cache_mode != CacheMode.STATELESS
+        cost = b.policy_cost(self.max_context) if costed else CostModel.linear(cs, self.max_context)
         self.cache = KVCacheManager(
             gpu,
             cpu,
@@ -152,144 +83,47 @@ class Engine:
             share=config.share_prefixes,
             counters=self.counters,
         )
-        cuda = self.device.type == "cuda" or (self.sim is not None and self.sim.gpu)
         share = config.prefetch_share
         if share is None:
-            share = 0.25 if cuda else 0.0
+            share = 0.25 if b.gpu else 0.0
         quantum = config.prefetch_step_tokens
         if quantum is None:
-            quantum = config.max_batch_tokens if cuda else 4 * cs
+            quantum = config.max_batch_tokens if b.gpu else 4 * cs
         self.scheduler = Scheduler(
             self.cache,
             config.max_batch_tokens,
             config.max_running,
             config.unified,
-            self._fetch,
             prefetch_share=share,
             prefetch_step_tokens=quantum,
             now=self.now,
         )
-        if self.sim is not None:
-            self.runner = self.sim.runner(self.pool)
-        elif self.tp is None:
-            self.runner = Runner(self.model, self.pool, cs, self.backend)
-        else:
-            self.runner = self.tp.runner(self.model, self.pool, self.backend)
+        self.runner = b.runner(self.pool)
         # Constrained decoding: the llguidance tokenizer is built on the first guided turn.
-        self.guides = (
-            None if self.sim else Guides(self.tokenizer, self.args.vocab_size, self.stop_token_ids)
-        )
+        self.guides = b.guides()
         if self.guides is not None:
             self.runner.guides = self.guides
-        if config.compile_cpu and self.sim is None:
-            self._compile_cpu()
-        if self.graphs_enabled:
-            self.runner.graphs = DecodeGraphs(
-                self.model,
-                self.pool,
-                self.backend,
-                bucket_sizes(min(config.max_running, config.max_batch_tokens)),
-                width=min(-(-self.max_context // cs), gpu),
-                vocab=self.args.vocab_size,
-            )
-            self.runner.graphs.capture()
+        b.finish(self.runner, self.pool, self.max_context, gpu)
         self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
-        self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.disk: DiskIndex | None = None
-        if config.disk_cache_dir and config.cache_mode == "pensieve":
-            self.disk = self._disk_tier(config, cost)
-            self.cache.spilling = True
-            self.cache.policy.restore_s = self._disk_restore_s
+        if config.disk_cache_dir and config.cache_mode == CacheMode.PENSIEVE:
+            self.disk = b.disk(cost, self.pool.bytes_per_chunk)
+            self.cache.spill_to(self._disk_restore_s)
+        self.reads = Reads(
+            b, self.history, self.owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
+        )
         self.lock = threading.RLock()  # guards all state below; held for a whole step
 
     def measured_cost(self) -> CostModel:
-        """Cost(l) of this model on this device: its profile, read from the file kept per
-        model and device (profiled now, into it, the first time)."""
-        return load_or_profile(
-            self.model,
-            self.config.model if self.tp is None else self.tp.profile_name,
-            self.config.chunk_size,
-            self.max_context,
-            self.device,
-            self.dtype,
-            cache_root(self.config.cache_dir),
-            self.backend,
-        )
-
-    def _compile_cpu(self) -> None:
-        """The forward compiled by Inductor (engine/model/compiled.py), compiled now; where
-        it cannot serve (not the CPU, an 8-bit pool, ranks), eager."""
-        from engine.model.compiled import CompiledForward, usable
-
-        if self.tp is None and usable(self.model, self.pool.layers):
-            compiled = CompiledForward(self.model, self.pool.layers)
-            try:
-                compiled.warm_up()
-                self.runner.compiled = compiled
-            except Exception as e:  # no C++ compiler, an op Inductor cannot lower: any failure
-                log.warning("compile_cpu: the forward did not compile (%s); it runs eagerly", e)
-        else:
-            log.warning("compile_cpu serves a CPU model over a 16-bit or float32 pool, one rank")
-
-    def _disk_tier(self, config: EngineConfig, cost: CostModel) -> DiskIndex:
-        """Files under `disk_cache_dir`; on a simulated device none (the directory only
-        turns the tier on), and the time its drive takes."""
-        size, cs = int(config.disk_cache_gb * 1e9), config.chunk_size
-        if self.sim is not None:
-            return self.sim.disk(size, self.pool.bytes_per_chunk, cost, cs)
-        space = namespace(
-            config.model, str(self.dtype), config.kv_dtype, cs, self.args.n_layers,
-            self.args.n_kv_heads, self.args.head_dim,
-        )  # fmt: skip
-        return DiskTier(config.disk_cache_dir, size, space, cost, cs)
+        """Cost(l) of this model on this device, as the eviction policy reads it."""
+        return self.backend.policy_cost(self.max_context)
 
     def _disk_restore_s(self) -> float | None:
         """Seconds to read a chunk back from the disk tier (None: it is not writing)."""
         if self.disk is None or not self.disk.writable:
             return None
         return self.disk.read_s(self.pool.bytes_per_chunk) or None
-
-    def _load_model(self, config: EngineConfig) -> None:
-        """The model, its tokenizer and its device (a tensor-parallel one: rank 0's share)."""
-        self.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        self._use_device()
-        self.dtype = _dtype(config.dtype, self.device)
-        if config.tensor_parallel > 1 or config.force_tensor_parallel:
-            from engine.parallel import TensorParallel
-
-            self.tp = TensorParallel(config, self.device, self.dtype)
-            self.device = self.tp.device  # rank 0's own GPU, with its index
-            loaded = self.tp.load()  # rank 0's shard; args stay the full model's
-        else:
-            loaded = load(config.model, self.device, self.dtype, config.cache_dir, config.seed)
-        self.model, self.args = loaded.model, loaded.args
-        self.tokenizer = loaded.tokenizer
-        self.stop_token_ids = loaded.stop_token_ids
-        if config.pack_cpu_weights:
-            pack_linears(self.model)  # CPU layers only; a no-op elsewhere
-
-    def _simulate(self, config: EngineConfig) -> None:
-        """No model: its shape, and the device's cost model in place of the forward."""
-        from engine.sim.simulated import Simulated
-
-        self.sim = Simulated(config)
-        self.device = torch.device("cpu")  # where the few tensors the engine makes live
-        self.dtype = _DTYPES[self.sim.dtype]
-        self.model, self.args, self.tokenizer = None, self.sim.args, None
-        self.stop_token_ids = ()
-
-    @property
-    def graphs_enabled(self) -> bool:
-        """Decode steps from CUDA graphs: asked for, on CUDA, with the triton backend, one rank."""
-        return (
-            self.config.cuda_graphs
-            and self.device.type == "cuda"
-            and self.backend == "triton"
-            and self.tp is None
-        )
 
     # ---- turns in ----------------------------------------------------------------------------
 
@@ -304,7 +138,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         turn.sampling.validate()
         if turn.sampling.guide is not None:
-            if self.sim is not None:
+            if self.guides is None:
                 raise ValueError(
                     "a simulated device cannot follow a guide: it samples no real tokens"
                 )
@@ -320,8 +154,7 @@ class Engine:
     def context_limit(self) -> int:
         """Most tokens one conversation can hold: the model's positions, and the whole GPU
         tier (a turn's context must fit there while it runs, with room for one more)."""
-        cache = self.cache
-        return min(self.max_context, cache.gpu.num_blocks * cache.chunk_size) - 1
+        return min(self.max_context, self.cache.gpu_capacity() * self.cache.chunk_size) - 1
 
     def submit(self, turn: Turn, on_token: Callable[[int], None] | None = None) -> Request:
         self.validate(turn)
@@ -339,20 +172,20 @@ class Engine:
                 raise ValueError(
                     f"context of {total} tokens reaches the model's limit of {self.max_context}"
                 )
-            if self.cache.n_chunks(total + 1) > self.cache.gpu.num_blocks:
+            if self.cache.n_chunks(total + 1) > self.cache.gpu_capacity():
                 raise ValueError(
                     f"context of {total} tokens does not fit the KV cache "
-                    f"({self.cache.gpu.num_blocks} chunks of {self.cache.chunk_size})"
+                    f"({self.cache.gpu_capacity()} chunks of {self.cache.chunk_size})"
                 )
             self.streams[state.id] = state
             table = self.cache.table(state.id)
             # Its prefetch ends; a running one goes on if the context stays, to be taken over.
-            prefetch = self.scheduler.prefetch.supersede(state.id, keep=length == state.length)
+            prefetch = self.scheduler.supersede(state.id, keep=length == state.length)
             if length != state.length:
                 self._resync(state, length)
             now = self.now()
             if state.idle_since is not None:  # what the `returns` eviction value learns from
-                self.cache.policy.returns.returned(now - state.idle_since)
+                self.cache.returned(now - state.idle_since)
             self.clock.touch(state.id, now)
             state.busy = True
             prompt = list(turn.prompt_token_ids)
@@ -397,7 +230,7 @@ class Engine:
             if state is None:
                 return
             now = self.now()
-            if self.scheduler.prefetch.hint(state, next(self._seq), now):
+            if self.scheduler.hint(state, next(self._seq), now):
                 self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
 
     def fork(
@@ -413,10 +246,10 @@ class Engine:
         first turn recomputes its context from history like any conversation after a
         restart."""
         with self.lock:
-            if child_id in self.streams or self.cache.tables.get(child_id) is not None:
+            if child_id in self.streams or self.cache.find(child_id) is not None:
                 raise ValueError(f"conversation {child_id!r} exists already")
             parent = self.streams.get(parent_id)
-            table = self.cache.tables.get(parent_id)
+            table = self.cache.find(parent_id)
             cs = self.cache.chunk_size
             if (
                 not self.cache.share
@@ -470,66 +303,6 @@ class Engine:
             state.tail = []
         state.length = length
 
-    def _fetch(self, req: Request, n: int) -> Fetch:
-        """READY once req.prefix holds history [0, n) (and, with a disk tier, req.loaded what
-        the disk tier has of the table's dropped run as it is now); PENDING while it is read
-        off the step loop; FAILED (with req.error) if the read failed: a status, never an
-        exception."""
-        if req.fetch is not None:
-            if not req.fetch.done():
-                return Fetch.PENDING
-            fut, req.fetch = req.fetch, None
-            error = fut.exception()
-            if error is not None:
-                req.error = error
-                return Fetch.FAILED
-            req.prefix, req.loaded = fut.result()
-        dropped = self.cache.loadable(req.table) if self.disk is not None else 0
-        fresh = not dropped or req.read_for == dropped  # more dropped since: read again
-        if req.prefix is None or len(req.prefix) < n or not fresh:
-            if req.read_for == dropped and req.prefix is not None:
-                pass  # read for this state already: the history is short
-            elif self.owns_history and not dropped:  # in memory: no I/O to wait for
-                try:
-                    req.prefix = self.history.read(req.state.id, 0, req.base)
-                except Exception as e:
-                    req.error = e
-                    return Fetch.FAILED
-            else:
-                req.read_for = dropped
-                args = (req.state.id, req.base, dropped, req.prefix)
-                if self.sim is None:
-                    req.fetch = self._reader.submit(self._read_back, *args)
-                else:  # read now, ready when the simulated disk would have read it
-                    req.fetch = self.sim.read_later(self.disk, self._read_back, *args)
-                if not req.fetch.done():
-                    return Fetch.PENDING
-                return self._fetch(req, n)  # nothing to wait for
-        if len(req.prefix) < n:
-            req.error = LookupError(
-                f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
-            )
-            return Fetch.FAILED
-        return Fetch.READY
-
-    def _read_back(
-        self, cid: str, base: int, dropped: int, prefix: list[int] | None = None
-    ) -> tuple[list[int], Loaded | None]:
-        """Off the step loop: the history [0, base) (unless `prefix` holds it), and the last
-        chunks of a dropped run of `dropped` chunks from the disk tier where that is cheaper
-        than recomputing them."""
-        if prefix is None or len(prefix) < base:
-            prefix = self.history.read(cid, 0, base)
-        if not dropped or self.disk is None:
-            return prefix, None
-        cs = self.cache.chunk_size
-        keys = chain_hashes(prefix[: dropped * cs], cs)
-        whole = dropped * cs >= base  # nothing after the dropped run is held
-        loaded = self.disk.load(keys, dropped, self.pool.bytes_per_chunk, whole)
-        if loaded is not None and self.device.type == "cuda":  # copied layer by layer, async
-            loaded.parts = {j: [p.pin_memory() for p in ps] for j, ps in loaded.parts.items()}
-        return prefix, loaded
-
     def cancel(self, req: Request) -> None:
         req.cancelled = True
 
@@ -544,7 +317,7 @@ class Engine:
             if erase and state is not None and self.disk is not None:
                 for j, key in enumerate(state.hashes):
                     self.disk.remove(key, j)
-            self.scheduler.prefetch.supersede(conversation_id, keep=False)
+            self.scheduler.supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
             if self.owns_history:
@@ -555,18 +328,14 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def _use_device(self) -> None:
-        """Make the engine's GPU the calling thread's current one: Triton launches, events
-        and graph captures go to the current device, not to their tensors' (cuda:1 ...)."""
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)
-
     def step(self) -> list[Request]:
         """Plan and run one batch; returns the turns that ended in it."""
-        self._use_device()  # steps may run on another thread than the one that built it
+        self.backend.use_device()  # steps may run on another thread than the one that built it
         with self.lock:
             ended = self._drop_cancelled()
+            self.reads.collect(self.scheduler.queued())
             plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
+            self.reads.start(plan.reads)
             self._spill()
             now = self.now()
             for req in plan.failed:  # its history could not be read: that turn alone fails
@@ -665,7 +434,7 @@ class Engine:
             req.stats.first_token_s = now
         self.clock.touch(state.id, now)
         state.idle_since = now
-        self.cache.policy.returns.ended()
+        self.cache.ended()
         if self.owns_history:
             self.history.append(state.id, req.output)
 
@@ -690,7 +459,7 @@ class Engine:
     def _drop_cancelled(self) -> list[Request]:
         ended = []
         now = self.now()
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+        for req in self.scheduler.turns():
             if req.cancelled and req.status != Status.FINISHED:
                 self._end(req, FinishReason.CANCELLED, now)
                 ended.append(req)
@@ -710,32 +479,15 @@ class Engine:
                     req.state.busy = False
             return failed
 
-    def _reads(self) -> list:
-        """The history (and disk tier) reads of queued turns."""
-        queued = [*self.scheduler.waiting, *self.scheduler.prefetch.queue]
-        return [r.fetch for r in queued if r.fetch is not None]
-
     def next_read_s(self) -> float | None:
-        """A simulated engine: the virtual time the first read still running ends (None:
-        none is)."""
-        if self.sim is None:
-            return None
-        now = self.now()
-        return min((f.due for f in self._reads() if f.due > now), default=None)
+        """Where time is virtual: when the first history read still running ends (None:
+        none is, or time is not virtual)."""
+        return self.backend.next_read_s(self.reads.pending(self.scheduler.queued()))
 
     def wait_for_io(self, timeout: float = 0.05) -> None:
         """Nothing could be scheduled: wait until a history read finishes (simulated: move
         the virtual clock to its end)."""
-        if self.sim is not None:
-            due = self.next_read_s()
-            if due is not None:
-                self.sim.clock.advance_to(due)
-            return
-        futures = self._reads()
-        if futures:
-            wait(futures, timeout=timeout)
-        else:
-            time.sleep(timeout / 10)
+        self.backend.wait_for_reads(self.reads.pending(self.scheduler.queued()), timeout)
 
     def run(self, turns: list[Turn]) -> list[TurnResult]:
         reqs = [self.submit(t) for t in turns]
@@ -751,9 +503,10 @@ class Engine:
         with self.lock:
             now = self.now()
             c = self.cache
+            running, waiting = self.scheduler.counts()
             convs = []
             on_disk = self.disk.keys() if self.disk is not None else set()
-            for table in c.tables.values():
+            for table in c.held():
                 last = self.clock.last_active(table.id)
                 state = self.streams.get(table.id)
                 convs.append(
@@ -773,19 +526,12 @@ class Engine:
                 chunk_size=c.chunk_size,
                 cache_mode=self.config.cache_mode,
                 eviction=self.config.eviction,
-                gpu=PoolUsage(c.gpu.num_blocks, c.gpu.num_used, c.gpu.num_free),
-                cpu=PoolUsage(c.cpu.num_blocks, c.cpu.num_used, c.cpu.num_free),
-                counters=replace(
-                    self.counters,
-                    running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting),
-                ),
+                gpu=PoolUsage(*c.usage("gpu")),
+                cpu=PoolUsage(*c.usage("cpu")),
+                counters=replace(self.counters, running=running, waiting=waiting),
                 conversations=tuple(convs),
                 context_limit=self.context_limit,
-                sharing=SharingUsage(
-                    chunks=sum(1 for s in c.shared if len(s.holders) > 1),
-                    holders=sum(len(s.holders) for s in c.shared if len(s.holders) > 1),
-                ),
+                sharing=SharingUsage(*c.sharing()),
                 disk=self._disk_usage(),
             )
 
@@ -815,7 +561,7 @@ class Engine:
             return 0
         n, held = 0, self.disk.keys()
         with self.lock:
-            for t in list(self.cache.tables.values()):
+            for t in self.cache.held():
                 state = self.streams.get(t.id)
                 if state is None or t.pinned:
                     continue
@@ -836,14 +582,12 @@ class Engine:
         return n
 
     def close(self) -> None:
-        if self.disk is not None and self.sim is None:  # a simulation keeps nothing
+        if self.disk is not None and self.backend.keeps_disk:  # a simulation's holds nothing
             try:
                 self.write_back()
             except Exception:  # a stop must not fail on it: the next start recomputes
                 log.exception("could not write the cache back to the disk tier")
             self.disk.close()
-        self._reader.shutdown(wait=False, cancel_futures=True)
         if self.guides is not None:
             self.guides.close()
-        if self.tp is not None:
-            self.tp.close()
+        self.backend.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from engine.cache.chunks import ChunkTable
 from engine.cache.manager import KVCacheManager
@@ -31,14 +31,12 @@ class Prefetcher:
         max_batch_tokens: int,
         share: float,
         step_tokens: int | None,
-        release: Callable[[Request], None],
         now: Callable[[], float] = time.time,
     ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.share = share  # of a step's tokens while real turns run
         self.step_tokens = step_tokens or max_batch_tokens  # most in any step
-        self.release = release  # the scheduler's: a running request leaves the batch
         self.now = now  # the engine's clock
         self.queue: deque[Request] = deque()  # recompute prefetches not admitted yet
         self.swaps: dict[ChunkTable, float] = {}  # tables to swap in, and until when to try
@@ -84,19 +82,15 @@ class Prefetcher:
             return True
         return False
 
-    def supersede(self, conversation_id: str, keep: bool) -> Request | None:
+    def supersede(self, conversation_id: str) -> Request | None:
         """A real turn of the conversation comes (or the conversation is forgotten): its
-        prefetch ends and its turn is no longer expected. A running recompute is left
-        running if `keep` (the context stays as it is), for the turn to take over. Returns
-        the recompute that was in flight, if any: its progress, or its history read."""
+        swap-in stops and its turn is no longer expected. Returns the recompute in flight,
+        if any (the scheduler ends it, or the turn takes it over)."""
         self.cache.policy.unexpect(conversation_id)
         table = self.cache.tables.get(conversation_id)
         if table is not None:
             self.swaps.pop(table, None)
-        req = self.current.pop(conversation_id, None)
-        if req is not None and not (keep and req.status == Status.RUNNING):
-            self.end(req, PrefetchEnd.SUPERSEDED)
-        return req
+        return self.current.pop(conversation_id, None)
 
     def take_over(self, prefetch: Request, req: Request) -> None:
         """The real turn `req` goes on from where the running `prefetch` is: it counts what
@@ -144,18 +138,11 @@ class Prefetcher:
                 del self.swaps[table]
         return copies
 
-    def end_done(self, reqs: Iterable[Request]) -> None:
-        """After a step: the running recomputes among `reqs` with nothing left end."""
-        for req in reqs:
-            if req.prefetch and req.status == Status.RUNNING and not req.pending:
-                self.end(req, PrefetchEnd.DONE)
-
     def end(self, req: Request, why: PrefetchEnd) -> None:
-        """End a recompute prefetch, running or queued: its pins go, its KV stays."""
+        """A recompute prefetch ends, queued or (released from the batch by the scheduler)
+        running."""
         req.prefetch_end = why
-        if req.status == Status.RUNNING:
-            self.release(req)
-        elif req.status == Status.WAITING and req in self.queue:
+        if req.status == Status.WAITING and req in self.queue:
             self.queue.remove(req)
         req.status = Status.FINISHED
         if why is PrefetchEnd.DONE:

@@ -6,8 +6,10 @@ while the cache keeps room for decoding. When decoding runs out of GPU blocks, t
 latest-arrived running turns are suspended: their KV leaves the GPU and they wait again.
 
 A step is a value: `schedule` returns a `StepPlan` with everything the engine must carry
-out (the batch, the copies before and after the forward, the turns that must end).
-Reading history is I/O and may fail: that is a status of one turn, never an exception.
+out (the batch, the copies before and after the forward, the turns that must end, the
+history reads to start). The scheduler never calls the engine: reading history is the
+engine's I/O (`engine/reads.py`), whose outcome it finds on each turn (its prefix, or the
+error that fails that turn alone: a status, never an exception).
 
 Prefetch (a user is typing in an idle conversation; `engine/prefetch.py`, owned here) is the
 lowest priority: its swap-ins go in the step's copies and its recomputes run as internal
@@ -32,13 +34,14 @@ from engine.cache.manager import KVCacheManager
 from engine.copies import CopyPlan
 from engine.prefetch import Prefetcher
 from engine.request import PrefetchEnd, Request, Status
+from engine.stream import StreamState
 from engine.types import FinishReason
 
 log = logging.getLogger(__name__)
 
 
 class Fetch(StrEnum):
-    """What a history read of a waiting turn says (see `Scheduler.fetch`)."""
+    """Whether a waiting turn's history is here for its admission (`Scheduler._history`)."""
 
     READY = "ready"
     PENDING = "pending"
@@ -56,12 +59,22 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Read:
+    """A history read the engine must start: `req`'s tokens before it, and with a disk tier
+    the chunks it has of the table's dropped run of `dropped` chunks."""
+
+    req: Request
+    dropped: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     pieces: list[Piece] = field(default_factory=list)
     before: CopyPlan = field(default_factory=CopyPlan)  # swap-outs, swap-ins: with the forward
     after: CopyPlan = field(default_factory=CopyPlan)  # ahead-of-time copies: after it
     full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end LENGTH
     failed: list[Request] = field(default_factory=list)  # history read failed: end ERROR
+    reads: list[Read] = field(default_factory=list)  # history to read for waiting turns
 
 
 class Scheduler:
@@ -71,7 +84,6 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         unified: bool = True,
-        fetch: Callable[[Request, int], Fetch] | None = None,
         prefetch_share: float = 0.25,
         prefetch_step_tokens: int | None = None,
         now: Callable[[], float] = time.time,
@@ -81,18 +93,9 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.unified = unified
-        # fetch(req, n): READY once req.prefix holds history [0, n); PENDING while it is
-        # being read; FAILED if the read failed (req.error says why).
-        self.fetch = fetch or (
-            lambda req, n: (
-                Fetch.READY if req.prefix is not None and len(req.prefix) >= n else Fetch.PENDING
-            )
-        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # real turns and admitted recompute prefetches
-        self.prefetch = Prefetcher(
-            cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, self._release, now
-        )
+        self.prefetch = Prefetcher(cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, now)
 
     def add(self, req: Request, prefetch: Request | None = None) -> None:
         """Queue a real turn. `prefetch`: the recompute prefetch of its conversation that
@@ -119,6 +122,32 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefetch.has_work())
+
+    def turns(self) -> list[Request]:
+        """The real turns and prefetches running, then the real turns waiting."""
+        return [*self.running, *self.waiting]
+
+    def queued(self) -> list[Request]:
+        """What waits for admission, real turns and recompute prefetches: whose history
+        reads the engine collects before each plan."""
+        return [*self.waiting, *self.prefetch.queue]
+
+    def counts(self) -> tuple[int, int]:
+        """Turns running and waiting."""
+        return len(self.running), len(self.waiting)
+
+    def hint(self, state: StreamState, seq: int, now: float) -> bool:
+        """Its user is typing: a prefetch of the conversation (`Prefetcher.hint`)."""
+        return self.prefetch.hint(state, seq, now)
+
+    def supersede(self, conversation_id: str, keep: bool) -> Request | None:
+        """A real turn of the conversation comes (or the conversation is forgotten): its
+        prefetch ends, but a running recompute if `keep` (the context stays as it is), for
+        the turn to take over (`add`). Returns the recompute that was in flight, if any."""
+        req = self.prefetch.supersede(conversation_id)
+        if req is not None and not (keep and req.status == Status.RUNNING):
+            self._end_prefetch(req, PrefetchEnd.SUPERSEDED)
+        return req
 
     # ---- planning a step ---------------------------------------------------------------------
 
@@ -232,7 +261,7 @@ class Scheduler:
             plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
             n = req.stats.recomputed_tokens
             req.pending = [(0, n)] if n else []
-            self.prefetch.end(req, PrefetchEnd.SUSPENDED)
+            self._end_prefetch(req, PrefetchEnd.SUSPENDED)
             return
         self._discard_partial_recompute(req)
         plan.before.extend(self.cache.suspend(req.table, req.state.kv_len))
@@ -259,18 +288,18 @@ class Scheduler:
         try:
             while queue and budget > 0 and len(self.running) < self.max_running:
                 req = queue[0]
-                status = self.fetch(req, req.prefix_needed(self._dropped_tokens(req)))
+                status = self._history(req, plan)
                 if status == Fetch.PENDING:
                     skipped.append(queue.popleft())  # its history is still being read
                     continue
                 if status == Fetch.FAILED:
                     if prefetch:  # the real turn will read (and report) it again
-                        self.prefetch.end(req, PrefetchEnd.FAILED)
+                        self._end_prefetch(req, PrefetchEnd.FAILED)
                     else:
                         plan.failed.append(queue.popleft())
                     continue
                 if prefetch and self.prefetch.too_late(req):
-                    self.prefetch.end(req, PrefetchEnd.EXPIRED)
+                    self._end_prefetch(req, PrefetchEnd.EXPIRED)
                     continue
                 if not self._can_admit(req):
                     if not prefetch and self._yield_prefetch(plan):
@@ -282,6 +311,32 @@ class Scheduler:
         finally:  # whatever happens, a turn whose history is being read stays queued
             queue.extendleft(reversed(skipped))
         return budget
+
+    def _history(self, req: Request, plan: StepPlan) -> Fetch:
+        """READY once `req.prefix` holds the history its dropped positions need (and, with a
+        disk tier, `req.loaded` what the tier has of the dropped run as it is now); PENDING
+        while it is read, or after asking the engine to read it (`plan.reads`); FAILED if
+        the read failed or found the history short (`req.error` says why)."""
+        if req.fetch is not None:
+            return Fetch.PENDING
+        if req.error is not None:
+            return Fetch.FAILED
+        n = req.prefix_needed(self._dropped_tokens(req))
+        dropped = self._loadable(req)
+        fresh = not dropped or req.read_for == dropped  # more dropped since: read again
+        if req.prefix is not None and len(req.prefix) >= n and fresh:
+            return Fetch.READY
+        if req.prefix is not None and req.read_for == dropped:  # read for this state already
+            req.error = LookupError(
+                f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
+            )
+            return Fetch.FAILED
+        plan.reads.append(Read(req, dropped))
+        return Fetch.PENDING
+
+    def _loadable(self, req: Request) -> int:
+        """Dropped chunks of `req`'s context the disk tier may give back (0: it has none)."""
+        return self.cache.loadable(req.table) if self.cache.spilling else 0
 
     def _yield_prefetch(self, plan: StepPlan) -> bool:
         """End the latest running prefetch, if any, so that its context no longer holds the
@@ -328,7 +383,15 @@ class Scheduler:
 
     def computed(self, plan: StepPlan) -> None:
         """The plan's forward ran: recompute prefetches with nothing left to compute end."""
-        self.prefetch.end_done(p.req for p in plan.pieces)
+        for p in plan.pieces:
+            if p.req.prefetch and p.req.status == Status.RUNNING and not p.req.pending:
+                self._end_prefetch(p.req, PrefetchEnd.DONE)
+
+    def _end_prefetch(self, req: Request, why: PrefetchEnd) -> None:
+        """End a recompute prefetch, running or queued: its pins go, its KV stays."""
+        if req.status == Status.RUNNING:
+            self._release(req)
+        self.prefetch.end(req, why)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a real turn (running or waiting): release its pins, keep its KV."""
@@ -354,7 +417,7 @@ class Scheduler:
         for req in [*self.running, *self.waiting, *self.prefetch.queue]:
             try:
                 if req.prefetch:
-                    self.prefetch.end(req, PrefetchEnd.FAILED)
+                    self._end_prefetch(req, PrefetchEnd.FAILED)
                 else:
                     req.error = error
                     self.finish(req, FinishReason.ERROR)

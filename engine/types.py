@@ -6,8 +6,25 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-CACHE_MODES = ("pensieve", "gpu", "stateless")
-EVICTION_POLICIES = ("pensieve", "returns", "lru")  # engine/cache/policy.py
+
+class CacheMode(StrEnum):
+    """What is kept across turns."""
+
+    PENSIEVE = "pensieve"  # the GPU and CPU tiers (and the disk tier where configured)
+    GPU = "gpu"  # the GPU tier only: evicted chunks are dropped
+    STATELESS = "stateless"  # nothing: every turn computes its whole context again
+
+
+class Eviction(StrEnum):
+    """The order chunks leave a tier in (engine/cache/policy.py)."""
+
+    PENSIEVE = "pensieve"  # Cost(l) / T: recompute cost over idle time
+    RETURNS = "returns"  # Cost(l) times the learned chance the conversation comes back
+    LRU = "lru"
+
+
+CACHE_MODES = tuple(m.value for m in CacheMode)
+EVICTION_POLICIES = tuple(m.value for m in Eviction)
 KV_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype
 
 
@@ -20,8 +37,8 @@ class EngineConfig:
     chunk_size: int = 32
     gpu_cache_chunks: int | None = None  # None: sized from free memory
     cpu_cache_chunks: int | None = None  # None: sized from host memory
-    cache_mode: str = "pensieve"
-    eviction: str = "pensieve"
+    cache_mode: CacheMode = CacheMode.PENSIEVE  # a plain string is taken too
+    eviction: Eviction = Eviction.PENSIEVE
     max_batch_tokens: int = 2048
     max_running: int = 256  # most turns decoding at once
     max_waiting: int = 256  # most turns queued for admission (AsyncEngine refuses more)
@@ -66,10 +83,12 @@ class EngineConfig:
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        self.cache_mode = CacheMode(self.cache_mode)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        self.eviction = Eviction(self.eviction)
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
         if self.max_batch_tokens < 1:

@@ -653,6 +653,44 @@ class KVCacheManager:
             return None
         return self.policy.value(t, t.n_dropped, now)
 
+    # ---- facts for the engine ------------------------------------------------------------
+
+    def find(self, conversation_id: str) -> ChunkTable | None:
+        return self.tables.get(conversation_id)
+
+    def held(self) -> list[ChunkTable]:
+        """Every conversation's table."""
+        return list(self.tables.values())
+
+    def gpu_capacity(self) -> int:
+        """Blocks of the GPU tier."""
+        return self.gpu.num_blocks
+
+    def usage(self, tier: str) -> tuple[int, int, int]:
+        """A tier's blocks: total, used, free."""
+        pool = self.gpu if tier == "gpu" else self.cpu
+        return pool.num_blocks, pool.num_used, pool.num_free
+
+    def sharing(self) -> tuple[int, int]:
+        """Chunks held by more than one conversation, and the holders of those chunks."""
+        held = [len(s.holders) for s in self.shared if len(s.holders) > 1]
+        return len(held), sum(held)
+
+    def spill_to(self, restore_s: Callable[[], float | None]) -> None:
+        """A disk tier takes dropped chunks (`take_spills`); `restore_s`: seconds to read a
+        chunk back from it, which caps a chunk's value (`Policy`)."""
+        self.spilling = True
+        self.policy.restore_s = restore_s
+
+    def returned(self, gap_s: float) -> None:
+        """A conversation's turn came `gap_s` after its last one ended (the `returns` value
+        learns from it)."""
+        self.policy.returns.returned(gap_s)
+
+    def ended(self) -> None:
+        """A turn ended (the `returns` value learns from it)."""
+        self.policy.returns.ended()
+
     def holders(self, t: ChunkTable) -> list[int]:
         """How many conversations hold each of the table's chunks (1: its own)."""
         return [len(c.holders) if c.holders is not None else 1 for c in t.chunks]

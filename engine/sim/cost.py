@@ -7,7 +7,7 @@ Two kinds of model behind one interface (`StepCost.forward_s`):
   measured bandwidth and FLOPs / its measured rate; the LM head runs on sampled rows only.
 - `Fitted` (the CPU it runs on): a least-squares fit of whole measured steps on the same
   features (tokens, sampled rows, attention pairs and KV read, pieces), from
-  `engine/sim/calibrate.py`.
+  `engine/calibrate.py`.
 Constants and their sources are in `engine/sim/devices.py`.
 """
 

@@ -30,7 +30,7 @@
   KV bytes/s, prefill FLOP/s) and the swap rates over PCIe 5 (and the share of a swap-in
   hidden) are the H100's, as measured there. The H200's faster HBM makes attention
   pessimistic here; its link is the H100's (PCIe 5 x16), so the swaps should hold.
-- `cpu`: fitted on the machine it runs on (`engine/sim/calibrate.py`), whole measured steps;
+- `cpu`: fitted on the machine it runs on (`engine/calibrate.py`), whole measured steps;
   its eviction policy's Cost(l) is the real engine's profile on that machine.
 - The disk tier's drive, on every device: one datacenter NVMe SSD, a Samsung PM9A3 U.2
   (PCIe 4.0 x4): 6.5 GB/s sequential read, 3.5 GB/s sequential write (Samsung's figures at

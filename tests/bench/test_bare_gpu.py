@@ -44,7 +44,7 @@ import engine, kernels, torch, transformers  # noqa: F401
 # The GPU entry points (bench.soak and bench.cluster drive a server: not among them).
 import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
 import bench.fused, bench.swap, bench.tp, bench.step_prep, bench.cache_step  # noqa: F401
-import bench.sim, engine.sim.simulated, engine.sim.calibrate  # noqa: F401
+import bench.sim, engine.backends.simulated, engine.calibrate  # noqa: F401
 try:
     import redis  # noqa: F401
 except ModuleNotFoundError as e:

@@ -115,7 +115,7 @@ def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
 
 
 def test_a_cpu_simulation_names_the_calibration_its_engines_made(tmp_path, monkeypatch) -> None:
-    from engine.sim import calibrate
+    from engine import calibrate
 
     monkeypatch.setattr(calibrate, "PROMPTS", (32, 128))
     monkeypatch.setattr(calibrate, "BATCHES", (1, 4))

@@ -65,7 +65,7 @@ def tp_engine():
     close_open()
     engine.close()
     assert not dist.is_initialized()
-    for p in engine.tp.procs:
+    for p in engine.backend.tp.procs:
         assert not p.is_alive()
 
 
@@ -141,15 +141,15 @@ def test_one_rank_through_the_parallel_path_equals_the_plain_engine():
     pools = dict(SMALL_POOLS, max_batch_tokens=48)
     par, one = twins(1, force=True, **pools)
     try:
-        assert par.tp is not None and par.tp.world == 1 and not par.tp.procs
+        assert par.backend.tp is not None and par.backend.tp.world == 1 and not par.backend.tp.procs
         assert dist.get_world_size() == 1
         assert isinstance(par.runner, ParallelRunner) and isinstance(par.pool, ParallelPool)
         assert isinstance(par.model.layers[0].wo, RowParallel)
         assert par.model.layers[0].wo.group is dist.group.WORLD
         assert isinstance(par.model.lm_head, VocabParallel)
         sent: list = []
-        send = par.tp.send
-        par.tp.send = lambda msg: (sent.append(msg), send(msg))[1]
+        send = par.backend.tp.send
+        par.backend.tp.send = lambda msg: (sent.append(msg), send(msg))[1]
         plan = prompts(one, 4, 3, seed=3, min_len=40, max_len=64)
         sp = SamplingParams(max_tokens=12, ignore_eos=True)
         for t in range(3):
@@ -197,8 +197,8 @@ def test_two_ranks_equal_one_rank_and_hf(tp_engine):
 async def test_killed_worker_fails_turns_without_a_hang(tp_engine):
     # Runs last: it kills the module's engine.
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    os.kill(tp_engine.tp.procs[0].pid, signal.SIGKILL)
-    tp_engine.tp.procs[0].join(10)
+    os.kill(tp_engine.backend.tp.procs[0].pid, signal.SIGKILL)
+    tp_engine.backend.tp.procs[0].join(10)
     with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
         tp_engine.run([Turn("k0", [1, 2, 3], sp)])
     # Served: the turn ends with the error, and so does the next one.
@@ -219,9 +219,11 @@ def test_worker_lost_inside_a_collective_fails_fast(tp_engine):
     try:
         sp = SamplingParams(max_tokens=4, ignore_eos=True)
         assert engine.run([Turn("a", [1, 2, 3], sp)])[0].finish_reason == "length"
-        engine.tp.check = lambda: None  # skip the liveness check: the collectives must notice
-        os.kill(engine.tp.procs[0].pid, signal.SIGKILL)
-        engine.tp.procs[0].join(10)
+        engine.backend.tp.check = lambda: (
+            None
+        )  # skip the liveness check: the collectives must notice
+        os.kill(engine.backend.tp.procs[0].pid, signal.SIGKILL)
+        engine.backend.tp.procs[0].join(10)
         t = time.monotonic()
         with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
             engine.run([Turn("b", [1, 2, 3], sp)])
@@ -322,7 +324,7 @@ def test_cuda_ranks_equal_one_gpu_and_hf(model, kv_dtype):
     # cache decisions.
     tp, one = cuda_engines(model, kv_dtype=kv_dtype)
     try:
-        n = tp.tp.world
+        n = tp.backend.tp.world
         assert tp.device == torch.device("cuda", 0) and tp.pool.gpu.device == tp.device
         assert dist.get_backend() == "nccl" and dist.get_world_size() == n
         assert tp.runner.graphs is None and tp.pool.cpu.is_pinned()
@@ -360,8 +362,8 @@ def test_cuda_killed_worker_fails_turns():
     try:
         sp = SamplingParams(max_tokens=4, ignore_eos=True)
         assert tp.run([Turn("a", [1, 2, 3], sp)])[0].finish_reason == "length"
-        os.kill(tp.tp.procs[0].pid, signal.SIGKILL)
-        tp.tp.procs[0].join(10)
+        os.kill(tp.backend.tp.procs[0].pid, signal.SIGKILL)
+        tp.backend.tp.procs[0].join(10)
         with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
             tp.run([Turn("b", [1, 2, 3], sp)])
         assert not dist.is_initialized()  # NCCL aborted at once: nothing left to time out

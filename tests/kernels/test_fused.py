@@ -316,7 +316,7 @@ def test_gpu_fused_engine_greedy_equals_transformers(model, monkeypatch):
             model=model, device="cuda", dtype="float32", gpu_cache_chunks=24, cpu_cache_chunks=8
         )
     )
-    assert engine.backend == "triton"
+    assert engine.attention == "triton"
     prompts = [list(range(10, 10 + n)) for n in (5, 37, 64, 150)]
     greedy_turns_equal_hf(engine, prompts, turns=3, n=24)
     assert calls.get("rope_write_kv_triton", 0) > 0 and calls.get("add_rms_norm_triton", 0) > 0

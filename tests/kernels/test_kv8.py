@@ -347,7 +347,7 @@ def logits_over(engine: Engine, tokens: list[int], kv_dtype: str) -> torch.Tenso
     meta = AttentionMetadata.build([len(tokens)], [0], [list(range(n))], engine.device)
     pos = torch.arange(len(tokens))
     return engine.model(
-        torch.tensor(tokens), pos, pool.layers, meta, pos, pos, backend=engine.backend
+        torch.tensor(tokens), pos, pool.layers, meta, pos, pos, backend=engine.attention
     )
 
 

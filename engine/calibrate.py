@@ -1,11 +1,13 @@
-"""The `cpu` device model, calibrated on the machine it runs on: real steps of the real
+"""The simulated `cpu` device, calibrated on the machine it runs on: real steps of the real
 engine over a grid of prompt lengths, decode batches and contexts (equal, and mixed in one
 batch), fitted by least squares
 on the features of `engine/sim/cost.py`; the tiers' copy rate from real pool copies; the
 eviction policy's Cost(l) the real engine's own profile on this machine (the same file).
 
 Cached per model, dtype and torch thread count (a step on one thread costs about twice a
-step on two), like the eviction policy's cost profile.
+step on two), like the eviction policy's cost profile. It lives above `engine/sim/` (which
+builds no real engine) and is handed the engine class that it times (`build`), so that the
+engine, which picks a simulated backend, and this module never import each other.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import logging
 import platform
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.cache.policy import CostModel
 from engine.copies import CopyPlan
+from engine.kv_pool import KVPool
 from engine.model.loader import cache_root
 from engine.sim.cost import Features, Fitted, Work
 from engine.sim.devices import NVME, Copies, Device
@@ -37,17 +42,21 @@ MIXED = tuple((n, b) for n in (64, 256, 448) for b in BATCHES[1:])
 FIT = 4  # the fit's own version (the device's, VERSIONS["cpu"], also counts its disk)
 
 
-def cpu_device(config: EngineConfig) -> Device:
+Build = Callable[[EngineConfig], Any]  # an engine class: the real engine this times
+
+
+def cpu_device(config: EngineConfig, build: Build) -> Device:
     """The fitted CPU model of `config.model`, calibrated now if this machine has none."""
-    return device_from(fitted(config))
+    return device_from(fitted(config, build))
 
 
-def fitted(config: EngineConfig) -> dict:
-    """This machine's calibration of `config.model` (made now if there is none)."""
+def fitted(config: EngineConfig, build: Build) -> dict:
+    """This machine's calibration of `config.model` (made now with engines of `build` if
+    there is none)."""
     path = _path(config)
     if not path.exists():
         t = time.perf_counter()
-        fit = calibrate(config)
+        fit = calibrate(config, build)
         log.info("calibrated the cpu cost model in %.0fs", time.perf_counter() - t)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -92,11 +101,9 @@ def _path(config: EngineConfig) -> Path:
     return cache_root(config.cache_dir) / "sim" / name.replace(":", "_").replace("/", "_")
 
 
-def calibrate(config: EngineConfig) -> dict:
+def calibrate(config: EngineConfig, build: Build) -> dict:
     """Steps of the real engine, each timed whole (scheduling, forward, sampling)."""
-    from engine.engine import Engine
-
-    real = Engine(
+    real = build(
         EngineConfig(
             model=config.model,
             device="cpu",
@@ -211,8 +218,6 @@ def _nonnegative_fit(rows: list[list[float]], times: list[float]) -> list[float]
 
 def _copy_rates(real) -> tuple[float, float]:
     """Bytes per second of the pool's swap-in and swap-out on this machine (median of 5)."""
-    from engine.kv_pool import KVPool
-
     n = 256
     pool = KVPool(real.args, n, n, real.config.chunk_size, real.device, real.dtype)
     pairs = list(zip(random.Random(1).sample(range(n), n), range(n), strict=True))

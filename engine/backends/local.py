@@ -1,0 +1,151 @@
+"""One process: the model on one device (a GPU, or the CPU standing in for one), its paged
+KV pool, the runner, and the disk tier's files."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.backends.base import Backend
+from engine.cache.policy import CostModel
+from engine.cache.profile import load_or_profile
+from engine.disk import DiskTier, namespace
+from engine.graphs import DecodeGraphs, bucket_sizes
+from engine.kv_pool import KVPool
+from engine.model.compiled import CompiledForward, usable
+from engine.model.loader import Loaded, cache_root, load
+from engine.model.packed import pack_linears
+from engine.runner import Runner
+from engine.types import EngineConfig
+from kernels import pick_backend
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def check_kv_dtype(kv_dtype: str, attention: str | None, device: torch.device) -> None:
+    """Triton converts to and from e4m3 only on GPUs with native fp8 (compute capability 8.9+)."""
+    if kv_dtype != "fp8" or attention != "triton" or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("kv_dtype='fp8' needs a GPU of compute capability 8.9+; use 'int8'")
+
+
+class Local(Backend):
+    """The model and its pool in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.use_device()
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.setup()
+        loaded = self.load()
+        self.model, self.args = loaded.model, loaded.args
+        self.pool_args = self.args
+        self.tokenizer = loaded.tokenizer
+        self.stop_token_ids = loaded.stop_token_ids
+        if config.pack_cpu_weights:
+            pack_linears(self.model)  # CPU layers only; a no-op elsewhere
+        self.attention = pick_backend(self.device, config.attention_backend)
+        check_kv_dtype(config.kv_dtype, self.attention, self.device)
+        self.gpu = self.device.type == "cuda"
+        self.profile_name = config.model  # the key of its Cost(l) profile
+
+    def setup(self) -> None:
+        """Before the model loads (tensor parallelism starts its ranks here)."""
+
+    def load(self) -> Loaded:
+        c = self.config
+        return load(c.model, self.device, self.dtype, c.cache_dir, c.seed)
+
+    def pool(self, gpu_blocks: int, cpu_blocks: int) -> KVPool:
+        c = self.config
+        return KVPool(
+            self.args, gpu_blocks, cpu_blocks, c.chunk_size, self.device, self.dtype, c.kv_dtype
+        )
+
+    def runner(self, pool: KVPool) -> Runner:
+        return Runner(self.model, pool, self.config.chunk_size, self.attention)
+
+    def policy_cost(self, max_context: int) -> CostModel:
+        """This model's Cost(l) on this device: its profile, read from the file kept per
+        model and device (profiled now, into it, the first time)."""
+        c = self.config
+        return load_or_profile(
+            self.model,
+            self.profile_name,
+            c.chunk_size,
+            max_context,
+            self.device,
+            self.dtype,
+            cache_root(c.cache_dir),
+            self.attention,
+        )
+
+    def disk(self, cost: CostModel, bytes_per_chunk: int) -> DiskTier:
+        """Files under `disk_cache_dir`, in a namespace of the model and its KV layout."""
+        c, a = self.config, self.args
+        space = namespace(
+            c.model, str(self.dtype), c.kv_dtype, c.chunk_size, a.n_layers, a.n_kv_heads,
+            a.head_dim,
+        )  # fmt: skip
+        return DiskTier(c.disk_cache_dir, int(c.disk_cache_gb * 1e9), space, cost, c.chunk_size)
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """Decode steps from CUDA graphs: asked for, on CUDA, with the triton backend."""
+        return self.config.cuda_graphs and self.gpu and self.attention == "triton"
+
+    def finish(self, runner: Runner, pool: KVPool, max_context: int, gpu_blocks: int) -> None:
+        """The compiled CPU forward and the CUDA graphs, where asked for: they need the pool."""
+        c = self.config
+        if c.compile_cpu:
+            self.compile_cpu(runner, pool)
+        if self.graphs_enabled:
+            runner.graphs = DecodeGraphs(
+                self.model,
+                pool,
+                self.attention,
+                bucket_sizes(min(c.max_running, c.max_batch_tokens)),
+                width=min(-(-max_context // c.chunk_size), gpu_blocks),
+                vocab=self.args.vocab_size,
+            )
+            runner.graphs.capture()
+
+    def compile_cpu(self, runner: Runner, pool: KVPool) -> None:
+        """The forward compiled by Inductor (engine/model/compiled.py), compiled now; where
+        it cannot serve (not the CPU, an 8-bit pool), eager."""
+        if not usable(self.model, pool.layers):
+            log.warning("compile_cpu serves a CPU model over a 16-bit or float32 pool, one rank")
+            return
+        compiled = CompiledForward(self.model, pool.layers)
+        try:
+            compiled.warm_up()
+            runner.compiled = compiled
+        except Exception as e:  # no C++ compiler, an op Inductor cannot lower: any failure
+            log.warning("compile_cpu: the forward did not compile (%s); it runs eagerly", e)
+
+    def pin(self, parts: dict) -> dict:
+        """On CUDA, page-locked: copied layer by layer, asynchronously."""
+        if self.device.type != "cuda":
+            return parts
+        return {j: [p.pin_memory() for p in ps] for j, ps in parts.items()}
+
+    def use_device(self) -> None:
+        """Triton launches, events and graph captures go to the calling thread's current
+        device, not to their tensors' (cuda:1 ...)."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
