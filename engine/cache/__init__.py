@@ -1,3 +1,5 @@
 """The KV cache's bookkeeping, pure Python: block free lists, chunk tables, the retention
 policy and its profiled cost, and `KVCacheManager` (manager.py), the only writer of the
-tables. It returns the copies it needs; it never touches a tensor."""
+tables, over its parts: tier accounting (tiers.py), the eviction order (order.py), eviction
+(eviction.py), shared prefixes (sharing.py), prefetch swap-in (prefetch.py) and the disk
+tier's spills (spills.py). It returns the copies it needs; it never touches a tensor."""

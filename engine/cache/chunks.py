@@ -41,7 +41,7 @@ class Chunk:
 
 @dataclass(eq=False)
 class ChunkTable:
-    """Where a conversation's KV lives. Written by `KVCacheManager` only."""
+    """Where a conversation's KV lives. Written by `KVCacheManager` (and its parts) only."""
 
     id: str
     chunks: list[Chunk] = field(default_factory=list)
@@ -64,3 +64,27 @@ class ChunkTable:
         if len(blocks) < n_chunks or None in blocks:  # C-speed scan: called per piece per step
             raise RuntimeError(f"conversation {self.id!r} has chunks off the GPU while running")
         return blocks  # type: ignore[return-value]
+
+    def shared_run(self) -> list[Chunk]:
+        return self.chunks[self.n_dropped : self.n_shared]
+
+    def check(self, chunk_size: int) -> None:
+        """Assert the layout [dropped | shared | CPU | GPU], and that it covers its tokens."""
+        n_dropped, n_shared, n_off_gpu = self.n_dropped, self.n_shared, self.n_off_gpu
+        assert 0 <= n_dropped <= n_shared <= n_off_gpu <= len(self.chunks), self
+        assert len(self.chunks) >= -(-self.tokens // chunk_size) or self.pinned, self
+        full = n_shared == n_dropped or n_shared * chunk_size <= self.tokens
+        assert full, (self.id, "a shared chunk that is not full")
+        for i, c in enumerate(self.chunks):
+            if n_dropped <= i < n_shared:
+                assert c.shared and c.index == i, (self.id, i, "should be shared")
+                assert c.gpu is not None or c.cpu is not None, (self.id, i, "shared, empty")
+                assert c.gpu is not None or not self.pinned, (self.id, i, "running, off GPU")
+                continue
+            assert not c.shared, (self.id, i, "shared outside the shared run")
+            if i < n_dropped:
+                assert c.gpu is None and c.cpu is None, (self.id, i, "should be dropped")
+            elif i < n_off_gpu:
+                assert c.gpu is None and c.cpu is not None, (self.id, i, "should be on CPU")
+            else:
+                assert c.gpu is not None, (self.id, i, "should be on GPU")

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cache.manager import KVCacheManager
+from engine.cache.order import REORDER_MAX_S, REORDER_S, REORDER_SHARE, _LazyHeap
 from engine.cache.policy import CostModel, Policy
 from engine.persistence import LocalClock
 
@@ -375,14 +376,12 @@ def test_prefetch_refuses_a_table_whose_turn_is_not_expected():
 def test_the_eviction_order_is_kept_for_a_share_of_the_evicted_idle_time():
     """Keys are taken at one time and reused while they are younger than 5% of the idle time
     of what was evicted (at least REORDER_S, at most REORDER_MAX_S), until a turn ends."""
-    from engine.cache.manager import REORDER_MAX_S, REORDER_S, REORDER_SHARE
-
     m, clock, now = manager(gpu=4, cpu=8)
     turn(m, clock, "a", 8, when=900.0)  # idle 100 s
     turn(m, clock, "b", 8, when=990.0)  # idle 10 s
     now.t = 1000.0
     m.begin_step()  # b's turn ended since: the keys are taken now
-    keys = m._key_now
+    keys = m.order.key_now
     assert keys == 1000.0
     c = m.table("c")
     m.admit(c, 0, 8)  # evicts a's chunks (idle 100 s); c goes on running
@@ -392,15 +391,15 @@ def test_the_eviction_order_is_kept_for_a_share_of_the_evicted_idle_time():
     for t in (keys + REORDER_S / 2, keys + REORDER_SHARE * 100 - 1):
         now.t = t
         m.begin_step()
-        assert m._key_now == keys
+        assert m.order.key_now == keys
     now.t = keys + REORDER_SHARE * 100 + 1  # ... and taken again after it
     m.begin_step()
-    assert m._key_now == now.t
+    assert m.order.key_now == now.t
     keys = now.t
     m.release(c, 8)  # a turn ends: c joins the heaps as it is, no rebuild
     now.t += 0.1
     m.begin_step()
-    assert m._key_now == keys
+    assert m.order.key_now == keys
     m.check()
 
 
@@ -413,7 +412,7 @@ def test_a_turn_ended_after_the_keys_were_taken_keeps_its_chunks(eviction):
     turn(m, clock, "old", 8, when=900.0)  # idle 100 s
     now.t = 1000.0
     m.begin_step()
-    keys = m._key_now
+    keys = m.order.key_now
     b = m.table("b")  # never stamped so far: by the clock, as idle as can be
     m.admit(b, 0, 8)
     now.t += 0.1
@@ -421,7 +420,7 @@ def test_a_turn_ended_after_the_keys_were_taken_keeps_its_chunks(eviction):
     clock.touch("b", now.t)
     now.t += 0.1
     m.begin_step()
-    assert m._key_now == keys
+    assert m.order.key_now == keys
     c = m.table("c")
     m.admit(c, 0, 8)  # takes 2 of the 4 blocks
     assert m.table("old").tiers() == ["cpu", "cpu"]
@@ -434,11 +433,11 @@ def test_a_new_expectation_reorders_at_once():
     turn(m, clock, "a", 8, when=900.0)
     turn(m, clock, "b", 8, when=990.0)
     m.begin_step()
-    keys = m._key_now
+    keys = m.order.key_now
     now.t += 0.1
     m.policy.expect("a", now.t + 10)  # a's user is typing: a is kept over b
     turn(m, clock, "c", 8, when=now.t)
-    assert m._key_now != keys
+    assert m.order.key_now != keys
     assert m.table("a").tiers() == ["gpu", "gpu"]
     assert m.table("b").tiers() == ["cpu", "cpu"]
 
@@ -446,8 +445,6 @@ def test_a_new_expectation_reorders_at_once():
 def test_the_lazy_heap_counts_only_an_items_latest_entry():
     """Tables pushed again and again (every change of a chunk) leave one live entry each:
     a pop drops the older ones instead of putting them back."""
-    from engine.cache.manager import _LazyHeap
-
     keys = {"a": 5.0, "b": 3.0}
     heap = _LazyHeap(front=lambda t: 0, key=lambda t, i: keys[t])
     heap.ensure(["a", "b"])

@@ -1,0 +1,161 @@
+"""Eviction: freeing blocks in the eviction order. Room on the GPU (reclaim a chunk's
+block if it has a CPU copy, else swap it out, else drop it), CPU blocks (dropping the
+lowest-value CPU chunks), and the ahead-of-time swap-out."""
+
+from __future__ import annotations
+
+from engine.cache.chunks import Chunk, ChunkTable
+from engine.cache.order import Candidate, EvictionOrder
+from engine.cache.sharing import Sharing
+from engine.cache.spills import Spills
+from engine.cache.tiers import Tiers
+from engine.copies import CopyPlan
+from engine.snapshot import EngineCounters
+
+
+def chunk_tokens(t: Candidate, i: int, chunk_size: int) -> int:
+    """Positions chunk `i` of `t` holds (a shared chunk is full)."""
+    if isinstance(t, Chunk):
+        return chunk_size
+    return max(0, min(chunk_size, t.tokens - i * chunk_size))
+
+
+class Evictor:
+    def __init__(
+        self,
+        chunk_size: int,
+        swap_out_threshold: float,
+        tiers: Tiers,
+        order: EvictionOrder,
+        sharing: Sharing,
+        spills: Spills,
+        counters: EngineCounters,
+    ) -> None:
+        self.chunk_size = chunk_size
+        self.swap_out_threshold = swap_out_threshold
+        self.tiers, self.order, self.sharing, self.spills = tiers, order, sharing, spills
+        self.counters = counters
+
+    def make_room_gpu(self, n: int, copies: CopyPlan, cpu_below=None) -> bool:
+        """Free GPU blocks until `n` are free; False if the candidates ran out."""
+        if self.tiers.gpu.num_free >= n:
+            return True
+        while self.tiers.gpu.num_free < n:
+            found = self.order.pop_gpu()
+            if found is None:
+                return False
+            self.evict_gpu(found[0], copies, cpu_below)
+        return True
+
+    def evict_gpu(self, x: Candidate, copies: CopyPlan, cpu_below=None) -> None:
+        """Free the GPU block of a table's first GPU chunk, or of a shared chunk."""
+        if isinstance(x, Chunk):
+            self._evict_shared_gpu(x, copies, cpu_below)
+        else:
+            self.evict_front_gpu(x, copies, cpu_below)
+
+    def evict_front_gpu(self, t: ChunkTable, copies: CopyPlan, cpu_below=None) -> None:
+        """Free the GPU block of the table's first GPU chunk: reclaim it if it has a CPU
+        copy, else swap it out (into a CPU block of a chunk worth less than `cpu_below`, when
+        given), else drop it (with the chunks before it)."""
+        i = t.n_off_gpu
+        chunk = t.chunks[i]
+        if chunk.cpu is None and self.tiers.cpu.num_blocks:
+            block = self.alloc_cpu(max_key=cpu_below)
+            if block is not None:
+                self.tiers.set_cpu(t, chunk, block)
+                copies.swap_out.append((chunk.gpu, block))  # type: ignore[arg-type]
+                self.spills.swapping_out(block, chunk.gpu)  # type: ignore[arg-type]
+                self.counters.swapped_out_tokens += chunk_tokens(t, i, self.chunk_size)
+        if chunk.cpu is None:
+            self.spills.spill(t, i, chunk)
+        self.tiers.clear_gpu(t, chunk)
+        t.n_off_gpu = i + 1
+        if chunk.cpu is None:  # dropped: keep the layout by dropping what is before
+            self.sharing.let_go(t, spill=True)
+            for j in range(t.n_dropped, i + 1):
+                self.counters.dropped_tokens += chunk_tokens(t, j, self.chunk_size)
+                self.spills.spill(t, j, t.chunks[j])
+                self.sharing.free_chunk(t, t.chunks[j])
+            t.n_dropped = t.n_shared = i + 1
+        else:
+            self.order.cpu.push(t)  # a new CPU-only chunk: maybe its cheapest CPU block
+
+    def _evict_shared_gpu(self, c: Chunk, copies: CopyPlan, cpu_below=None) -> None:
+        """Free a shared chunk's GPU block: reclaim, swap out, or drop it."""
+        if c.cpu is None and self.tiers.cpu.num_blocks:
+            block = self.alloc_cpu(max_key=cpu_below)
+            if c not in self.sharing.shared or c.gpu is None:  # freed while the CPU made room
+                if block is not None:
+                    self.tiers.cpu.release(block)
+                return
+            if block is not None:
+                self.tiers.set_cpu(None, c, block)
+                copies.swap_out.append((c.gpu, block))
+                self.spills.swapping_out(block, c.gpu)
+                self.counters.swapped_out_tokens += self.chunk_size
+        if c.cpu is None:
+            self.sharing.drop(c)
+            return
+        self.tiers.clear_gpu(None, c)
+        self.order.cpu.push(c)
+
+    def alloc_cpu(self, max_key=None) -> int | None:
+        """A CPU block, dropping the lowest-value CPU chunks if the pool is full (only those
+        whose key is below `max_key`, when given)."""
+        cpu = self.tiers.cpu
+        if cpu.num_free:
+            return cpu.allocate()
+        found = self.order.pop_cpu()
+        if found is None:
+            return None
+        t, i = found
+        if max_key is not None and self.order.key(t, i) >= max_key:
+            return None
+        if isinstance(t, Chunk):
+            if t.gpu is None:  # a CPU-only shared chunk: it is dropped
+                self.sharing.drop(t)
+            else:  # it loses its copy: it must be copied again before it is reclaimed
+                self.tiers.clear_cpu(None, t)
+                self.order.unbacked.push(t)
+            return cpu.allocate()
+        chunk = t.chunks[i]
+        if i < t.n_off_gpu:  # a CPU-only chunk: it is dropped (with the shared run before it)
+            self.sharing.let_go(t, spill=True)
+            self.spills.spill(t, i, chunk)
+            self.counters.dropped_tokens += chunk_tokens(t, i, self.chunk_size)
+            t.n_dropped = t.n_shared = i + 1
+        else:  # a GPU chunk loses its copy: it must be copied again before it is reclaimed
+            self.order.unbacked.push(t)
+        self.tiers.clear_cpu(t, chunk)
+        return cpu.allocate()
+
+    def swap_out_ahead(self, busy: bool = False) -> CopyPlan:
+        """When free GPU blocks fall under the threshold, copy the lowest-value chunks to the
+        CPU in the background, keeping their GPU blocks until they are reallocated.
+        Does nothing while a swap-in is in flight (`busy`): swap-in has priority."""
+        copies = CopyPlan()
+        gpu, cpu = self.tiers.gpu, self.tiers.cpu
+        if busy or cpu.num_blocks == 0:
+            return copies
+        want = int(self.swap_out_threshold * gpu.num_blocks)
+        short = want - gpu.num_free - self.tiers.reclaimable
+        if short <= 0:
+            return copies
+        while len(copies.background) < short:
+            found = self.order.pop_unbacked()
+            if found is None:
+                break
+            t, i = found
+            block = self.alloc_cpu(max_key=self.order.key(t, i))
+            if block is None:
+                break
+            chunk = t if isinstance(t, Chunk) else t.chunks[i]
+            if chunk.gpu is None or chunk.cpu is not None:  # let go while making room
+                cpu.release(block)
+                continue
+            self.tiers.set_cpu(t, chunk, block)  # type: ignore[arg-type]
+            self.order.cpu.push(t)  # the copy may now be its cheapest CPU block
+            copies.background.append((chunk.gpu, block))
+            self.counters.swapped_out_tokens += chunk_tokens(t, i, self.chunk_size)
+        return copies

@@ -1,0 +1,47 @@
+"""The disk tier's hook: the chunks that lose their last copy in memory, queued for the
+engine to write out (`take`)."""
+
+from __future__ import annotations
+
+from engine.cache.chunks import Chunk, ChunkTable
+from engine.snapshot import EngineCounters
+
+Spill = tuple[str, int, str, int]  # (conversation, chunk index, tier, block)
+
+
+class Spills:
+    def __init__(self, chunk_size: int, counters: EngineCounters) -> None:
+        self.chunk_size = chunk_size
+        self.counters = counters
+        self.spilling = False  # a disk tier takes dropped chunks
+        self.queue: list[Spill] = []
+        self._incoming: dict[int, int] = {}  # CPU block -> the GPU block this step swaps out to it
+
+    def begin_step(self) -> None:
+        self._incoming = {}
+
+    def swapping_out(self, cpu_block: int, gpu_block: int) -> None:
+        """This step copies `gpu_block` to `cpu_block`: until then the GPU block holds it."""
+        self._incoming[cpu_block] = gpu_block
+
+    def spill(self, t: ChunkTable, i: int, c: Chunk) -> None:
+        """Chunk `c` (at index `i` of `t`) loses its last copy in memory: with a disk tier,
+        the engine copies it out of its block before the block is used again and queues it
+        to be written (`take`). Only full chunks: a file is keyed by its tokens."""
+        if not self.spilling or (i + 1) * self.chunk_size > t.tokens:
+            return
+        if c.gpu is not None:
+            self.queue.append((t.id, i, "gpu", c.gpu))
+        elif c.cpu in self._incoming:  # its swap-out has not run yet: the GPU block holds it
+            self.queue.append((t.id, i, "gpu", self._incoming[c.cpu]))
+        elif c.cpu is not None:
+            self.queue.append((t.id, i, "cpu", c.cpu))
+        else:
+            return
+        self.counters.spilled_tokens += self.chunk_size
+
+    def take(self) -> list[Spill]:
+        """(conversation, chunk index, tier, block) of every chunk dropped since the last
+        call, whose block still holds its KV until this step's copies run."""
+        out, self.queue = self.queue, []
+        return out
