@@ -26,7 +26,8 @@ from engine.snapshot import (
     PoolUsage,
     SharingUsage,
 )
-from engine.stream import StreamState
+from engine.spill import DiskWrites
+from engine.stream import StreamState, extend_hashes, resync
 from engine.types import (
     CacheMode,
     EngineConfig,
@@ -83,12 +84,7 @@ class Engine:
             share=config.share_prefixes,
             counters=self.counters,
         )
-        share = config.prefetch_share
-        if share is None:
-            share = 0.25 if b.gpu else 0.0
-        quantum = config.prefetch_step_tokens
-        if quantum is None:
-            quantum = config.max_batch_tokens if b.gpu else 4 * cs
+        share, quantum = config.prefetch_limits(b.gpu)
         self.scheduler = Scheduler(
             self.cache,
             config.max_batch_tokens,
@@ -107,9 +103,11 @@ class Engine:
         self.streams: dict[str, StreamState] = {}  # written here only
         self._seq = itertools.count()
         self.disk: DiskIndex | None = None
+        self.writes: DiskWrites | None = None
         if config.disk_cache_dir and config.cache_mode == CacheMode.PENSIEVE:
             self.disk = b.disk(cost, self.pool.bytes_per_chunk)
-            self.cache.spill_to(self._disk_restore_s)
+            self.writes = DiskWrites(self.disk, self.pool, self.cache)
+            self.cache.spill_to(self.writes.restore_s)
         self.reads = Reads(
             b, self.history, self.owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
         )
@@ -118,12 +116,6 @@ class Engine:
     def measured_cost(self) -> CostModel:
         """Cost(l) of this model on this device, as the eviction policy reads it."""
         return self.backend.policy_cost(self.max_context)
-
-    def _disk_restore_s(self) -> float | None:
-        """Seconds to read a chunk back from the disk tier (None: it is not writing)."""
-        if self.disk is None or not self.disk.writable:
-            return None
-        return self.disk.read_s(self.pool.bytes_per_chunk) or None
 
     # ---- turns in ----------------------------------------------------------------------------
 
@@ -182,21 +174,17 @@ class Engine:
             # Its prefetch ends; a running one goes on if the context stays, to be taken over.
             prefetch = self.scheduler.supersede(state.id, keep=length == state.length)
             if length != state.length:
-                self._resync(state, length)
+                resync(state, length, self.cache)
             now = self.now()
             if state.idle_since is not None:  # what the `returns` eviction value learns from
                 self.cache.returned(now - state.idle_since)
             self.clock.touch(state.id, now)
             state.busy = True
             prompt = list(turn.prompt_token_ids)
-            chain: list[bytes] = []
-            shared = 0
-            if self.cache.share and state.length == 0 and not table.chunks:
-                # A conversation starts: link the shared chunks its prompt starts with (its
-                # last token is always computed, for the logits of the first reply token).
-                chain = chain_hashes(prompt, self.cache.chunk_size)
-                linkable = (len(prompt) - 1) // self.cache.chunk_size
-                shared = state.kv_len = self.cache.link(table, chain[:linkable])
+            chain, shared = [], 0
+            if state.length == 0:
+                chain, shared = self.cache.link_prompt(table, prompt)
+                state.kv_len = shared
             req = Request(
                 turn=turn,
                 state=state,
@@ -278,31 +266,6 @@ class Engine:
             self.clock.touch(child_id, self.now())
             return linked
 
-    def _resync(self, state: StreamState, length: int) -> None:
-        """The caller's durable history says the stream has `length` tokens before this turn."""
-        table = self.cache.table(state.id)
-        cs = self.cache.chunk_size
-        if length < state.length:  # cut back: its hashes as far as they still hold
-            keep = length // cs
-            if keep < len(state.hashes):  # the tokens of a cut chunk are not kept
-                del state.hashes[keep:]
-                state.unhashed = [] if length % cs == 0 else None
-            elif state.unhashed is not None:
-                state.unhashed = state.unhashed[: length - keep * cs]
-        elif length > state.length:
-            state.hashes, state.unhashed = [], None
-        if length < state.length and length >= state.kv_len:
-            del state.tail[length - state.kv_len :]
-        elif length < state.length:
-            self.cache.truncate(table, length)
-            state.kv_len = min(state.kv_len, length)
-            state.tail = []
-        else:  # longer than we know (e.g. a restart): all of it comes back from history
-            self.cache.reset(table, length)
-            state.kv_len = length
-            state.tail = []
-        state.length = length
-
     def cancel(self, req: Request) -> None:
         req.cancelled = True
 
@@ -336,7 +299,8 @@ class Engine:
             self.reads.collect(self.scheduler.queued())
             plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
             self.reads.start(plan.reads)
-            self._spill()
+            if self.writes is not None:
+                self.writes.spill(self.streams)
             now = self.now()
             for req in plan.failed:  # its history could not be read: that turn alone fails
                 log.error("history read for %s failed: %s", req.state.id, req.error)
@@ -368,54 +332,13 @@ class Engine:
             self.counters.steps += 1
             return ended
 
-    def _spill(self) -> None:
-        """Chunks the cache dropped in this step's planning go to the disk tier: copied out
-        of their blocks before this step's copies and forward reuse them, written by the
-        disk tier's thread."""
-        spills = self.cache.take_spills()
-        if self.disk is None or not spills:
-            return
-        for cid, i, tier, block in spills:
-            state = self.streams.get(cid)
-            if state is None or i >= len(state.hashes) or not self.disk.writable:
-                continue
-            if state.hashes[i] in self.disk.index:
-                continue
-            self.disk.put(state.hashes[i], i, self.pool.read_block(tier, block))
-
     def _accept(self, req: Request, token: int, now: float) -> list[Request]:
-        if not req.output:
-            req.stats.first_token_s = now
-        req.tokens.append(token)
-        req.output.append(token)
-        req.stats.completion_tokens += 1
         self.counters.generated_tokens += 1
-        if req.on_token is not None:
-            req.on_token(token)
-        sp = req.turn.sampling
-        reason = None
-        if req.guide is not None and not self._guided(req, token):
-            reason = FinishReason.ERROR
-        elif not sp.ignore_eos and (token in self.stop_token_ids or token in sp.stop_token_ids):
-            reason = FinishReason.STOP
-        elif len(req.output) >= sp.max_tokens or req.total >= self.max_context:
-            reason = FinishReason.LENGTH
+        reason = req.accept(token, now, self.stop_token_ids, self.max_context)
         if reason is None:
-            req.pending.append((req.total - 1, req.total))
             return []
         self._end(req, reason, now)
         return [req]
-
-    def _guided(self, req: Request, token: int) -> bool:
-        """The turn's matcher takes its token; False (the turn fails) if the grammar refuses
-        it, which its mask should have made impossible."""
-        try:
-            req.guide.consume(token)
-        except ValueError as e:
-            log.error("turn of %s: %s", req.state.id, e)
-            req.error = e
-            return False
-        return True
 
     def _end(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(req, reason)
@@ -427,7 +350,7 @@ class Engine:
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
         state.busy = False
-        self._hash(state, req)
+        extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
         req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
         if not req.output:
@@ -437,24 +360,6 @@ class Engine:
         self.cache.ended()
         if self.owns_history:
             self.history.append(state.id, req.output)
-
-    def _hash(self, state: StreamState, req: Request) -> None:
-        """Extend the stream's chunk hashes over the turn's tokens (from the history read
-        for it when the tokens before it are not known)."""
-        cs = self.cache.chunk_size
-        done = len(state.hashes) * cs
-        known = done + len(state.unhashed or [])
-        if state.unhashed is not None and req.base <= known <= req.total:
-            tokens = state.unhashed + req.tokens[known - req.base :]
-        elif req.prefix is not None and len(req.prefix) >= req.base:
-            state.hashes, done = [], 0
-            tokens = list(req.prefix[: req.base]) + req.tokens
-        else:  # the tokens before this turn are unknown here: the keys stop
-            return
-        full = len(tokens) // cs * cs
-        prev = state.hashes[-1] if state.hashes else b""
-        state.hashes += chain_hashes(tokens[:full], cs, prev)
-        state.unhashed = tokens[full:]
 
     def _drop_cancelled(self) -> list[Request]:
         ended = []
@@ -531,8 +436,8 @@ class Engine:
                 counters=replace(self.counters, running=running, waiting=waiting),
                 conversations=tuple(convs),
                 context_limit=self.context_limit,
-                sharing=SharingUsage(*c.sharing()),
-                disk=self._disk_usage(),
+                sharing=SharingUsage(*c.sharing_usage()),
+                disk=None if self.writes is None else self.writes.usage(),
             )
 
     def _tiers(self, table, state: StreamState | None, on_disk: set[bytes]) -> tuple[str, ...]:
@@ -544,39 +449,15 @@ class Engine:
                     tiers[j] = "disk"
         return tuple(tiers)
 
-    def _disk_usage(self) -> PoolUsage | None:
-        if self.disk is None:
-            return None
-        chunk = max(1, self.pool.bytes_per_chunk)
-        total = self.disk.capacity // chunk
-        used = min(total, self.disk.bytes // chunk)
-        return PoolUsage(total, used, total - used)
-
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle
         conversations: all of them and wait (a graceful stop: the next process reads them
         instead of recomputing), or at most `limit` without waiting (while the engine is
         idle, so that a crash loses little). Returns the chunks queued."""
-        if self.disk is None or not self.disk.writable:
+        if self.writes is None or not self.disk.writable:
             return 0
-        n, held = 0, self.disk.keys()
         with self.lock:
-            for t in self.cache.held():
-                state = self.streams.get(t.id)
-                if state is None or t.pinned:
-                    continue
-                for j, c in enumerate(t.chunks[: len(state.hashes)]):
-                    tier = "gpu" if c.gpu is not None else "cpu" if c.cpu is not None else None
-                    if tier is None or state.hashes[j] in held:
-                        continue
-                    if limit is not None and n >= limit:
-                        return n
-                    block = c.gpu if tier == "gpu" else c.cpu
-                    parts = self.pool.read_block(tier, block)
-                    if not self.disk.put(state.hashes[j], j, parts, wait=limit is None):
-                        return n  # the writer is behind: later
-                    held.add(state.hashes[j])
-                    n += 1
+            n = self.writes.write_back(self.streams, limit)
         if limit is None:
             self.disk.flush()
         return n

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from engine.copies import CopyPlan
 from engine.kv_pool import KVPool
 from engine.model.decoder import Decoder
-from engine.model.loader import Loaded, load, own_tensors
+from engine.model.loader import Loaded, load, model_args, own_tensors
 from engine.model.packed import pack_linears
 from engine.model.shapes import ModelArgs
 from engine.model.shard import build_shard, check_divisible, set_group, shard_args
@@ -138,8 +138,6 @@ class TensorParallel:
     """Rank 0's side: the workers, the groups, the messages."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-        from engine.model.loader import model_args
-
         self.config, self.dtype = config, dtype
         self.world = n = config.tensor_parallel
         self.full_args = model_args(config.model, config.cache_dir)
@@ -421,6 +419,4 @@ def _serve(config, rank, world, device, dtype, control) -> None:
 
 
 def model_args_of(config: EngineConfig) -> ModelArgs:
-    from engine.model.loader import model_args
-
     return model_args(config.model, config.cache_dir)

@@ -19,7 +19,7 @@ from engine.cache.manager import KVCacheManager
 from engine.copies import CopyPlan
 from engine.request import PrefetchEnd, Request, Status
 from engine.stream import StreamState
-from engine.types import Turn, TurnStats
+from engine.types import CacheMode, Turn, TurnStats
 
 WAIT_S = 15.0  # a prefetch that found no room by then is given up
 
@@ -54,7 +54,7 @@ class Prefetcher:
         conversation, the baseline cache modes, a context all on the GPU already, or one
         that is being prefetched (typing frames come often: one prefetch at a time)."""
         table = self.cache.tables.get(state.id)
-        if self.cache.mode != "pensieve" or table is None:
+        if self.cache.mode != CacheMode.PENSIEVE or table is None:
             return False
         if state.busy or table.pinned or state.kv_len == 0:
             return False

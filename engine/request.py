@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from engine.disk import Loaded
 from engine.guide import Matcher
 from engine.stream import StreamState
 from engine.types import FinishReason, Turn, TurnResult, TurnStats
+
+log = logging.getLogger(__name__)
 
 
 class Status(StrEnum):
@@ -79,6 +82,39 @@ class Request:
     def prefix_needed(self, dropped_tokens: int) -> int:
         """History tokens needed to recompute the dropped positions [0, dropped_tokens)."""
         return min(dropped_tokens, self.base)
+
+    def accept(
+        self, token: int, now: float, stop_token_ids, max_context: int
+    ) -> FinishReason | None:
+        """Its sampled token: kept, streamed, and checked against the stop tokens, the
+        limits and its grammar. Returns why the turn ends with it (None: it goes on)."""
+        if not self.output:
+            self.stats.first_token_s = now
+        self.tokens.append(token)
+        self.output.append(token)
+        self.stats.completion_tokens += 1
+        if self.on_token is not None:
+            self.on_token(token)
+        sp = self.turn.sampling
+        if self.guide is not None and not self._guided(token):
+            return FinishReason.ERROR
+        if not sp.ignore_eos and (token in stop_token_ids or token in sp.stop_token_ids):
+            return FinishReason.STOP
+        if len(self.output) >= sp.max_tokens or self.total >= max_context:
+            return FinishReason.LENGTH
+        self.pending.append((self.total - 1, self.total))
+        return None
+
+    def _guided(self, token: int) -> bool:
+        """Its matcher takes the token; False (the turn fails) if the grammar refuses it,
+        which its mask should have made impossible."""
+        try:
+            self.guide.consume(token)
+        except ValueError as e:
+            log.error("turn of %s: %s", self.state.id, e)
+            self.error = e
+            return False
+        return True
 
     def token_range(self, start: int, end: int) -> list[int]:
         out: list[int] = []

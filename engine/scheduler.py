@@ -95,7 +95,9 @@ class Scheduler:
         self.unified = unified
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # real turns and admitted recompute prefetches
-        self.prefetch = Prefetcher(cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, now)
+        self.prefetch = Prefetcher(
+            cache, max_batch_tokens, prefetch_share, prefetch_step_tokens, now
+        )
 
     def add(self, req: Request, prefetch: Request | None = None) -> None:
         """Queue a real turn. `prefetch`: the recompute prefetch of its conversation that

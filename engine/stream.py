@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.cache.manager import KVCacheManager, chain_hashes
+
 
 @dataclass(eq=False)
 class StreamState:
@@ -22,3 +24,49 @@ class StreamState:
     # Tokens after the last hashed chunk; None when unknown (after a cut or a restart the
     # hashes go on once the history is read again)
     unhashed: list[int] | None = field(default_factory=list)
+
+
+def resync(state: StreamState, length: int, cache: KVCacheManager) -> None:
+    """The caller's durable history says the stream has `length` tokens before this turn."""
+    table = cache.table(state.id)
+    cs = cache.chunk_size
+    if length < state.length:  # cut back: its hashes as far as they still hold
+        keep = length // cs
+        if keep < len(state.hashes):  # the tokens of a cut chunk are not kept
+            del state.hashes[keep:]
+            state.unhashed = [] if length % cs == 0 else None
+        elif state.unhashed is not None:
+            state.unhashed = state.unhashed[: length - keep * cs]
+    elif length > state.length:
+        state.hashes, state.unhashed = [], None
+    if length < state.length and length >= state.kv_len:
+        del state.tail[length - state.kv_len :]
+    elif length < state.length:
+        cache.truncate(table, length)
+        state.kv_len = min(state.kv_len, length)
+        state.tail = []
+    else:  # longer than we know (e.g. a restart): all of it comes back from history
+        cache.reset(table, length)
+        state.kv_len = length
+        state.tail = []
+    state.length = length
+
+
+def extend_hashes(
+    state: StreamState, base: int, turn: list[int], prefix: list[int] | None, cs: int
+) -> None:
+    """Extend the stream's chunk hashes over a turn's tokens (`turn`: positions from `base`
+    on), from `prefix` (the history read for it) when the tokens before it are not known."""
+    done = len(state.hashes) * cs
+    known = done + len(state.unhashed or [])
+    if state.unhashed is not None and base <= known <= base + len(turn):
+        tokens = state.unhashed + turn[known - base :]
+    elif prefix is not None and len(prefix) >= base:
+        state.hashes, done = [], 0
+        tokens = list(prefix[:base]) + turn
+    else:  # the tokens before this turn are unknown here: the keys stop
+        return
+    full = len(tokens) // cs * cs
+    prev = state.hashes[-1] if state.hashes else b""
+    state.hashes += chain_hashes(tokens[:full], cs, prev)
+    state.unhashed = tokens[full:]

@@ -80,6 +80,16 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 10.0  # the disk tier's size; files of lowest value go first
 
+    def prefetch_limits(self, gpu: bool) -> tuple[float, int]:
+        """`prefetch_share` and `prefetch_step_tokens`, their defaults for a GPU or not."""
+        share = self.prefetch_share
+        if share is None:
+            share = 0.25 if gpu else 0.0
+        quantum = self.prefetch_step_tokens
+        if quantum is None:
+            quantum = self.max_batch_tokens if gpu else 4 * self.chunk_size
+        return share, quantum
+
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")

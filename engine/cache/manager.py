@@ -30,6 +30,7 @@ from engine.cache.spills import Spill, Spills
 from engine.cache.tiers import Tiers
 from engine.copies import CopyPlan
 from engine.snapshot import EngineCounters
+from engine.types import CacheMode
 
 __all__ = ["Admission", "KVCacheManager", "chain_hashes"]
 
@@ -55,7 +56,7 @@ class KVCacheManager:
         cpu_blocks: int,
         chunk_size: int,
         policy: Policy,
-        mode: str = "pensieve",
+        mode: CacheMode = CacheMode.PENSIEVE,
         admit_reserve: float = 0.10,
         swap_out_threshold: float = 0.25,
         now: Callable[[], float] = time.time,
@@ -66,7 +67,7 @@ class KVCacheManager:
         self.chunk_size = chunk_size
         self.policy = policy
         self.mode = mode
-        self.share = share and mode == "pensieve"  # the baselines keep their behaviour
+        self.share = share and mode == CacheMode.PENSIEVE  # the baselines keep their behaviour
         self.admit_reserve = admit_reserve
         self.tables: dict[str, ChunkTable] = {}
         self.shared: dict[Chunk, None] = {}  # every live shared chunk
@@ -74,7 +75,7 @@ class KVCacheManager:
         # The parts, each holding the shared state it needs (the dicts, pools and counters
         # above are these same objects, never rebound).
         self.order = EvictionOrder(self.tables, self.shared, policy, now, reorder_s)
-        self.tiers = Tiers(gpu_blocks, cpu_blocks if mode == "pensieve" else 0, self.order)
+        self.tiers = Tiers(gpu_blocks, cpu_blocks if mode == CacheMode.PENSIEVE else 0, self.order)
         self.gpu, self.cpu = self.tiers.gpu, self.tiers.cpu
         self.spills = Spills(chunk_size, self.counters)
         self.sharing = Sharing(
@@ -146,6 +147,15 @@ class KVCacheManager:
     def link(self, t: ChunkTable, hashes: list[bytes]) -> int:
         """Hold the shared chunks with hash chain `hashes` from position 0 on (`Sharing.link`)."""
         return self.sharing.link(t, hashes)
+
+    def link_prompt(self, t: ChunkTable, prompt: list[int]) -> tuple[list[bytes], int]:
+        """A conversation starts: link the shared chunks its first prompt starts with (its
+        last token is always computed, for the logits of the first reply token). Returns
+        the prompt's hash chain (published when its turn ends) and the positions linked."""
+        if not self.share or t.chunks:
+            return [], 0
+        chain = chain_hashes(prompt, self.chunk_size)
+        return chain, self.link(t, chain[: (len(prompt) - 1) // self.chunk_size])
 
     def publish(self, t: ChunkTable, hashes: list[bytes]) -> None:
         """Let other conversations link the chunks with hash chain `hashes` (`Sharing.publish`)."""
@@ -280,7 +290,7 @@ class KVCacheManager:
         all in stateless mode)."""
         self._trim(t, kv_len)
         self.tiers.set_pinned(t, False)
-        if self.mode == "stateless":
+        if self.mode == CacheMode.STATELESS:
             for c in t.chunks:
                 self.sharing.free_chunk(t, c)
             t.n_dropped = t.n_shared = t.n_off_gpu = len(t.chunks)
@@ -376,7 +386,7 @@ class KVCacheManager:
         pool = self.gpu if tier == "gpu" else self.cpu
         return pool.num_blocks, pool.num_used, pool.num_free
 
-    def sharing(self) -> tuple[int, int]:
+    def sharing_usage(self) -> tuple[int, int]:
         """Chunks held by more than one conversation, and the holders of those chunks."""
         held = [len(s.holders) for s in self.shared if len(s.holders) > 1]
         return len(held), sum(held)

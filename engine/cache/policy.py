@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from engine.cache.chunks import ChunkTable
 from engine.cache.returns import Returns
+from engine.types import Eviction
 
 
 @dataclass
@@ -54,8 +55,8 @@ TIE = 1e-9
 class Policy:
     """Sort key of a chunk: lower goes first. `now` is fixed per eviction round."""
 
-    def __init__(self, kind: str, cost: CostModel, chunk_size: int, clock) -> None:
-        self.kind = kind
+    def __init__(self, kind: Eviction | str, cost: CostModel, chunk_size: int, clock) -> None:
+        self.kind = Eviction(kind)
         self.cost = cost
         self.chunk_size = chunk_size
         self.clock = clock
@@ -94,14 +95,14 @@ class Policy:
         cap = self.restore_s() if self.restore_s is not None else None
         if cap is not None:
             cost = min(cost, cap)
-        if self.kind == "returns" and self.returns.ready:
+        if self.kind == Eviction.RETURNS and self.returns.ready:
             return cost * (self.returns.density(idle) + TIE / idle)
         return cost / idle
 
     def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[bool, float, int]:
         """Chunks of expected conversations come after every other idle chunk."""
         expected = self.is_expected(conv.id, now)
-        if self.kind == "lru":
+        if self.kind == Eviction.LRU:
             return (expected, self.last_active(conv, now), chunk)
         return (expected, self.value(conv, chunk, now), chunk)
 
@@ -112,7 +113,7 @@ class Policy:
         (LRU: it is as recent as its most recent holder)."""
         holders = list(holders)
         expected = any(self.is_expected(c.id, now) for c in holders)
-        if self.kind == "lru":
+        if self.kind == Eviction.LRU:
             recent = max((self.last_active(c, now) for c in holders), default=0.0)
             return (expected, recent, chunk)
         return (expected, sum(self.value(c, chunk, now) for c in holders), chunk)

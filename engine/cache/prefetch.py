@@ -17,6 +17,7 @@ from engine.cache.order import UNEXPECTED, Candidate, EvictionOrder
 from engine.cache.tiers import Tiers
 from engine.copies import CopyPlan
 from engine.snapshot import EngineCounters
+from engine.types import CacheMode
 
 
 class PrefetchSwapIn:
@@ -47,7 +48,7 @@ class PrefetchSwapIn:
     def on_cpu(self, t: ChunkTable) -> bool:
         """The idle table holds chunks on the CPU tier only (none dropped): a swap-in
         prefetch can bring them back."""
-        if t.pinned or t.n_dropped or self.mode != "pensieve":
+        if t.pinned or t.n_dropped or self.mode != CacheMode.PENSIEVE:
             return False
         return t.n_off_gpu > t.n_shared or any(c.gpu is None for c in t.shared_run())
 

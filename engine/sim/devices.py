@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.cache.policy import CostModel
+from engine.model.loader import model_args
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
 VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 5}
@@ -228,8 +229,6 @@ DEVICES = (*GPUS, "cpu")
 
 def gpu_device(name: str, shape: Shape) -> Device:
     """A simulated GPU running a model of `shape`."""
-    from engine.model.loader import model_args
-
     measured = Shape.of(model_args("dummy:llama-2-13b-gqa10"), "bfloat16")
     spec = _h100(measured)
     if name == "a100-80gb":

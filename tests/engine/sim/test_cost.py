@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.model.loader import model_args
 from engine.calibrate import _nonnegative_fit
+from engine.model.loader import model_args
 from engine.sim.cost import Features, Fitted, Shape, Work, chunk_costs
 from engine.sim.devices import DEVICES, RESULTS, gpu_device
 

@@ -8,8 +8,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams, Turn
-from engine import calibrate
+from engine import Engine, EngineConfig, SamplingParams, Turn, calibrate
 from engine.sim.cost import Fitted
 
 MODEL = "dummy:llama-2-13b-gqa10"

@@ -1,0 +1,65 @@
+"""Chunks from the KV pool to the disk tier: those the cache drops (spills, each step) and
+the full chunks of idle conversations (write-back, while idle and at a stop). The files are
+keyed by each conversation's chunk hash chain (`StreamState.hashes`)."""
+
+from __future__ import annotations
+
+from engine.cache.manager import KVCacheManager
+from engine.disk import DiskIndex
+from engine.snapshot import PoolUsage
+from engine.stream import StreamState
+
+
+class DiskWrites:
+    def __init__(self, disk: DiskIndex, pool, cache: KVCacheManager) -> None:
+        self.disk = disk
+        self.pool = pool
+        self.cache = cache
+
+    def restore_s(self) -> float | None:
+        """Seconds to read a chunk back from the disk tier (None: it is not writing)."""
+        if not self.disk.writable:
+            return None
+        return self.disk.read_s(self.pool.bytes_per_chunk) or None
+
+    def spill(self, streams: dict[str, StreamState]) -> None:
+        """Chunks the cache dropped in this step's planning: copied out of their blocks
+        before this step's copies and forward reuse them, written by the disk tier's
+        thread."""
+        for cid, i, tier, block in self.cache.take_spills():
+            state = streams.get(cid)
+            if state is None or i >= len(state.hashes) or not self.disk.writable:
+                continue
+            if state.hashes[i] in self.disk.index:
+                continue
+            self.disk.put(state.hashes[i], i, self.pool.read_block(tier, block))
+
+    def write_back(self, streams: dict[str, StreamState], limit: int | None) -> int:
+        """Queue the full chunks held in memory that the disk tier lacks, of idle
+        conversations: all of them, waiting for room in the writer's queue, or at most
+        `limit` without waiting. Returns the chunks queued."""
+        n, held = 0, self.disk.keys()
+        for t in self.cache.held():
+            state = streams.get(t.id)
+            if state is None or t.pinned:
+                continue
+            for j, c in enumerate(t.chunks[: len(state.hashes)]):
+                tier = "gpu" if c.gpu is not None else "cpu" if c.cpu is not None else None
+                if tier is None or state.hashes[j] in held:
+                    continue
+                if limit is not None and n >= limit:
+                    return n
+                block = c.gpu if tier == "gpu" else c.cpu
+                parts = self.pool.read_block(tier, block)
+                if not self.disk.put(state.hashes[j], j, parts, wait=limit is None):
+                    return n  # the writer is behind: later
+                held.add(state.hashes[j])
+                n += 1
+        return n
+
+    def usage(self) -> PoolUsage:
+        """The disk tier in chunks: capacity, used, free."""
+        chunk = max(1, self.pool.bytes_per_chunk)
+        total = self.disk.capacity // chunk
+        used = min(total, self.disk.bytes // chunk)
+        return PoolUsage(total, used, total - used)
