@@ -197,11 +197,12 @@ def scale(preset: Preset, device: str, counts: list[int], rate: float, window_s:
         plans = plan(convs, rate, preset.think_s[0], preset.time_scale, preset.seed)
         records, span = replay(engine, plans, "scale", preset.time_scale, window_s, host)
         cache = engine.cache
+        (gpu, _, gpu_free), (cpu, _, cpu_free) = cache.usage("gpu"), cache.usage("cpu")
         row = {
             "conversations": n,
-            "held": len(cache.tables),
-            "gpu_blocks": [cache.gpu.num_blocks - cache.gpu.num_free, cache.gpu.num_blocks],
-            "cpu_blocks": [cache.cpu.num_blocks - cache.cpu.num_free, cache.cpu.num_blocks],
+            "held": len(cache.held()),
+            "gpu_blocks": [gpu - gpu_free, gpu],
+            "cpu_blocks": [cpu - cpu_free, cpu],
             "rate": rate,
             "turns": len(records),
             "virtual_s": span,

@@ -104,7 +104,7 @@ def replay(
         if host is not None:
             host.seconds.append(time.perf_counter() - t)
             host.virtual_s.append(clock() - before)
-            host.conversations.append(len(engine.cache.tables))
+            host.conversations.append(len(engine.cache.held()))
         due[0] = clock()
         for req in ended:
             s = req.stats

@@ -23,6 +23,21 @@ from engine.model.shapes import ModelArgs
 from engine.types import CacheMode, EngineConfig
 
 
+def memory_tiers(bytes_per_block: int, gpu: int | None, device: torch.device) -> tuple[int, int]:
+    """Tiers in blocks from free memory: the GPU's less room for activations (1 GiB on the
+    CPU), and the CPU tier up to 40% of the host's free memory, at most 4x the GPU tier."""
+    if gpu is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu = int(free * 0.85 - (2 << 30)) // bytes_per_block
+    elif gpu is None:
+        gpu = max(64, (1 << 30) // bytes_per_block)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        host = 8 << 30
+    return gpu, min(int(host * 0.4) // bytes_per_block, 4 * gpu)
+
+
 class Backend:
     """The parts an engine is built from. Subclasses set the fields in `__init__` and give
     the pool, the runner, the policy's Cost(l) and the disk tier."""
@@ -54,17 +69,9 @@ class Backend:
         return KVPool.bytes_per_block(self.pool_args, c.chunk_size, self.dtype, c.kv_dtype)
 
     def default_tiers(self, bytes_per_block: int, gpu: int | None) -> tuple[int, int]:
-        """Tiers in blocks from free memory (`gpu`: the GPU tier's size where it is given)."""
-        if gpu is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            gpu = int(free * 0.85 - (2 << 30)) // bytes_per_block  # room for activations
-        elif gpu is None:
-            gpu = max(64, (1 << 30) // bytes_per_block)  # 1 GiB of "device" pool on the CPU
-        try:
-            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError):
-            host = 8 << 30
-        return gpu, min(int(host * 0.4) // bytes_per_block, 4 * gpu)
+        """Tiers in blocks when the config leaves them out (`gpu`: the GPU tier's where it
+        is given)."""
+        return memory_tiers(bytes_per_block, gpu, self.device)
 
     def tier_sizes(self, bytes_per_block: int) -> tuple[int, int]:
         """Tiers in blocks: the config's, else from memory; no CPU tier but in pensieve mode."""

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.backends.base import memory_tiers
 from engine.copies import CopyPlan
-from engine.engine import _pool_sizes
 from engine.kv_pool import KVPool
 from engine.model.shapes import DUMMY_SHAPES
 from kernels import AttentionMetadata, cpu_native, write_kv
@@ -264,9 +263,8 @@ def test_8bit_pool_holds_twice_the_blocks_per_byte(model):
         ratio = per16 / per8
         assert 2 * 64 / 66 <= ratio < 2  # 1.94x at head_dim 64, 1.97x at 128
         # Sized from the same memory, the engine's pools follow bytes_per_block.
-        config = EngineConfig(device="cpu", kv_dtype=fmt)
-        gpu16, cpu16 = _pool_sizes(replace(config, kv_dtype="auto"), per16, torch.device("cpu"))
-        gpu8, cpu8 = _pool_sizes(config, per8, torch.device("cpu"))
+        gpu16, cpu16 = memory_tiers(per16, None, torch.device("cpu"))
+        gpu8, cpu8 = memory_tiers(per8, None, torch.device("cpu"))
         assert gpu8 / gpu16 == pytest.approx(ratio, rel=0.01)
         assert cpu8 / cpu16 == pytest.approx(ratio, rel=0.01)
 
