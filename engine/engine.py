@@ -35,7 +35,7 @@ from engine.snapshot import (
     PoolUsage,
     SharingUsage,
 )
-from engine.stream import StreamState
+from engine.stream import Claims, StreamState
 from engine.types import EngineConfig, FinishReason, Turn, TurnResult, TurnStats
 from kernels import pick_backend
 
@@ -194,6 +194,7 @@ class Engine:
             )
             self.runner.graphs.capture()
         self.streams: dict[str, StreamState] = {}  # written here only
+        self.claims = Claims()  # one turn per conversation at a time, for every front
         self._seq = itertools.count()
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="history")
         self.disk: DiskIndex | None = None
@@ -323,16 +324,30 @@ class Engine:
         cache = self.cache
         return min(self.max_context, cache.gpu.num_blocks * cache.chunk_size) - 1
 
-    def submit(self, turn: Turn, on_token: Callable[[int], None] | None = None) -> Request:
+    def accept(self, turn: Turn) -> None:
+        """Check the turn (`validate`) and claim its conversation (ConversationBusy if a turn
+        of it is in flight). Needs no step: the async front calls it on its event loop."""
         self.validate(turn)
+        self.claims.claim(turn.conversation_id)
+
+    def submit(
+        self, turn: Turn, on_token: Callable[[int], None] | None = None, accepted: bool = False
+    ) -> Request:
+        """Queue a turn; `accepted`: the caller ran `accept` for it already."""
+        if not accepted:
+            self.accept(turn)
+        try:
+            return self._queue(turn, on_token)
+        except BaseException:
+            self.claims.release(turn.conversation_id)
+            raise
+
+    def _queue(self, turn: Turn, on_token: Callable[[int], None] | None) -> Request:
         # Built outside the lock: a large grammar takes a while (llguidance drops the GIL).
         guide = None if turn.sampling.guide is None else self.guides.matcher(turn.sampling.guide)
         with self.lock:
-            state = self.streams.get(turn.conversation_id) or StreamState(turn.conversation_id)
-            if state.busy:
-                raise ConversationBusy(
-                    f"conversation {turn.conversation_id!r} already has a turn in flight"
-                )
+            state = self.streams.get(turn.conversation_id)
+            state = state or StreamState(turn.conversation_id, claims=self.claims)
             length = state.length if turn.context_len is None else turn.context_len
             total = length + len(turn.prompt_token_ids)
             if total >= self.max_context:
@@ -354,7 +369,6 @@ class Engine:
             if state.idle_since is not None:  # what the `returns` eviction value learns from
                 self.cache.policy.returns.returned(now - state.idle_since)
             self.clock.touch(state.id, now)
-            state.busy = True
             prompt = list(turn.prompt_token_ids)
             chain: list[bytes] = []
             shared = 0
@@ -438,7 +452,7 @@ class Engine:
             full = len(token_ids) // cs * cs
             self.streams[child_id] = StreamState(
                 child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:]),
-                hashes=chain[: full // cs], unhashed=list(token_ids[full:]),
+                hashes=chain[: full // cs], unhashed=list(token_ids[full:]), claims=self.claims,
             )  # fmt: skip
             if self.owns_history:
                 self.history.append(child_id, list(token_ids))
@@ -657,7 +671,7 @@ class Engine:
         state = req.state
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
-        state.busy = False
+        self.claims.release(state.id)
         self._hash(state, req)
         req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
@@ -707,7 +721,7 @@ class Engine:
                     self._close(req, now)
                 except Exception:  # the turn is failed regardless
                     log.exception("could not close %s", req.state.id)
-                    req.state.busy = False
+                    self.claims.release(req.state.id)
             return failed
 
     def _reads(self) -> list:
