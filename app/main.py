@@ -16,6 +16,7 @@ from app import admin, openai, pages, rest
 from app.auth import admin_token_from_file
 from app.chat import chat_endpoint
 from app.cluster import replica
+from app.cluster.directory import Directory
 from app.cluster.handoff import HandOff
 from app.http import problem
 from app.limits import RateLimit
@@ -82,8 +83,6 @@ async def lifespan(app: Starlette):
 
 
 async def _join_cluster(settings: Settings, sv: Services) -> replica.Cluster:
-    from app.cluster.directory import Directory
-
     me = settings.replica_id or replica.replica_id(settings.host, settings.port)
     member = replica.Cluster(
         Directory(
