@@ -24,6 +24,8 @@ TITLE_CHARS = 80  # a new chat's title: the start of its first message
 
 @dataclass
 class Failed:
+    """A turn's refusal or failure: the pipeline's error code, its message, a retry hint."""
+
     code: str
     message: str
     retry_after_s: float | None = None
@@ -122,6 +124,7 @@ def take_turn(request: Request, sv: Services, owner_id: str) -> None:
 
 
 async def check_quota(sv: Services, owner_id: str) -> None:
+    """ApiError 429 when the owner keeps as many chats as allowed already."""
     quota = sv.settings.max_chats_per_owner
     if await sv.store.count_conversations(owner_id) >= quota:
         raise ApiError(429, f"an owner may keep at most {quota} chats; delete one first",
