@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.auth import is_admin
-from app.rest import problem
+from app.http import problem
 from app.services import services
 from store.models import Conversation
 

@@ -1,5 +1,6 @@
-"""The chats this process serves now: their live sockets, their running turns, one turn per
-chat at a time, the per-owner turn quota, and the turn tasks shutdown waits for."""
+"""The chats this process serves now: their live sockets, their running turns, one writer of
+each chat's history at a time, the per-owner turn quota, and the turn tasks shutdown waits
+for."""
 
 from __future__ import annotations
 
@@ -25,22 +26,27 @@ class Hub:
     def __init__(self) -> None:
         self._live: dict[str, ChatSocket] = {}
         self._arrivals = itertools.count()
-        # One turn at a time per chat, across sockets and the API; a lock lives while a turn
-        # holds or awaits it.
+        # One writer of a chat's stored history at a time, across sockets and the API: a turn
+        # from reading the history to storing its reply, an edit, items added, a delete. (A
+        # second turn in flight is refused by the engine's claims, `engine/stream.py`; this
+        # lock keeps the SQL appends of two callers from interleaving.) A lock lives while a
+        # writer holds or awaits it.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: set[asyncio.Task] = set()  # turns, some still committing after their client
         self._running: dict[str, LiveTurn] = {}  # chat socket turns by conversation
         self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
 
-    # --- one turn per chat ---------------------------------------------------------------
+    # --- one history writer per chat -------------------------------------------------------
     def lock(self, conversation_id: str) -> asyncio.Lock:
+        """The chat's history lock: hold it to read and then write its stored history."""
         lock = self._locks.get(conversation_id)
         if lock is None:
             lock = self._locks[conversation_id] = asyncio.Lock()
         return lock
 
     def busy(self, conversation_id: str) -> bool:
-        """A socket is connected to the chat, or a turn holds its lock."""
+        """A socket is connected to the chat, or a writer holds its lock (the replica keeps
+        such a chat's home)."""
         lock = self._locks.get(conversation_id)
         return conversation_id in self._live or (lock is not None and lock.locked())
 

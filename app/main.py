@@ -16,7 +16,9 @@ from app import admin, openai, pages, rest
 from app.auth import admin_token_from_file
 from app.chat import chat_endpoint
 from app.cluster import replica
+from app.cluster.directory import Directory
 from app.cluster.handoff import HandOff
+from app.http import problem
 from app.limits import RateLimit
 from app.logs import redact_access_logs
 from app.middleware import SameOriginWrites, SecurityHeaders
@@ -81,8 +83,6 @@ async def lifespan(app: Starlette):
 
 
 async def _join_cluster(settings: Settings, sv: Services) -> replica.Cluster:
-    from app.cluster.directory import Directory
-
     me = settings.replica_id or replica.replica_id(settings.host, settings.port)
     member = replica.Cluster(
         Directory(
@@ -99,7 +99,7 @@ async def _join_cluster(settings: Settings, sv: Services) -> replica.Cluster:
 async def database_unavailable(request: Request, exc: Exception) -> Response:
     """A database that fails or does not answer in time: a clear 503 instead of a 500."""
     log.warning("%s %s: database unavailable: %s", request.method, request.url.path, exc)
-    return rest.problem(
+    return problem(
         503,
         "database_unavailable",
         "the database is not answering; try again shortly",

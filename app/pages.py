@@ -13,8 +13,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from app.auth import ADMIN_COOKIE, OWNER_COOKIE
+from app.http import BadRequest, current_user, parse_body, problem
 from app.limits import retry_after
-from app.rest import BadRequest, current_user, parse_body, problem
 from app.services import services
 
 YEAR = 365 * 24 * 3600

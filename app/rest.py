@@ -2,48 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
-
-from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.auth import owner_token
 from app.chat import UNKNOWN_CHAT
+from app.http import MAX_SYSTEM_PROMPT, BadRequest, Text, current_user, parse_body, problem
 from app.services import services
 
 MAX_TITLE = 200
-M = TypeVar("M", bound="BaseModel")
-MAX_SYSTEM_PROMPT = 16_000
-
-
-class BadRequest(Exception):
-    """A request refused before it reaches the store: its status, code and message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def problem(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers)
-
-
-def _storable(text: str) -> str:
-    # PostgreSQL text holds neither NUL nor unpaired surrogates (which UTF-8 cannot encode).
-    if "\x00" in text:
-        raise ValueError("must not contain NUL characters")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must not contain unpaired surrogate characters") from None
-    return text
-
-
-def Text(max_length: int):  # noqa: N802 - reads as a type
-    """A string PostgreSQL can store, of at most `max_length` characters."""
-    return Annotated[str, StringConstraints(max_length=max_length), AfterValidator(_storable)]
 
 
 class NewConversation(BaseModel):
@@ -61,53 +29,6 @@ class Rename(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     title: Text(MAX_TITLE)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit` bytes: a large body is
-    never held whole, and the rest of it is never read."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest(413, "too_large", f"the body must be at most {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, "too_large", f"the body must be at most {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    """A JSON body validated by `model`; an empty body is `{}`."""
-    raw = await read_body(request, request.app.state.settings.max_body_bytes)
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if raw.strip() and media_type != "application/json":
-        raise BadRequest(415, "bad_content_type", "send the body as Content-Type: application/json")
-    try:
-        return model.model_validate_json(raw) if raw.strip() else model.model_validate({})
-    except ValidationError as e:
-        raise BadRequest(400, "bad_request", _describe(e)) from None
-
-
-def _describe(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "json_invalid":
-            parts.append(f"the body is not valid JSON ({err['ctx'].get('error', 'invalid')})")
-        elif err["type"] == "model_type" or err["type"] == "model_attributes_type":
-            parts.append("the body must be a JSON object")
-        elif err["type"] == "extra_forbidden":
-            parts.append(f"unknown field: {where}")
-        else:
-            parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    return "; ".join(parts)
-
-
-async def current_user(request: Request):
-    token = owner_token(request)
-    return await services(request).store.user_by_token(token) if token else None
 
 
 def conversation_json(c) -> dict:

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 
 from engine.engine import Engine
-from engine.errors import ConversationBusy, EngineOverloaded
+from engine.errors import EngineOverloaded
 from engine.persistence import ActivityClock, TokenHistory
 from engine.request import Request
 from engine.snapshot import EngineSnapshot
@@ -73,7 +73,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy: set[str] = set()  # conversations with a turn in flight (event loop only)
+        self._in_flight = 0  # turns submitted here and not ended (event loop only)
         self._running = 0  # turns in the running batch, as the loop thread last saw it
         self._crashed: BaseException | None = None
         self._written_at = -1  # the step count when idle write-back last found nothing to do
@@ -129,28 +129,26 @@ class AsyncEngine:
     @property
     def queued(self) -> int:
         """Turns submitted and not yet running (as of the last step)."""
-        return max(0, len(self._busy) - self._running)
+        return max(0, self._in_flight - self._running)
 
     # ---- requests ----------------------------------------------------------------------------
 
     def submit(self, turn: Turn) -> TurnStream:
         """Queue a turn. Raises ValueError for bad input, ConversationBusy if one is in
-        flight, EngineOverloaded if `max_waiting` turns are queued already."""
+        flight, EngineOverloaded if `max_waiting` turns are queued already. The engine checks
+        and claims it here (`Engine.accept`), once; the loop thread only queues it."""
         if self._thread is None:
             raise RuntimeError("the engine is not started")
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        self.engine.validate(turn)
-        if turn.conversation_id in self._busy:
-            raise ConversationBusy(
-                f"conversation {turn.conversation_id!r} already has a turn in flight"
-            )
+        self.engine.accept(turn)
         limit = self.engine.config.max_waiting
         if self.queued >= limit:
+            self.engine.claims.release(turn.conversation_id)
             raise EngineOverloaded(
                 f"the engine has {limit} turns queued already", retry_after_s=RETRY_AFTER_S
             )
-        self._busy.add(turn.conversation_id)
+        self._in_flight += 1
         stream = TurnStream(self, turn)
         self._post(("submit", stream))
         return stream
@@ -180,7 +178,7 @@ class AsyncEngine:
     def prefetch(self, conversation_id: str) -> None:
         """The user is typing: bring the conversation's context back to the GPU tier at low
         priority (see `Engine.prefetch`). Cheap, never raises; repeated calls are one."""
-        if self.alive and conversation_id not in self._busy:
+        if self.alive and not self.is_busy(conversation_id):
             self._post(("prefetch", conversation_id))
 
     def snapshot(self) -> EngineSnapshot:
@@ -193,7 +191,7 @@ class AsyncEngine:
         return asdict(self.snapshot().counters)
 
     def is_busy(self, conversation_id: str) -> bool:
-        return conversation_id in self._busy
+        return conversation_id in self.engine.claims
 
     # ---- the loop thread ---------------------------------------------------------------------
 
@@ -262,7 +260,8 @@ class AsyncEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] == "submit":
+            if item[0] == "submit":  # accepted, never queued: its claim goes here
+                self.engine.claims.release(item[1].turn.conversation_id)
                 self._call(self._end, item[1], None, error)
             elif item[0] in ("free", "fork"):
                 self._call(_resolve, item[-1], None, error)
@@ -306,7 +305,7 @@ class AsyncEngine:
             self._call(stream._queue.put_nowait, token)
 
         try:
-            req = self.engine.submit(stream.turn, on_token=on_token)
+            req = self.engine.submit(stream.turn, on_token=on_token, accepted=True)
         except Exception as e:
             self._call(self._end, stream, None, e)
             return
@@ -323,8 +322,8 @@ class AsyncEngine:
     def _end(
         self, stream: TurnStream, result: TurnResult | None, error: BaseException | None
     ) -> None:
-        # On the event loop: free the conversation before the caller sees the end.
-        self._busy.discard(stream.turn.conversation_id)
+        # On the event loop (the engine released the conversation when the turn ended).
+        self._in_flight -= 1
         stream.result, stream.error = result, error
         stream._queue.put_nowait(_END)
 

@@ -176,7 +176,7 @@ def calibrate(config: EngineConfig, build: Build) -> dict:
     errors = sorted(abs(p - t) / t for p, t in zip(pred, times, strict=True))
     probes.append(speed_probe())
     swap_in, swap_out = _copy_rates(real)
-    policy = real.measured_cost().to_dict()  # what a real engine here evicts by
+    policy = real.backend.policy_cost(real.max_context).to_dict()  # a real engine's
     real.close()
     return {
         "file": _path(config).name,

@@ -27,7 +27,7 @@ from engine.snapshot import (
     SharingUsage,
 )
 from engine.spill import DiskWrites
-from engine.stream import StreamState, extend_hashes, resync
+from engine.stream import Claims, StreamState, extend_hashes, resync
 from engine.types import (
     CacheMode,
     EngineConfig,
@@ -101,6 +101,7 @@ class Engine:
             self.runner.guides = self.guides
         b.finish(self.runner, self.pool, self.max_context, gpu)
         self.streams: dict[str, StreamState] = {}  # written here only
+        self.claims = Claims()  # one turn per conversation at a time, for every front
         self._seq = itertools.count()
         self.disk: DiskIndex | None = None
         self.writes: DiskWrites | None = None
@@ -113,34 +114,17 @@ class Engine:
         )
         self.lock = threading.RLock()  # guards all state below; held for a whole step
 
-    def measured_cost(self) -> CostModel:
-        """Cost(l) of this model on this device, as the eviction policy reads it."""
-        return self.backend.policy_cost(self.max_context)
-
     # ---- turns in ----------------------------------------------------------------------------
 
     def validate(self, turn: Turn) -> None:
         """Errors that need no engine state."""
-        if not isinstance(turn.conversation_id, str) or not turn.conversation_id:
-            raise ValueError("conversation_id must be a non-empty string")
-        if not turn.prompt_token_ids:
-            raise ValueError("the prompt is empty: a turn needs at least one new token")
-        vocab = self.args.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in turn.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        turn.sampling.validate()
+        turn.validate(self.args.vocab_size)
         if turn.sampling.guide is not None:
             if self.guides is None:
                 raise ValueError(
                     "a simulated device cannot follow a guide: it samples no real tokens"
                 )
-            if turn.sampling.ignore_eos:
-                raise ValueError("a guided turn ends when its grammar does: no ignore_eos")
             check(turn.sampling.guide)
-        if turn.context_len is not None and (
-            not isinstance(turn.context_len, int) or turn.context_len < 0
-        ):
-            raise ValueError("context_len must be a non-negative integer")
 
     @property
     def context_limit(self) -> int:
@@ -148,16 +132,30 @@ class Engine:
         tier (a turn's context must fit there while it runs, with room for one more)."""
         return min(self.max_context, self.cache.gpu_capacity() * self.cache.chunk_size) - 1
 
-    def submit(self, turn: Turn, on_token: Callable[[int], None] | None = None) -> Request:
+    def accept(self, turn: Turn) -> None:
+        """Check the turn (`validate`) and claim its conversation (ConversationBusy if a turn
+        of it is in flight). Needs no step: the async front calls it on its event loop."""
         self.validate(turn)
+        self.claims.claim(turn.conversation_id)
+
+    def submit(
+        self, turn: Turn, on_token: Callable[[int], None] | None = None, accepted: bool = False
+    ) -> Request:
+        """Queue a turn; `accepted`: the caller ran `accept` for it already."""
+        if not accepted:
+            self.accept(turn)
+        try:
+            return self._queue(turn, on_token)
+        except BaseException:
+            self.claims.release(turn.conversation_id)
+            raise
+
+    def _queue(self, turn: Turn, on_token: Callable[[int], None] | None) -> Request:
         # Built outside the lock: a large grammar takes a while (llguidance drops the GIL).
         guide = None if turn.sampling.guide is None else self.guides.matcher(turn.sampling.guide)
         with self.lock:
-            state = self.streams.get(turn.conversation_id) or StreamState(turn.conversation_id)
-            if state.busy:
-                raise ConversationBusy(
-                    f"conversation {turn.conversation_id!r} already has a turn in flight"
-                )
+            state = self.streams.get(turn.conversation_id)
+            state = state or StreamState(turn.conversation_id, claims=self.claims)
             length = state.length if turn.context_len is None else turn.context_len
             total = length + len(turn.prompt_token_ids)
             if total >= self.max_context:
@@ -179,7 +177,6 @@ class Engine:
             if state.idle_since is not None:  # what the `returns` eviction value learns from
                 self.cache.returned(now - state.idle_since)
             self.clock.touch(state.id, now)
-            state.busy = True
             prompt = list(turn.prompt_token_ids)
             chain, shared = [], 0
             if state.length == 0:
@@ -208,11 +205,10 @@ class Engine:
     # ---- prefetch ----------------------------------------------------------------------------
 
     def prefetch(self, conversation_id: str) -> None:
-        """The user of an idle conversation is typing: a hint for the scheduler's prefetch
-        (`engine/prefetch.py`) to start bringing its context back to the GPU tier at low
-        priority, so that the message that follows finds it there. A no-op for unknown,
-        busy or already prefetching conversations, the baseline cache modes, and a context
-        that is all on the GPU already."""
+        """The user of an idle conversation is typing: the scheduler's prefetch starts
+        bringing its context back to the GPU tier at low priority (`engine/prefetch.py`; a
+        no-op for unknown, busy or prefetching conversations, the baseline modes, a context
+        all on the GPU)."""
         with self.lock:
             state = self.streams.get(conversation_id)
             if state is None:
@@ -224,15 +220,12 @@ class Engine:
     def fork(
         self, parent_id: str, child_id: str, token_ids: list[int], parent_len: int | None = None
     ) -> int:
-        """Start conversation `child_id` as a copy of the first `len(token_ids)` tokens of
-        `parent_id`'s stream (`token_ids` are those tokens): the parent's full chunks of them
-        are published (`KVCacheManager.publish`) and the child links them instead of
-        computing them again; its first turn computes only the rest. `parent_len`: the
-        parent's stream length as its caller's history has it; the engine links nothing
-        when its own copy of the parent differs. Returns the positions linked; 0 (a busy,
-        unknown or partly dropped parent, sharing off) leaves the child unknown, so its
-        first turn recomputes its context from history like any conversation after a
-        restart."""
+        """Start conversation `child_id` as a copy of the first `len(token_ids)` tokens (given)
+        of `parent_id`'s stream, linking the parent's full chunks of them (`KVCacheManager
+        .fork`); its first turn computes only the rest. `parent_len`: the parent's length in
+        the caller's history (none linked if the engine's differs). Returns the positions
+        linked; 0 (a busy, unknown or partly dropped parent, sharing off) leaves the child
+        unknown: its first turn recomputes its context from history, as after a restart."""
         with self.lock:
             if child_id in self.streams or self.cache.find(child_id) is not None:
                 raise ValueError(f"conversation {child_id!r} exists already")
@@ -249,17 +242,13 @@ class Engine:
             ):
                 return 0
             chain = chain_hashes(list(token_ids), cs)
-            n = min(len(chain), parent.kv_len // cs)
-            self.cache.publish(table, chain[:n])
-            child = self.cache.table(child_id)
-            linked = self.cache.link(child, chain[:n])
+            linked = self.cache.fork(table, child_id, chain, parent.kv_len)
             if not linked:
-                self.cache.forget(child_id)
                 return 0
             full = len(token_ids) // cs * cs
             self.streams[child_id] = StreamState(
                 child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:]),
-                hashes=chain[: full // cs], unhashed=list(token_ids[full:]),
+                hashes=chain[: full // cs], unhashed=list(token_ids[full:]), claims=self.claims,
             )  # fmt: skip
             if self.owns_history:
                 self.history.append(child_id, list(token_ids))
@@ -322,7 +311,11 @@ class Engine:
                 state = p.req.state
                 state.kv_len = max(state.kv_len, p.end)
                 if p.sample:
-                    ended += self._accept(p.req, next(sampled), now)
+                    self.counters.generated_tokens += 1
+                    reason = p.req.accept(next(sampled), now, self.stop_token_ids, self.max_context)
+                    if reason is not None:
+                        self._end(p.req, reason, now)
+                        ended.append(p.req)
             self.scheduler.computed(plan)
             self.pool.end_step(plan.after)
             for req in ended:  # after the step's copies: publishing may free blocks
@@ -331,14 +324,6 @@ class Engine:
                     self.cache.publish(req.table, req.chain[:n])
             self.counters.steps += 1
             return ended
-
-    def _accept(self, req: Request, token: int, now: float) -> list[Request]:
-        self.counters.generated_tokens += 1
-        reason = req.accept(token, now, self.stop_token_ids, self.max_context)
-        if reason is None:
-            return []
-        self._end(req, reason, now)
-        return [req]
 
     def _end(self, req: Request, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(req, reason)
@@ -349,7 +334,7 @@ class Engine:
         state = req.state
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
-        state.busy = False
+        self.claims.release(state.id)
         extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
         req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
@@ -381,7 +366,7 @@ class Engine:
                     self._close(req, now)
                 except Exception:  # the turn is failed regardless
                     log.exception("could not close %s", req.state.id)
-                    req.state.busy = False
+                    self.claims.release(req.state.id)
             return failed
 
     def next_read_s(self) -> float | None:
@@ -410,7 +395,7 @@ class Engine:
             c = self.cache
             running, waiting = self.scheduler.counts()
             convs = []
-            on_disk = self.disk.keys() if self.disk is not None else set()
+            on_disk = self.disk.keys() if self.disk is not None else set()  # dropped: "disk"
             for table in c.held():
                 last = self.clock.last_active(table.id)
                 state = self.streams.get(table.id)
@@ -418,7 +403,7 @@ class Engine:
                     ConversationInfo(
                         id=table.id,
                         tokens=0 if state is None else state.length,
-                        chunks=self._tiers(table, state, on_disk),
+                        chunks=tuple(table.tiers(state.hashes if state else [], on_disk)),
                         holders=tuple(c.holders(table)),
                         running=table.pinned,
                         idle_s=None if last is None else max(0.0, now - last),
@@ -439,15 +424,6 @@ class Engine:
                 sharing=SharingUsage(*c.sharing_usage()),
                 disk=None if self.writes is None else self.writes.usage(),
             )
-
-    def _tiers(self, table, state: StreamState | None, on_disk: set[bytes]) -> tuple[str, ...]:
-        """Each chunk's tier; a dropped chunk the disk tier holds is on "disk"."""
-        tiers = table.tiers()
-        if on_disk and state is not None:
-            for j in range(min(table.n_dropped, len(state.hashes))):
-                if state.hashes[j] in on_disk:
-                    tiers[j] = "disk"
-        return tuple(tiers)
 
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle

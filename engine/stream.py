@@ -1,12 +1,41 @@
-"""A conversation's token stream as the engine knows it: written by `Engine` only. (Where its
+"""A conversation's token stream as the engine knows it: written by `Engine` only (where its
 KV lives is the other record, the chunk table of `engine/cache/chunks.py`, written by the
-cache only.)"""
+cache only); and `Claims`, the one record of which conversations have a turn in flight."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from engine.cache.manager import KVCacheManager, chain_hashes
+from engine.errors import ConversationBusy
+
+
+class Claims:
+    """One turn per conversation at a time: the conversations with a turn queued or running,
+    for every front of one engine. Its own short lock, not the engine's step lock, so the async
+    front claims on its event loop while a step runs."""
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, conversation_id: str) -> None:
+        """Take the conversation's turn slot; ConversationBusy if a turn holds it."""
+        with self._lock:
+            if conversation_id in self._ids:
+                raise ConversationBusy(
+                    f"conversation {conversation_id!r} already has a turn in flight"
+                )
+            self._ids.add(conversation_id)
+
+    def release(self, conversation_id: str) -> None:
+        with self._lock:
+            self._ids.discard(conversation_id)
+
+    def __contains__(self, conversation_id: str) -> bool:
+        with self._lock:
+            return conversation_id in self._ids
 
 
 @dataclass(eq=False)
@@ -17,13 +46,19 @@ class StreamState:
     length: int = 0  # tokens in the stream (prompts and outputs so far)
     kv_len: int = 0  # leading positions whose KV was computed (held by the chunks, or dropped)
     tail: list[int] = field(default_factory=list)  # tokens [kv_len, length): KV not computed yet
-    busy: bool = False  # a turn of it is queued or running
     idle_since: float | None = None  # when its last turn ended (None: none has, here)
     # The chain hash of each full chunk of the stream (`chain_hashes`): the disk tier's keys.
     hashes: list[bytes] = field(default_factory=list)
     # Tokens after the last hashed chunk; None when unknown (after a cut or a restart the
     # hashes go on once the history is read again)
     unhashed: list[int] | None = field(default_factory=list)
+    # The engine's claims (a state made alone has its own)
+    claims: Claims = field(default_factory=Claims, repr=False)
+
+    @property
+    def busy(self) -> bool:
+        """A turn of it is queued or running (`Claims`)."""
+        return self.id in self.claims
 
 
 def resync(state: StreamState, length: int, cache: KVCacheManager) -> None:

@@ -175,6 +175,22 @@ class Turn:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context_len: int | None = None
 
+    def validate(self, vocab_size: int) -> None:
+        if not isinstance(self.conversation_id, str) or not self.conversation_id:
+            raise ValueError("conversation_id must be a non-empty string")
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt is empty: a turn needs at least one new token")
+        ids = self.prompt_token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        self.sampling.validate()
+        if self.sampling.guide is not None and self.sampling.ignore_eos:
+            raise ValueError("a guided turn ends when its grammar does: no ignore_eos")
+        if self.context_len is not None and (
+            not isinstance(self.context_len, int) or self.context_len < 0
+        ):
+            raise ValueError("context_len must be a non-negative integer")
+
 
 @dataclass
 class TurnStats:

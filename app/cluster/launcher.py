@@ -24,8 +24,10 @@ from pathlib import Path
 
 import httpx
 
+from app.auth import admin_token_from_file
 from app.cluster import haproxy
 from app.cluster.replica import replica_id
+from app.settings import Settings
 
 log = logging.getLogger("pensieve.cluster")
 
@@ -190,8 +192,6 @@ def _start_redis(host: str) -> tuple[subprocess.Popen, str]:
 
 def run(given: dict[str, object], replicas: int, host: str, port: int, log_level: str) -> int:
     """Start the cluster with the serve settings `given` (name -> value) and supervise it."""
-    from app.auth import admin_token_from_file
-    from app.settings import Settings
     from store.db import check_database, is_sqlite
     from store.migrate import upgrade_async
 

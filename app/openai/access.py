@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from app.auth import bearer
+from app.http import BadRequest, read_body
 from app.openai.errors import ApiError
-from app.rest import BadRequest, read_body
 from app.services import Services, services
 
 
@@ -38,3 +39,30 @@ def check_model(sv: Services, name: str) -> None:
         raise ApiError(404, f"the model {name!r:.80} does not exist; this server "
                        f"serves {model_id(sv.settings)!r}", param="model",
                        code="model_not_found")  # fmt: skip
+
+
+def validate(model: type[BaseModel], raw: bytes):
+    """A JSON body validated by `model`; a refusal names the field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "json_invalid":
+            raise ApiError(400, "the body is not valid JSON") from None
+        raise ApiError(
+            400, f"{param}: {err['msg']}" if param else err["msg"], param=param
+        ) from None
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
+    if value is not None and (
+        len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())
+    ):
+        raise ValueError("at most 16 pairs, keys of up to 64 and values of up to 512 characters")
+    return value
+
+
+def not_found(what: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"no {what} with that id", param=param, code="not_found")

@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -27,22 +27,22 @@ from app.frames import TurnRequest, check_text
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
 from app.openai.formats import guide_of
-from app.openai.tools import (
-    CallStream,
-    ToolChoice,
-    ToolDef,
-    checked,
-    forcing_guide,
-    wire,
+from app.openai.serving import (
+    TITLE_CHARS,
+    ApiSink,
+    Failed,
+    check_quota,
+    refusal,
+    start,
+    take_turn,
+    usage,
 )
+from app.openai.tools import ToolChoice, ToolDef, checked, forcing_guide, wire
 from app.services import Services, services
 from app.turns import matching, toolcalls
-from app.turns.pipeline import DB_ERRORS, ChatTurn, Done, Streamed
-from app.turns.stops import StopMatcher
+from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
 from app.turns.toolcalls import Call, reply_text
 from engine.types import SamplingParams
-
-TITLE_CHARS = 80
 
 # --- the request -----------------------------------------------------------------------
 
@@ -217,10 +217,7 @@ async def conversation_for(
         cid = await matching.find_conversation(store, owner_id, chat.system, chat.messages)
         if cid is not None:
             return cid, False
-    quota = sv.settings.max_chats_per_owner
-    if await store.count_conversations(owner_id) >= quota:
-        raise ApiError(429, f"an owner may keep at most {quota} chats; delete one first",
-                       "insufficient_quota", code="insufficient_quota")  # fmt: skip
+    await check_quota(sv, owner_id)
     first = chat.messages[0][1] if chat.messages else ""
     title = " ".join(first.split())[:TITLE_CHARS]
     conv = await store.create_conversation(owner_id, title, chat.system, session_key=session)
@@ -256,79 +253,6 @@ async def discard_if_empty(sv: Services, cid: str) -> None:
                 await sv.store.delete_conversation(cid)
 
 
-# --- the turn's sink ---------------------------------------------------------------------
-
-
-@dataclass
-class Failed:
-    code: str
-    message: str
-    retry_after_s: float | None = None
-
-
-END = object()  # the turn's task ended
-
-
-class ApiSink:
-    """Collects a turn's text (cut at a stop string), its outcome or its error."""
-
-    def __init__(self, stops: list[str], calls: bool = False) -> None:
-        self.open = True
-        self.cancelled = False
-        self.stream = None
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.stops = StopMatcher(stops)
-        self.calls = CallStream() if calls else None  # tools offered: calls come out whole
-
-    async def error(self, code: str, message: str, **extra) -> None:
-        self.events.put_nowait(Failed(code, message, extra.get("retry_after_s")))
-
-    async def token(self, text: str) -> None:
-        self._put(self.stops.push(text))
-        if self.stops.hit and self.stream is not None:
-            self.stream.cancel()
-
-    def _put(self, piece: str) -> None:
-        if not piece:
-            return
-        for event in self.calls.push(piece) if self.calls else [piece]:
-            self.events.put_nowait(event)
-
-    async def finish(self, out: Streamed) -> Streamed:
-        if not self.stops.hit:
-            self._put(self.stops.flush())
-        for event in self.calls.flush() if self.calls else []:
-            self.events.put_nowait(event)
-        if self.stops.hit:
-            return replace(out, text=self.stops.text, finish_reason="stop")
-        return out
-
-    async def done(self, done: Done) -> None:
-        self.events.put_nowait(done)
-
-    def gone(self) -> None:
-        """The client left: the turn stops within a step and keeps what it generated."""
-        self.open = False
-        if self.stream is not None:
-            self.stream.cancel()
-
-
-def usage(done: Done) -> dict:
-    s, plan = done.out.stats, done.plan
-    prompt = plan.context_len + len(plan.prompt)
-    completion = len(done.out.token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {
-            "cached_tokens": s.cached_tokens + s.swapped_in_tokens + s.disk_tokens,
-            "disk_tokens": s.disk_tokens,  # of those, read back from the disk tier
-        },
-        "completion_tokens_details": {"reasoning_tokens": 0},
-    }
-
-
 def finish_reason(done: Done, calls: int = 0) -> str:
     if calls:
         return "tool_calls"
@@ -355,13 +279,7 @@ async def chat_completions(request: Request) -> Response:
             raise ApiError(400, "response_format cannot be combined with a tool_choice that "
                            "forces a call", param="response_format")  # fmt: skip
         sampling.guide = forced or sampling.guide
-        # A request another replica handed over was counted there.
-        wait = (
-            None if handoff.forwarded(request) else sv.hub.take_turn(user.id, st.turns_per_minute)
-        )
-        if wait is not None:
-            raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
-                           "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+        take_turn(request, sv, user.id)
         session = request.headers.get("x-session-id") or body.prompt_cache_key
         cid, created = await conversation_for(sv, user.id, chat, session)
         relayed = await handoff.forward_turn(request, raw, cid)  # claims a new one here
@@ -376,17 +294,14 @@ async def chat_completions(request: Request) -> Response:
     specs = [f.spec() for f in tools] or None
     req = TurnRequest(content, sampling, given, role=role, tools=specs)
     sink = ApiSink(body.stop or [], calls=bool(tools) and body.tool_choice != "none")
-    task = sv.hub.track(ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req)))
-    task.add_done_callback(lambda _: sink.events.put_nowait(END))
-
-    first = await sink.events.get()
-    if isinstance(first, Failed):
-        if created:  # refused before anything was stored: leave no empty chat behind
+    turn = ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req))
+    task, first = await start(sv, turn, sink)
+    refused = refusal(first)
+    if refused is not None:
+        if created and isinstance(first, Failed):  # refused before anything was stored
             await asyncio.wait([task])
-            await discard_if_empty(sv, cid)
-        return pipeline_error(first.code, first.message, first.retry_after_s).response()
-    if first is END:
-        return ApiError(500, "the turn ended without a reply", "server_error").response()
+            await discard_if_empty(sv, cid)  # leave no empty chat behind
+        return refused
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id(sv.settings))
     headers = {"X-Session-ID": cid}
     if body.stream:

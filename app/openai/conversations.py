@@ -15,19 +15,10 @@ from starlette.routing import Route
 from app.chat import UNKNOWN_CHAT
 from app.cluster import handoff
 from app.openai import items as it
-from app.openai.access import body_of, owner
+from app.openai.access import body_of, check_metadata, not_found, owner, validate
 from app.openai.errors import UNAVAILABLE, ApiError
-from app.openai.responses import (
-    CONVERSATION_PREFIX,
-    TITLE_CHARS,
-    check_metadata,
-    check_quota,
-    conversation_key,
-    drop,
-    not_found,
-    page,
-    validate,
-)
+from app.openai.items import CONVERSATION_PREFIX, conversation_key, page
+from app.openai.serving import TITLE_CHARS, check_quota, drop
 from app.services import Services, services
 from app.turns.pipeline import DB_ERRORS
 

@@ -15,6 +15,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from starlette.requests import Request
+
 from app.frames import check_text
 from app.openai.errors import ApiError
 from app.turns.toolcalls import Call, parse, reply_text
@@ -27,6 +29,7 @@ STORED_ROLE = {
     "developer": "system",
     "tool": "tool",
 }
+CONVERSATION_PREFIX = "conv_"  # an API conversation id: the prefix and a stored id
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -196,3 +199,38 @@ def items_of(message) -> list[dict]:
     if message.role == "assistant":
         return reply_items(item_id_of(message), message.content, status, True)
     return [message_item(item_id_of(message), message.role, message.content, status)]
+
+
+def conversation_key(conv_id: str) -> str | None:
+    """The stored conversation an API conversation id names."""
+    if conv_id.startswith(CONVERSATION_PREFIX) and len(conv_id) <= 64:
+        return conv_id[len(CONVERSATION_PREFIX) :]
+    return None
+
+
+def page(request: Request, data: list[dict]) -> dict:
+    """A list object of items, with OpenAI's `order` (default desc), `after` and `limit`."""
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order: must be asc or desc", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit: must be an integer from 1 to 100", param="limit")
+    if order == "desc":
+        data = data[::-1]
+    after = q.get("after")
+    if after:
+        ids = [d["id"] for d in data]
+        data = data[ids.index(after) + 1 :] if after in ids else []
+    shown = data[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+        "has_more": len(data) > limit,
+    }

@@ -26,9 +26,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -36,184 +34,37 @@ from starlette.routing import Route
 from app.cluster import handoff
 from app.frames import TurnRequest
 from app.openai import items as it
-from app.openai.access import body_of, check_model, model_id, owner
-from app.openai.chat import END, ApiSink, Failed, usage
+from app.openai.access import (
+    body_of,
+    check_model,
+    model_id,
+    not_found,
+    owner,
+    validate,
+)
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
-from app.openai.tools import FunctionDef, NamedChoice, ToolChoice, checked, forcing_guide
-from app.rest import MAX_SYSTEM_PROMPT
+from app.openai.response_body import (
+    ResponseBody,
+    entries_of,
+    format_of,
+    sampling_of,
+    tool_choice_of,
+)
+from app.openai.serving import (
+    TITLE_CHARS,
+    ApiSink,
+    Failed,
+    check_quota,
+    drop,
+    refusal,
+    start,
+    take_turn,
+    usage,
+)
 from app.services import Services, services
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
 from app.turns.toolcalls import Call
-from engine.types import Guide, SamplingParams
 from store import ApiResponse
-
-TITLE_CHARS = 80
-CONVERSATION_PREFIX = "conv_"
-
-# --- the request -----------------------------------------------------------------------
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str | None = Field(None, max_length=64)
-    schema_: Any = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    format: TextFormat | None = None
-
-
-class ConversationRef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: str
-
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
-    if value is not None and (
-        len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())
-    ):
-        raise ValueError("at most 16 pairs, keys of up to 64 and values of up to 512 characters")
-    return value
-
-
-class ResponseBody(BaseModel):
-    """The body of POST /v1/responses; fields the server does not use are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    input: Any = None  # a string or a list of items: read by items.parse_items
-    instructions: str | None = Field(None, max_length=MAX_SYSTEM_PROMPT)
-    previous_response_id: str | None = Field(None, min_length=1, max_length=64)
-    conversation: str | ConversationRef | None = None
-    store: bool = True
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stream: bool | None = False
-    metadata: dict[str, str] | None = None
-    text: TextConfig | None = None
-    tools: list[dict] | None = Field(None, max_length=128)
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-    user: str | None = Field(None, max_length=256)
-
-    def functions(self) -> list[FunctionDef]:
-        """The function tools, checked against the tool choice (ApiError if they are not)."""
-        out = []
-        for i, t in enumerate(self.tools or []):
-            if not isinstance(t, dict) or t.get("type") != "function":
-                kind = t.get("type") if isinstance(t, dict) else None
-                raise ApiError(400, f"tools.{i}: only function tools are supported, not "
-                               f"{kind!r:.40}", param=f"tools.{i}")  # fmt: skip
-            try:
-                out.append(FunctionDef.model_validate(t))
-            except ValidationError as e:
-                err = e.errors(include_url=False)[0]
-                where = ".".join(str(p) for p in (f"tools.{i}", *err["loc"]))
-                raise ApiError(400, f"{where}: {err['msg']}", param=f"tools.{i}") from None
-        return checked(out, self.tool_choice)
-
-    def reads_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
-
-    @property
-    def conversation_id(self) -> str | None:
-        c = self.conversation
-        return c.id if isinstance(c, ConversationRef) else c
-
-
-def validate(model: type[BaseModel], raw: bytes):
-    """A JSON body validated by `model`; a refusal names the field."""
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        if err["type"] == "json_invalid":
-            raise ApiError(400, "the body is not valid JSON") from None
-        raise ApiError(
-            400, f"{param}: {err['msg']}" if param else err["msg"], param=param
-        ) from None
-
-
-def guide_of(body: ResponseBody) -> Guide | None:
-    """`text.format` as the engine's constrained decoding."""
-    fmt = body.text.format if body.text else None
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return Guide(kind="json_object")
-    if not isinstance(fmt.schema_, dict):
-        raise ApiError(400, "text.format: a json_schema format needs `schema`, a JSON object",
-                       param="text.format")  # fmt: skip
-    return Guide(kind="json_schema", source=json.dumps(fmt.schema_))
-
-
-def tool_choice_of(body: ResponseBody):
-    choice = body.tool_choice
-    if isinstance(choice, NamedChoice):
-        return {"type": "function", "name": choice.target()}
-    return choice or "auto"
-
-
-def format_of(body: ResponseBody) -> dict:
-    fmt = body.text.format if body.text else None
-    if fmt is None or fmt.type != "json_schema":
-        return {"type": fmt.type if fmt else "text"}
-    shown = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
-    return {**shown, "description": fmt.description} if fmt.description else shown
-
-
-def sampling_of(
-    body: ResponseBody, tools: list[FunctionDef], default: int, limit: int
-) -> SamplingParams:
-    given = body.max_output_tokens
-    if given is not None and given > limit:
-        raise ApiError(400, f"max_output_tokens: must be at most {limit}",
-                       param="max_output_tokens")  # fmt: skip
-    guide, forced = guide_of(body), forcing_guide(tools, body.tool_choice, body.parallel_tool_calls)
-    if guide and forced:
-        raise ApiError(400, "text.format cannot be combined with a tool_choice that forces "
-                       "a call", param="text.format")  # fmt: skip
-    return SamplingParams(
-        max_tokens=given or default,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        guide=forced or guide,
-    )
-
-
-def entries_of(body: ResponseBody, max_chars: int) -> list[it.Entry]:
-    if body.input is None or body.input == []:
-        raise ApiError(400, "input: required (a string or a list of items)", param="input")
-    entries = it.parse_items(body.input, max_chars)
-    if entries[-1].role not in ("user", "tool"):
-        raise ApiError(400, "input: the last item must be a user message or a "
-                       "function_call_output", param="input")  # fmt: skip
-    return entries
-
-
-def conversation_key(conv_id: str) -> str | None:
-    """The stored conversation an API conversation id names."""
-    if conv_id.startswith(CONVERSATION_PREFIX) and len(conv_id) <= 64:
-        return conv_id[len(CONVERSATION_PREFIX) :]
-    return None
-
-
-def not_found(what: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"no {what} with that id", param=param, code="not_found")
-
 
 # --- the conversation a response runs in --------------------------------------------------
 
@@ -227,13 +78,6 @@ class Target:
     system: str | None = None  # a named conversation takes the instructions as its prompt
     set_system: bool = False
     linked: int = 0
-
-
-async def check_quota(sv: Services, owner_id: str) -> None:
-    quota = sv.settings.max_chats_per_owner
-    if await sv.store.count_conversations(owner_id) >= quota:
-        raise ApiError(429, f"an owner may keep at most {quota} chats; delete one first",
-                       "insufficient_quota", code="insufficient_quota")  # fmt: skip
 
 
 async def fork(sv: Services, parent: ApiResponse, system: str | None, same: bool) -> str:
@@ -272,7 +116,7 @@ async def target_of(
             child = await fork(sv, prev, body.instructions, same)
             return Target(child, created=True, temporary=not body.store)
     if body.conversation_id is not None:
-        key = conversation_key(body.conversation_id)
+        key = it.conversation_key(body.conversation_id)
         conv = key and await store.get_conversation(key, owner_id)
         if not conv:
             raise not_found("conversation", "conversation")
@@ -303,17 +147,6 @@ def before_turn(sv: Services, target: Target, entries: list[it.Entry], req: Turn
         return True
 
     return check
-
-
-async def drop(sv: Services, cid: str) -> None:
-    """Remove a conversation made for one response, and its cache."""
-    with contextlib.suppress(*DB_ERRORS):
-        await sv.store.delete_conversation(cid)
-    with contextlib.suppress(Exception):
-        await sv.engine.free(cid, erase=True)
-    forget = getattr(sv.clock, "forget", None)
-    if forget:
-        forget(cid)
 
 
 # --- the response object -----------------------------------------------------------------
@@ -437,13 +270,8 @@ async def create_response(request: Request) -> Response:
             prev = await sv.store.get_response(body.previous_response_id, user.id)
             if prev is None:
                 raise not_found("response", "previous_response_id")
-        wait = (
-            None if handoff.forwarded(request) else sv.hub.take_turn(user.id, st.turns_per_minute)
-        )
-        if wait is not None:
-            raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
-                           "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
-        base = prev.conversation_id if prev else conversation_key(body.conversation_id or "")
+        take_turn(request, sv, user.id)
+        base = prev.conversation_id if prev else it.conversation_key(body.conversation_id or "")
         if base:  # the home replica of the conversation it builds on answers
             relayed = await handoff.forward_turn(request, raw, base)
             if relayed is not None:
@@ -485,14 +313,10 @@ async def create_response(request: Request) -> Response:
             async with sv.hub.lock(target.cid):
                 await drop(sv, target.cid)
 
-    task = sv.hub.track(turn())
-    task.add_done_callback(lambda _: sink.events.put_nowait(END))
-
-    first = await sink.events.get()
-    if isinstance(first, Failed):
-        return pipeline_error(first.code, first.message, first.retry_after_s).response()
-    if first is END:
-        return ApiError(500, "the turn ended without a reply", "server_error").response()
+    _, first = await start(sv, turn(), sink)
+    refused = refusal(first)
+    if refused is not None:
+        return refused
     headers = {"X-Session-ID": target.cid}
     if body.stream:
         events = stream_events(shape, first, sink)
@@ -614,38 +438,10 @@ async def delete_response(request: Request) -> Response:
     return JSONResponse({"id": row.id, "object": "response", "deleted": True})
 
 
-def page(request: Request, data: list[dict]) -> dict:
-    """A list object of items, with OpenAI's `order` (default desc), `after` and `limit`."""
-    q = request.query_params
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, "order: must be asc or desc", param="order")
-    try:
-        limit = int(q.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise ApiError(400, "limit: must be an integer from 1 to 100", param="limit")
-    if order == "desc":
-        data = data[::-1]
-    after = q.get("after")
-    if after:
-        ids = [d["id"] for d in data]
-        data = data[ids.index(after) + 1 :] if after in ids else []
-    shown = data[:limit]
-    return {
-        "object": "list",
-        "data": shown,
-        "first_id": shown[0]["id"] if shown else None,
-        "last_id": shown[-1]["id"] if shown else None,
-        "has_more": len(data) > limit,
-    }
-
-
 async def input_items(request: Request) -> Response:
     try:
         _, row = await _owned_response(request)
-        return JSONResponse(page(request, list(row.input_items)))
+        return JSONResponse(it.page(request, list(row.input_items)))
     except ApiError as e:
         return e.response()
     except DB_ERRORS:

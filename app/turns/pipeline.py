@@ -2,8 +2,9 @@
 the prompt from SQL and store the user's message), submit, stream, commit.
 
 The caller is a `Sink`: it receives the reply's text, errors and the final outcome, and
-says whether its client still listens. One turn per chat at a time, across callers: a turn
-runs under the hub's lock of its conversation."""
+says whether its client still listens. A turn runs under the hub's lock of its
+conversation, so no other caller writes the chat's history between its read and its commit;
+a second turn in flight is what the engine refuses (`ConversationBusy`, answered `busy`)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ class ChatTurn:
         self.sink = sink
 
     async def run(self, req: TurnRequest, t0: float, before_turn=None) -> None:
-        """The whole turn under the chat's lock. `before_turn`: an async callable run first
-        under the lock (it may change the stored chat); False from it ends the turn."""
+        """The whole turn under the chat's history lock. `before_turn`: an async callable run
+        first under the lock (it may change the stored chat); False from it ends the turn."""
         cid = self.conversation_id
         try:
             async with self.sv.hub.lock(cid):

@@ -56,8 +56,16 @@ class ChunkTable:
     n_gpu: int = 0  # private chunks with a GPU block
     n_backed: int = 0  # private chunks with a GPU block and a CPU copy (reclaimable at no cost)
 
-    def tiers(self) -> list[str]:
-        return [c.tier for c in self.chunks]
+    def tiers(
+        self, hashes: list[bytes] = (), on_disk: set[bytes] | frozenset = frozenset()
+    ) -> list[str]:
+        """Each chunk's tier; a dropped chunk whose hash (`hashes`, the stream's) the disk
+        tier holds (`on_disk`) is on "disk"."""
+        tiers = [c.tier for c in self.chunks]
+        for j in range(min(self.n_dropped, len(hashes)) if on_disk else 0):
+            if hashes[j] in on_disk:
+                tiers[j] = "disk"
+        return tiers
 
     def gpu_blocks(self, n_chunks: int) -> list[int]:
         blocks = [c.gpu for c in self.chunks[:n_chunks]]

@@ -157,6 +157,18 @@ class KVCacheManager:
         chain = chain_hashes(prompt, self.chunk_size)
         return chain, self.link(t, chain[: (len(prompt) - 1) // self.chunk_size])
 
+    def fork(self, parent: ChunkTable, child_id: str, chain: list[bytes], kv_len: int) -> int:
+        """A new conversation `child_id` starts as a copy of `parent` (`chain`: the hash
+        chain of the copied tokens, `kv_len`: the parent's computed positions): the parent's
+        full chunks of them are published and the child links them. Returns the positions
+        linked (0: none, and the child is not kept)."""
+        n = min(len(chain), kv_len // self.chunk_size)
+        self.publish(parent, chain[:n])
+        linked = self.link(self.table(child_id), chain[:n])
+        if not linked:
+            self.forget(child_id)
+        return linked
+
     def publish(self, t: ChunkTable, hashes: list[bytes]) -> None:
         """Let other conversations link the chunks with hash chain `hashes` (`Sharing.publish`)."""
         self.sharing.publish(t, hashes)

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from tests.app.cluster.test_cluster import reconnect_and_say
 from tests.app.test_app_disk import oracle
-from tests.app.test_cluster import reconnect_and_say
 from tests.app_fixtures import connect, say
 from tests.cluster_fixtures import REPLICA_ENV, start_cluster
 
