@@ -222,10 +222,10 @@ class AsyncEngine:
                 except Exception as e:  # a bug, not I/O: fail what was in flight, keep serving
                     log.exception("engine step failed")
                     ended = engine.fail_all(e)
-                self._running = sum(1 for r in engine.scheduler.running if not r.prefetch)
+                self._running = engine.scheduler.running_turns()
                 for req in ended:
                     self._finish(req)
-                if not ended and not engine.scheduler.running:
+                if not ended and not engine.scheduler.counts()[0]:
                     engine.wait_for_io()
             else:
                 self._refresh_snapshot(force=True)

@@ -135,8 +135,12 @@ class Scheduler:
         return [*self.waiting, *self.prefetch.queue]
 
     def counts(self) -> tuple[int, int]:
-        """Turns running and waiting."""
+        """Turns running (prefetches too) and waiting."""
         return len(self.running), len(self.waiting)
+
+    def running_turns(self) -> int:
+        """Real turns running (no prefetch)."""
+        return sum(1 for r in self.running if not r.prefetch)
 
     def hint(self, state: StreamState, seq: int, now: float) -> bool:
         """Its user is typing: a prefetch of the conversation (`Prefetcher.hint`)."""
