@@ -233,8 +233,7 @@ class Engine:
             table = self.cache.find(parent_id)
             cs = self.cache.chunk_size
             if (
-                not self.cache.share
-                or parent is None
+                parent is None
                 or table is None
                 or parent.busy
                 or (parent_len is not None and parent.length != parent_len)

@@ -161,7 +161,9 @@ class KVCacheManager:
         """A new conversation `child_id` starts as a copy of `parent` (`chain`: the hash
         chain of the copied tokens, `kv_len`: the parent's computed positions): the parent's
         full chunks of them are published and the child links them. Returns the positions
-        linked (0: none, and the child is not kept)."""
+        linked (0: none, and the child is not kept; sharing is off)."""
+        if not self.share:
+            return 0
         n = min(len(chain), kv_len // self.chunk_size)
         self.publish(parent, chain[:n])
         linked = self.link(self.table(child_id), chain[:n])
