@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from engine.drain import DrainRate
 from engine.engine import Engine
 from engine.errors import EngineOverloaded
 from engine.persistence import ActivityClock, TokenHistory
@@ -21,7 +22,6 @@ log = logging.getLogger(__name__)
 _END = object()
 SNAPSHOT_EVERY_S = 0.2
 IDLE_WRITES = 16  # chunks written to the disk tier per turn of an idle loop
-RETRY_AFTER_S = 1.0  # a full queue drains within about a second of steps
 
 
 class TurnStream:
@@ -75,6 +75,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = 0  # turns submitted here and not ended (event loop only)
         self._running = 0  # turns in the running batch, as the loop thread last saw it
+        self.drain = DrainRate()  # how fast turns end: the wait a refused turn is told
         self._crashed: BaseException | None = None
         self._written_at = -1  # the step count when idle write-back last found nothing to do
         self._snapshot: EngineSnapshot | None = None
@@ -145,9 +146,8 @@ class AsyncEngine:
         limit = self.engine.config.max_waiting
         if self.queued >= limit:
             self.engine.claims.release(turn.conversation_id)
-            raise EngineOverloaded(
-                f"the engine has {limit} turns queued already", retry_after_s=RETRY_AFTER_S
-            )
+            wait = self.drain.wait_s(self.queued, time.monotonic())  # from its drain rate
+            raise EngineOverloaded(f"the engine has {limit} turns queued already", wait)
         self._in_flight += 1
         stream = TurnStream(self, turn)
         self._post(("submit", stream))
@@ -313,6 +313,7 @@ class AsyncEngine:
         stream.request = req
 
     def _finish(self, req: Request) -> None:
+        self.drain.ended(time.monotonic())
         stream: TurnStream | None = req.handle
         if stream is None:
             return

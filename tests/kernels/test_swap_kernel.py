@@ -34,13 +34,15 @@ def check_copies(src, dst, rng: random.Random, layers: range, device="cpu") -> N
     n = rng.randint(1, min(src.shape[2], dst.shape[2]))
     s = rng.sample(range(src.shape[2]), n)
     d = rng.sample(range(dst.shape[2]), n)
-    want = dst.clone()
-    want[layers.start : layers.stop, :, d] = src[layers.start : layers.stop, :, s]
+    # The expected tier, on the CPU whichever side is the GPU's (a swap-out indexes a CUDA
+    # source into a host tier: one device for both)
+    want = dst.cpu().clone()
+    want[layers.start : layers.stop, :, d] = src.cpu()[layers.start : layers.stop, :, s]
     ids = [torch.tensor(x, dtype=torch.int64, device=device) for x in (s, d)]
     triton_swap.copy_blocks(src, dst, *ids, layers)
     if dst.is_cuda or src.is_cuda:
         torch.cuda.synchronize()
-    assert torch.equal(dst.cpu(), want.cpu())
+    assert torch.equal(dst.cpu(), want)
 
 
 @needs_triton_cpu
