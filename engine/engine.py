@@ -63,7 +63,7 @@ class Engine:
         self.max_context = self.args.max_context  # a sliding window caps it
 
         cs = config.chunk_size
-        gpu, cpu = b.tier_sizes(b.bytes_per_block)
+        gpu, cpu = b.tier_sizes()
         self.pool = b.pool(gpu, cpu)
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         self.owns_history = history is None
@@ -155,7 +155,7 @@ class Engine:
         guide = None if turn.sampling.guide is None else self.guides.matcher(turn.sampling.guide)
         with self.lock:
             state = self.streams.get(turn.conversation_id)
-            state = state or StreamState(turn.conversation_id, claims=self.claims)
+            state = state or StreamState(turn.conversation_id)
             length = state.length if turn.context_len is None else turn.context_len
             total = length + len(turn.prompt_token_ids)
             if total >= self.max_context:
@@ -211,7 +211,7 @@ class Engine:
         all on the GPU)."""
         with self.lock:
             state = self.streams.get(conversation_id)
-            if state is None:
+            if state is None or conversation_id in self.claims:  # unknown, or its turn is here
                 return
             now = self.now()
             if self.scheduler.hint(state, next(self._seq), now):
@@ -235,7 +235,7 @@ class Engine:
             if (
                 parent is None
                 or table is None
-                or parent.busy
+                or parent_id in self.claims
                 or (parent_len is not None and parent.length != parent_len)
                 or len(token_ids) > parent.length
             ):
@@ -247,7 +247,7 @@ class Engine:
             full = len(token_ids) // cs * cs
             self.streams[child_id] = StreamState(
                 child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:]),
-                hashes=chain[: full // cs], unhashed=list(token_ids[full:]), claims=self.claims,
+                hashes=chain[: full // cs], unhashed=list(token_ids[full:]),
             )  # fmt: skip
             if self.owns_history:
                 self.history.append(child_id, list(token_ids))
@@ -263,7 +263,7 @@ class Engine:
         starts the same way recomputes what it shared)."""
         with self.lock:
             state = self.streams.get(conversation_id)
-            if state is not None and state.busy:
+            if conversation_id in self.claims:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
             if erase and state is not None and self.disk is not None:
                 for j, key in enumerate(state.hashes):

@@ -50,13 +50,13 @@ class Prefetcher:
     def hint(self, state: StreamState, seq: int, now: float) -> bool:
         """The user of `state`'s conversation is typing: start bringing its context back (a
         recompute of its dropped prefix as a request of arrival order `seq`, or a swap-in of
-        its CPU chunks). Returns whether one started. Nothing starts for an unknown or busy
-        conversation, the baseline cache modes, a context all on the GPU already, or one
+        its CPU chunks). Returns whether one started. Nothing starts for an unknown conversation
+        (nor a busy one: the engine passes no hint on for it), the baseline cache modes, a context all on the GPU already, or one
         that is being prefetched (typing frames come often: one prefetch at a time)."""
         table = self.cache.tables.get(state.id)
         if self.cache.mode != CacheMode.PENSIEVE or table is None:
             return False
-        if state.busy or table.pinned or state.kv_len == 0:
+        if table.pinned or state.kv_len == 0:
             return False
         # Its turn is coming: until it does (or a while passes), its chunks are the last
         # idle ones to go, so that running turns do not evict what prefetch brings back.

@@ -44,7 +44,7 @@ class Reads:
                 if req.fetch.done():
                     self._finish(req)
             elif req.prefix is None and req.error is None and self._at_hand(req):
-                self.start(Read(req, 0))
+                self.start([Read(req, 0)])
 
     def _finish(self, req: Request) -> None:
         fut, req.fetch = req.fetch, None
@@ -57,11 +57,11 @@ class Reads:
     def _at_hand(self, req: Request) -> bool:
         """Its read is no I/O: the history is in memory and the disk tier has nothing to
         give it."""
-        return self.in_memory and (self.disk is None or not self.cache.loadable(req.table))
+        return self.in_memory and not self.cache.loadable(req.table)
 
-    def start(self, reads: list[Read] | Read) -> None:
+    def start(self, reads: list[Read]) -> None:
         """Start the reads a plan asked for (a history in memory: read now)."""
-        for read in [reads] if isinstance(reads, Read) else reads:
+        for read in reads:
             req = read.req
             req.read_for = read.dropped
             if self.in_memory and not read.dropped:

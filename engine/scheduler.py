@@ -328,7 +328,7 @@ class Scheduler:
         if req.error is not None:
             return Fetch.FAILED
         n = req.prefix_needed(self._dropped_tokens(req))
-        dropped = self._loadable(req)
+        dropped = self.cache.loadable(req.table)
         fresh = not dropped or req.read_for == dropped  # more dropped since: read again
         if req.prefix is not None and len(req.prefix) >= n and fresh:
             return Fetch.READY
@@ -339,10 +339,6 @@ class Scheduler:
             return Fetch.FAILED
         plan.reads.append(Read(req, dropped))
         return Fetch.PENDING
-
-    def _loadable(self, req: Request) -> int:
-        """Dropped chunks of `req`'s context the disk tier may give back (0: it has none)."""
-        return self.cache.loadable(req.table) if self.cache.spilling else 0
 
     def _yield_prefetch(self, plan: StepPlan) -> bool:
         """End the latest running prefetch, if any, so that its context no longer holds the

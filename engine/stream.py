@@ -52,13 +52,6 @@ class StreamState:
     # Tokens after the last hashed chunk; None when unknown (after a cut or a restart the
     # hashes go on once the history is read again)
     unhashed: list[int] | None = field(default_factory=list)
-    # The engine's claims (a state made alone has its own)
-    claims: Claims = field(default_factory=Claims, repr=False)
-
-    @property
-    def busy(self) -> bool:
-        """A turn of it is queued or running (`Claims`)."""
-        return self.id in self.claims
 
 
 def resync(state: StreamState, length: int, cache: KVCacheManager) -> None:

@@ -51,7 +51,6 @@ class Backend:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     attention: str | None = None  # the kernels' backend: "triton" | "torch"
     gpu: bool = False  # a GPU (real or simulated): the GPU defaults of prefetch apply
-    samples: bool = True  # sampled tokens are real (a simulation samples token 0)
     keeps_disk: bool = True  # the disk tier outlives the process (write it back at close)
     tp: Any = None  # tensor-parallel ranks (engine/parallel.py), where there are any
 
@@ -68,15 +67,15 @@ class Backend:
         c = self.config
         return KVPool.bytes_per_block(self.pool_args, c.chunk_size, self.dtype, c.kv_dtype)
 
-    def default_tiers(self, bytes_per_block: int, gpu: int | None) -> tuple[int, int]:
+    def default_tiers(self, gpu: int | None) -> tuple[int, int]:
         """Tiers in blocks when the config leaves them out (`gpu`: the GPU tier's where it
         is given)."""
-        return memory_tiers(bytes_per_block, gpu, self.device)
+        return memory_tiers(self.bytes_per_block, gpu, self.device)
 
-    def tier_sizes(self, bytes_per_block: int) -> tuple[int, int]:
+    def tier_sizes(self) -> tuple[int, int]:
         """Tiers in blocks: the config's, else from memory; no CPU tier but in pensieve mode."""
         c = self.config
-        gpu, cpu = self.default_tiers(bytes_per_block, c.gpu_cache_chunks)
+        gpu, cpu = self.default_tiers(c.gpu_cache_chunks)
         cpu = cpu if c.cpu_cache_chunks is None else c.cpu_cache_chunks
         if c.cache_mode != CacheMode.PENSIEVE:
             cpu = 0

@@ -32,7 +32,6 @@ class Simulation(Backend):
     `build`: the real engine class, which a `cpu` device is calibrated with (once per
     machine)."""
 
-    samples = False  # every sampling piece samples token 0
     keeps_disk = False  # a simulation's disk tier holds no file
 
     def __init__(self, config: EngineConfig, build: Build) -> None:
@@ -53,10 +52,10 @@ class Simulation(Backend):
         self.clock = VirtualClock()
         self.now = self.clock
 
-    def default_tiers(self, bytes_per_block: int, gpu: int | None) -> tuple[int, int]:
+    def default_tiers(self, gpu: int | None) -> tuple[int, int]:
         """The device's memory less the weights (and a tenth for activations); the CPU tier
         four times that."""
-        s = self.shape
+        bytes_per_block, s = self.bytes_per_block, self.shape
         weights = s.weight_bytes * (s.layers * s.layer_params + 2 * s.head_params)
         if math.isinf(self.simulated.memory_bytes):  # the CPU: as the real engine sizes it
             own = max(64, (1 << 30) // bytes_per_block)
@@ -65,8 +64,7 @@ class Simulation(Backend):
         return own if gpu is None else gpu, 4 * own
 
     def pool(self, gpu_blocks: int, cpu_blocks: int) -> SimPool:
-        per_block = self.bytes_per_block
-        return SimPool(self.simulated, self.clock, per_block, cpu_blocks)
+        return SimPool(self.simulated, self.clock, self.bytes_per_block, cpu_blocks)
 
     def runner(self, pool: SimPool) -> SimRunner:
         return SimRunner(self.simulated, pool)

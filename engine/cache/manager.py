@@ -214,8 +214,9 @@ class KVCacheManager:
 
     def loadable(self, t: ChunkTable) -> int:
         """Dropped chunks an admission may take from the disk tier instead of recomputing:
-        the whole dropped run, when no shared run follows it (else it is recomputed)."""
-        return t.n_dropped if t.n_dropped == t.n_shared else 0
+        the whole dropped run, when no shared run follows it (else it is recomputed); none
+        without a disk tier."""
+        return t.n_dropped if self.spilling and t.n_dropped == t.n_shared else 0
 
     def admit(
         self,

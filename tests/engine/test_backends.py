@@ -26,7 +26,7 @@ def test_tiers_are_the_configs_and_only_pensieve_has_a_cpu_tier(mode: str, cpu: 
                           gpu_cache_chunks=4, cpu_cache_chunks=8)  # fmt: skip
     config.validate()
     backend = pick(config, Engine)
-    assert backend.tier_sizes(backend.bytes_per_block) == (4, cpu)
+    assert backend.tier_sizes() == (4, cpu)
 
 
 def test_the_engine_is_built_from_its_backends_parts() -> None:
