@@ -1,0 +1,431 @@
+"""The serving benchmark's steady state, computed once by the simulator and resumed on any
+engine: the GPU report's steady part (`bench/gpu_report.py`), its rehearsal and its twin
+(`bench/sim_steady.py`, `python -m bench.sim --gpu-steady`).
+
+A warm-up in virtual time (`warm_up`: the sample, repeated, arriving at a rate for at least
+20 virtual minutes with the part's mode, tiers and think time) is cut, and its state
+written as a small JSON file (`State`). A run seeds an engine with it (`seeds`, through
+`Engine.seed`: each conversation's history, the tier of each of its chunks, its last
+activity) and replays its continuation (`resume`): each live conversation at its next turn
+after what is left of its think time, the turns in flight at the cut sent again at once
+with their history up to their last completed turn, and new conversations arriving at the
+same rate from where the warm-up's arrivals stopped in the repeated sample. A real run
+and its simulated twin start from the same file, so they differ only by the cost model.
+
+The file (`bench/samples/steady/<mode>-<rate>.json`, `State.to_json`):
+
+    {"format": "pensieve-steady/1", "mode", "rate", "think_s", "cut_s", "seed",
+     "sample", "sample_size", "next_index", "gpu_cache_chunks", "cpu_cache_chunks",
+     "chunk_size", "simulated", "git_commit", "summary", "warmup_metrics",
+     "columns": ["index", "turns", "kv", "residency", "idle_s", "next_s"],
+     "conversations": [[index, turns, kv, "d12c5g8", idle_s, next_s], ...]}
+
+One row per conversation the cut finds live or holding chunks: `index` in the repeated
+sample (`nth`), `turns` done, `kv` positions whose KV its chunks stand for (a turn's end
+leaves its last sampled token uncomputed), its residency run-length encoded (`d` dropped,
+`k` disk, `c` cpu, `g` gpu, `b` both), seconds since its last activity, seconds to its next
+turn (0: in flight at the cut; null: ended, its chunks held until evicted). `next_index`:
+the first conversation of the repeated sample that had not arrived. A chunk shared by
+several conversations (a common first prompt) is written as dropped in each: a seed holds
+no shared chunk. The history of a turn done is its prompt and `output_len` tokens of 0,
+as the simulator samples them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.lib import workload as wl
+from bench.lib.drivers import turn_stats
+from bench.lib.metrics import cache_use, steady_metrics, window_metrics
+
+FORMAT = "pensieve-steady/1"
+COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s"]
+CODES = {"gpu": "g", "both": "b", "cpu": "c", "disk": "k", "dropped": "d"}
+TIERS = {v: k for k, v in CODES.items()}
+WARMUP_MEASURED = 0.3  # the warm-up's own metrics: turns sent after this share of the cut
+OUTPUT_TOKEN = 0  # a reply's tokens in a seeded history: what the simulator samples
+
+
+# ---- residency, run-length encoded --------------------------------------------------------
+
+
+def encode(tiers: list[str]) -> str:
+    """["dropped", "dropped", "gpu"] -> "d2g1"."""
+    return "".join(f"{CODES[t]}{len(list(g))}" for t, g in itertools.groupby(tiers))
+
+
+def decode(text: str) -> list[str]:
+    out: list[str] = []
+    for code, n in re.findall(r"([a-z])(\d+)", text):
+        out += [TIERS[code]] * int(n)
+    return out
+
+
+# ---- the sample, repeated -------------------------------------------------------------------
+
+
+def nth(convs: list[wl.Conversation], k: int) -> wl.Conversation:
+    """Conversation k of the sample cycled (`bench.sim.repeat`): a copy's first token
+    differs from the original's, so that no copy finds another's KV by prefix sharing."""
+    c = convs[k % len(convs)]
+    copy = k // len(convs)
+    if not copy:
+        return c
+    first = replace(c.turns[0], prompt=[c.turns[0].prompt[0] + copy, *c.turns[0].prompt[1:]])
+    return wl.Conversation(f"{c.id}#{copy}", [first, *c.turns[1:]])
+
+
+def history(conv: wl.Conversation, turns: int) -> list[int]:
+    """The stream after `turns` turns: each prompt, then its reply's tokens."""
+    out: list[int] = []
+    for t in conv.turns[:turns]:
+        out += t.prompt
+        out += [OUTPUT_TOKEN] * t.output_len
+    return out
+
+
+# ---- the state ------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    index: int
+    turns: int
+    kv: int
+    residency: str
+    idle_s: float
+    next_s: float | None
+
+    def to_list(self) -> list:
+        nxt = None if self.next_s is None else round(self.next_s, 3)
+        return [self.index, self.turns, self.kv, self.residency, round(self.idle_s, 3), nxt]
+
+
+@dataclass
+class State:
+    mode: str
+    rate: float
+    think_s: float
+    cut_s: float
+    seed: int
+    sample: str
+    sample_size: int
+    next_index: int
+    gpu_cache_chunks: int
+    cpu_cache_chunks: int
+    chunk_size: int
+    rows: list[Row]
+    simulated: str = ""
+    git_commit: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    warmup_metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        head = {k: v for k, v in self.__dict__.items() if k != "rows"}
+        return {"format": FORMAT, **head, "columns": COLUMNS,
+                "conversations": [r.to_list() for r in self.rows]}  # fmt: skip
+
+    def write(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_json()
+        rows = data.pop("conversations")
+        text = json.dumps(data, indent=1, default=float)[:-2]  # one row a line: diffable
+        body = ",\n".join(json.dumps(r) for r in rows)
+        path.write_text(f'{text},\n "conversations": [\n{body}\n ]\n}}\n')
+        return path
+
+    @staticmethod
+    def read(path: Path) -> State:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a steady state of format {FORMAT}")
+        rows = [Row(*r) for r in data.pop("conversations")]
+        data.pop("format"), data.pop("columns")
+        return State(rows=rows, **data)
+
+    def live(self) -> list[Row]:
+        return [r for r in self.rows if r.next_s is not None]
+
+
+def state_path(folder: Path, mode: str, rate: float) -> Path:
+    return Path(folder) / f"{mode}-{rate:g}.json"
+
+
+# ---- the warm-up, in virtual time -----------------------------------------------------------
+
+
+RANK = {"dropped": 0, "disk": 0, "cpu": 1, "gpu": 2, "both": 2}
+
+
+def residency(engine, table, kv: int, tally: dict[str, Any]) -> str:
+    """The tier of each chunk of the table's first `kv` positions, laid out as a seed takes
+    them ([dropped or disk | cpu | gpu or both]). A chunk shared by several conversations
+    keeps its tier in the first of them written (`tally["claimed"]`) and is dropped in the
+    others (a seed holds no shared chunk); a shared run on the GPU before private CPU chunks
+    (a layout only shared chunks have) goes to the CPU where it has a copy there, else is
+    dropped. Both are counted in `tally`."""
+    cs = engine.cache.chunk_size
+    on_disk = engine.disk.keys() if engine.disk is not None else set()
+    state = engine.streams.get(table.id)
+    hashes = state.hashes if state is not None else []
+    claimed = tally.setdefault("claimed", set())
+    out = []
+    for i, c in enumerate(table.chunks[: -(-kv // cs)]):
+        if c.gpu is not None:
+            tier = "both" if c.cpu is not None else "gpu"
+        elif c.cpu is not None:
+            tier = "cpu"
+        elif i < len(hashes) and hashes[i] in on_disk:
+            tier = "disk"
+        else:
+            tier = "dropped"
+        if c.shared and len(c.holders) > 1 and tier != "dropped":
+            if id(c) in claimed:
+                tier = "dropped"
+                tally["shared_dropped"] = tally.get("shared_dropped", 0) + 1
+            claimed.add(id(c))
+        out.append(tier)
+    if len(out) * cs < kv:  # never: a table covers its computed positions
+        raise RuntimeError(f"{table.id}: {len(out)} chunks for {kv} positions")
+    if engine.config.cache_mode == "stateless":  # a turn in flight: its end drops them all
+        return encode(["dropped"] * len(out))
+    changed = True
+    while changed:  # each chunk no faster than the next: demote the ones that are
+        changed = False
+        for i in range(len(out) - 1):
+            if RANK[out[i]] > RANK[out[i + 1]]:
+                out[i] = "cpu" if out[i] == "both" and out[i + 1] == "cpu" else "dropped"
+                tally["demoted"] = tally.get("demoted", 0) + 1
+                changed = True
+    return encode(out)
+
+
+def warm_up(
+    engine, convs: list[wl.Conversation], rate: float, think: float, seed: int, cut_s: float,
+    tag: str = "warm",
+) -> tuple[list[Row], int, float, dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The replay of `convs` (the repeated sample) at `rate` on a simulated engine until
+    `cut_s` virtual seconds: the state there (rows, the next index, the cut's time), then
+    the turns in flight run to their end with no new turn sent, for the warm-up's own
+    metrics (turns sent in its last 70%, as `bench.sim` measures a steady state) and a
+    summary. The same loop as `bench.lib.virtual.replay`, cut."""
+    from engine import SamplingParams, Turn
+
+    clock = engine.now
+    start = clock()
+    plans = wl.plan(convs, rate, think, seed)
+    index = {p.conversation.id: k for k, p in enumerate(plans)}
+    due = [start]
+    records: list[wl.TurnRecord] = []
+    done = [0] * len(plans)  # turns recorded per conversation
+    events: list[tuple[float, int, int, Any]] = []  # (due, order, conversation, its script)
+    order = itertools.count()
+    waiting: dict[int, tuple[Any, int, Any]] = {}  # id(request) -> (request, k, script)
+    ended: set[int] = set()
+    cut = [False]
+
+    def record(rec: wl.TurnRecord) -> None:
+        records.append(rec)
+        done[index[rec.conversation]] += 1
+
+    def advance(k: int, steps, reply: wl.Reply | None) -> None:
+        try:
+            step = steps.send(reply)
+        except StopIteration:
+            ended.add(k)
+            return
+        if cut[0]:  # past the cut: nothing more is sent
+            return
+        if isinstance(step, wl.Wait):
+            heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), k, steps))
+            return
+        sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
+        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
+        try:
+            req = engine.submit(turn)
+        except ValueError as e:  # refused (too long for the tiers): a result, not a crash
+            now = due[0]
+            advance(k, steps, wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}"))
+            return
+        waiting[id(req)] = (req, k, steps)
+
+    def step_once() -> bool:
+        before = clock()
+        ended_reqs = engine.step()
+        due[0] = clock()
+        for req in ended_reqs:
+            s = req.stats
+            error = None if req.finish_reason == "length" else str(req.finish_reason)
+            reply = wl.Reply(
+                s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
+            )
+            _, k, steps = waiting.pop(id(req))
+            advance(k, steps, reply)
+        return clock() > before or bool(ended_reqs)
+
+    for k, p in enumerate(plans):
+        advance(k, wl.script(p, lambda: due[0] - start, 1.0, None, record), None)
+    stalls = 0
+    while True:
+        while events and events[0][0] <= clock():
+            due[0], _, k, steps = heapq.heappop(events)
+            advance(k, steps, None)
+        if clock() - start >= cut_s:
+            break
+        if not engine.has_work():
+            if not events or events[0][0] - start > cut_s:
+                clock.advance_to(start + cut_s)
+                break
+            clock.advance_to(events[0][0])
+            continue
+        if step_once():
+            stalls = 0
+            continue
+        wake = [t for t in (events[0][0] if events else None, engine.next_read_s())
+                if t is not None]  # fmt: skip
+        if wake:
+            clock.advance_to(min(wake))
+        else:
+            engine.wait_for_io()
+            stalls += 1
+            if stalls > 1000:
+                raise RuntimeError(f"{tag}: the engine made no progress")
+    cut[0] = True
+    t_cut = clock()
+    counts: dict[str, Any] = {}
+    rows: dict[int, Row] = {}
+    cs = engine.cache.chunk_size
+    for req, k, _ in waiting.values():  # in flight: sent again at once, from its history
+        kv = req.base if done[k] else 0
+        res = residency(engine, req.table, kv, counts) if done[k] else ""
+        idle = t_cut - (engine.clock.last_active(req.state.id) or t_cut)
+        rows[k] = Row(k, done[k], kv, res, idle, 0.0)
+    arrived = len(plans)
+    for at, _, k, _ in events:
+        if not done[k]:  # its arrival: not yet
+            arrived = min(arrived, k)
+            continue
+        state = engine.streams[f"{tag}/{plans[k].conversation.id}"]
+        table = engine.cache.table(state.id)
+        idle = t_cut - (engine.clock.last_active(state.id) or t_cut)
+        res = residency(engine, table, state.kv_len, counts)
+        rows[k] = Row(k, done[k], state.kv_len, res, idle, max(0.0, at - t_cut))
+    for table in engine.cache.held():  # ended, holding chunks until they are evicted
+        k = index[table.id.split("/", 1)[1]]
+        if k in rows or k not in ended or table.n_dropped == len(table.chunks):
+            continue
+        state = engine.streams[table.id]
+        idle = t_cut - (engine.clock.last_active(table.id) or t_cut)
+        rows[k] = Row(k, done[k], state.kv_len, residency(engine, table, state.kv_len, counts),
+                      idle, None)  # fmt: skip
+    in_flight = len(waiting)
+    # The turns in flight run to their end (nothing more is sent): the warm-up's metrics.
+    while engine.has_work():
+        if not step_once():
+            wake = engine.next_read_s()
+            if wake is not None:
+                clock.advance_to(wake)
+            else:
+                engine.wait_for_io()
+    metrics = steady_metrics(records, WARMUP_MEASURED * cut_s, cut_s)
+    tiers: dict[str, int] = {}
+    for r in rows.values():
+        for t in decode(r.residency):
+            tiers[t] = tiers.get(t, 0) + 1
+    summary = {
+        "arrived": arrived,
+        "live": sum(1 for r in rows.values() if r.next_s is not None),
+        "in_flight": in_flight,
+        "ended_holding": sum(1 for r in rows.values() if r.next_s is None),
+        "chunks": tiers,
+        "context_tokens_live": sum(r.kv for r in rows.values() if r.next_s is not None),
+        # A chunk shared by several conversations is held by the first written only; a
+        # shared run before private CPU chunks goes to the CPU or is dropped (`residency`)
+        "shared_chunks_dropped": counts.get("shared_dropped", 0),
+        "chunks_demoted": counts.get("demoted", 0),
+        "chunk_size": cs,
+    }
+    return sorted(rows.values(), key=lambda r: r.index), arrived, t_cut - start, metrics, summary
+
+
+def warmup_plans_needed(rate: float, cut_s: float) -> int:
+    """Conversations to plan for a warm-up: more than arrive by the cut."""
+    return math.ceil(rate * cut_s * 1.2) + 20
+
+
+# ---- resuming it ----------------------------------------------------------------------------
+
+
+def seeds(state: State, convs: list[wl.Conversation], tag: str, now: float, chunk_size: int = 32):
+    """The engine's seeds of every row that has a history (`Engine.seed`): conversation ids
+    `<tag>/<id>` as the replay's drivers name them, last activity on the engine's clock
+    `now`. Returns (seeds, rows left out: a history that does not match its residency)."""
+    from engine import Seed
+
+    out, bad = [], []
+    for r in state.rows:
+        if not r.turns:
+            continue
+        conv = nth(convs, r.index)
+        tokens = history(conv, r.turns)
+        tiers = decode(r.residency)
+        if r.kv > len(tokens) or len(tiers) != -(-r.kv // chunk_size):
+            bad.append(r.index)
+            continue
+        out.append(Seed(f"{tag}/{conv.id}", tokens, tiers, now - r.idle_s, computed=r.kv))
+    return out, bad
+
+
+def resume(
+    state: State, convs: list[wl.Conversation], stop_s: float, rate: float | None = None
+) -> list[wl.Plan]:
+    """The continuation of the state: each live conversation from its next turn after
+    `next_s` (its later think times as the warm-up planned them), and new conversations
+    from `next_index` on arriving at the state's rate (a new Poisson draw from the cut) up
+    to `stop_s`."""
+    rate = state.rate if rate is None else rate
+    plans = []
+    for r in state.live():
+        conv = nth(convs, r.index)
+        if r.turns >= len(conv.turns):
+            continue
+        think = wl.think_times(state.think_s, len(conv.turns) - 1, state.seed,
+                               f"{r.index}:{conv.id}")  # fmt: skip
+        context = conv.context_lens()[r.turns - 1] if r.turns else 0
+        plans.append(wl.Plan(conv, r.next_s, think, start=r.turns, context=context))
+    n = math.ceil(rate * stop_s * 1.5) + 10
+    arrivals = wl.poisson_arrivals(rate, n, f"{state.seed}/resume")
+    for j, at in enumerate(a for a in arrivals if a <= stop_s):
+        k = state.next_index + j
+        conv = nth(convs, k)
+        think = wl.think_times(state.think_s, len(conv.turns) - 1, state.seed, f"{k}:{conv.id}")
+        plans.append(wl.Plan(conv, at, think))
+    return plans
+
+
+def window(records: list[wl.TurnRecord], start: float, end: float) -> dict[str, Any]:
+    """The run's figures: the turns sent in [start, end) (after the part's short warm-up),
+    cancelled ones at their lower bound (`window_metrics`); throughput over the window's
+    length, as `steady_metrics` counts it. `first_second`: what the turns sent in the
+    first second of the replay found (the seeded state)."""
+    inside = [r for r in records if start <= r.sent_s < end]
+    m = window_metrics(inside, end - start)
+    ok = [r for r in inside if r.error is None and r.output_tokens > 0
+          and not r.stats.get("censored")]  # fmt: skip
+    m["duration_s"] = end - start
+    m["throughput_rps"] = len(ok) / (end - start)
+    m["throughput_tps"] = sum(r.output_tokens for r in ok) / (end - start)
+    m["window_s"] = [start, end]
+    first = [r for r in records if r.sent_s < 1.0 and r.error is None
+             and not r.stats.get("censored")]  # fmt: skip
+    m["first_second"] = {"turns": len(first), "later_turns": sum(1 for r in first if r.index),
+                         **cache_use(first)}  # fmt: skip
+    return m
