@@ -494,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-steady",
         action="store_true",
         help="rehearse the GPU report's steady part from its committed states "
-        "(bench/sim_steady.py): runs, crossings, estimated time against its budget",
+        "(bench/sim_steady.py): runs, crossings, estimated time against its budget; with "
+        "--gpu-report, simulate that report's steady runs (<report>-steady-sim-<device>.json)",
     )
     ap.add_argument(
         "--steady-states",
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    if args.gpu_steady or args.steady_states:
+    if args.gpu_steady or args.steady_states:  # before --gpu-report: with it, its twin
         return steady_main(args)
 
     if args.gpu_serve:
@@ -529,16 +530,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gpu_report:
         report = json.loads(args.gpu_report.read_text())
-        if report.get("steady", {}).get("runs"):  # its own file: seeded from the same states
-            from bench.sim_steady import twin as steady_twin
-
-            result = steady_twin(report, args.device)
-            result["environment"] = {**environment(), "device": label(args.device),
-                                     "simulated": True}  # fmt: skip
-            out = args.gpu_report.with_name(f"{args.gpu_report.stem}-steady-sim-{args.device}.json")
-            out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-            print(json.dumps(result["capacity"], indent=1))
-            print(f"wrote {out}")
         if not report.get("serve", {}).get("runs"):
             print(f"{args.gpu_report} has no serve runs to simulate")
             return 0
@@ -621,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def steady_main(args) -> int:
-    """`--steady-states` and `--gpu-steady` (bench/sim_steady.py)."""
+    """`--steady-states`, `--gpu-steady` and `--gpu-steady --gpu-report` (bench/sim_steady.py)."""
     from bench.gpu_report import STEADY_MODES, Settings
     from bench.sim_steady import choose, rehearse
 
@@ -629,9 +620,22 @@ def steady_main(args) -> int:
     if args.bound:
         s = replace(s, bound=args.bound)
     env = {**environment(), "device": label(args.device), "simulated": True}
-    if args.steady_states:
+    if args.gpu_report:
+        from bench.sim_steady import twin
+
+        report = json.loads(args.gpu_report.read_text())
+        if not report.get("steady", {}).get("runs"):
+            print(f"{args.gpu_report} has no steady runs to simulate")
+            return 0
+        result = twin(report, args.device)
+        out = args.out or args.gpu_report.with_name(
+            f"{args.gpu_report.stem}-steady-sim-{args.device}.json"
+        )
+        print(json.dumps(result["capacity"], indent=1))
+    elif args.steady_states:
         modes = args.modes.split(",") if args.modes else list(STEADY_MODES)
-        result = choose(s, args.device, modes, ROOT / s.steady_states)
+        start = floats(args.rates)[0] if args.rates else None  # where each walk starts
+        result = choose(s, args.device, modes, ROOT / s.steady_states, start)
         out = args.out or SIM / f"steady-states_{args.device}_{'-'.join(modes)}.json"
         print(f"rates chosen: {result['rates']}; skipped {result['skipped'] or 'nothing'}")
     else:

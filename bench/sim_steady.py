@@ -134,15 +134,30 @@ def make_states(s, device: str, modes, folder: Path, convs, log=_log) -> dict[st
     return out
 
 
-def choose(s, device: str, modes, folder: Path, log=_log) -> dict[str, Any]:
+def _reusable(path: Path, s, mode: str, rate: float, device: str) -> st.State | None:
+    """A state written earlier for the same mode, rate, think time, cut, tiers and cost
+    model (an interrupted walk goes on from there)."""
+    from bench.sim import label
+
+    if not path.exists():
+        return None
+    state = st.State.read(path)
+    same = (state.mode, state.rate, state.think_s, state.simulated) == (
+        mode, rate, s.steady_think_s, label(device))  # fmt: skip
+    return state if same and state.cut_s >= s.steady_cut_s else None
+
+
+def choose(s, device: str, modes, folder: Path, start: float | None = None, log=_log):
     """Per mode, the pair of ladder rates that brackets the bound in the warm-ups' own
-    steady window, walking from `START`; their states written to `folder`."""
-    from bench.gpu_report import load_sample, steady_preset
+    steady window, walking from `start` (else `START`); each warm-up's state written to
+    `folder` as it ends (a walk cut short goes on from them), those outside the pair
+    removed at the end."""
+    from bench.gpu_report import load_sample, state_mismatch, steady_preset
 
     convs, _ = load_sample(s)
     chosen, runs, skipped = {}, [], []
     for mode in modes:
-        rate0 = START.get(mode, 4.0)
+        rate0 = start or START.get(mode, 4.0)
         preset = steady_preset(s, mode, convs, rate0 * 2 ** (1 / 4))
         cpu = preset.cpu_cache_chunks if mode not in ("stateless", "gpu") else 0
         why = lent_room(s, device, preset.gpu_cache_chunks, cpu)
@@ -154,9 +169,16 @@ def choose(s, device: str, modes, folder: Path, log=_log) -> dict[str, Any]:
         i = min(range(len(LADDER)), key=lambda j: abs(LADDER[j] - rate0))
         while 0 <= i < len(LADDER):
             rate = LADDER[i]
-            state = states[rate] = warm_up(s, mode, rate, device, convs, log)
+            path = st.state_path(folder, mode, rate)
+            state = _reusable(path, s, mode, rate, device)
+            if state is None or state_mismatch(state, steady_preset(s, mode, convs, rate)):
+                state = warm_up(s, mode, rate, device, convs, log)
+                state.write(path)
+            else:
+                log(f"{mode} at {rate:g}/s: the state in {path.name} (made at {state.git_commit})")
+            states[rate] = state
             run = {"mode": mode, "rate": rate, "metrics": state.warmup_metrics}
-            runs.append({**run, "summary": state.summary})
+            runs.append({**run, "summary": state.summary, "git_commit": state.git_commit})
             up = not over(run, s.bound)
             nxt = LADDER[i + 1] if up and i + 1 < len(LADDER) else LADDER[i - 1] if i else None
             if nxt is None:
@@ -164,13 +186,14 @@ def choose(s, device: str, modes, folder: Path, log=_log) -> dict[str, Any]:
             if nxt in states and over({"metrics": states[nxt].warmup_metrics}, s.bound) == up:
                 lo, hi = sorted((rate, nxt))
                 chosen[mode] = [lo, hi]
-                for r in (lo, hi):
-                    states[r].write(st.state_path(folder, mode, r))
                 log(f"{mode}: {lo:g}/s under, {hi:g}/s over")
                 break
             i += 1 if up else -1
         else:
             log(f"{mode}: the ladder ended before the bound was bracketed")
+        for rate in states:  # only the pair stays
+            if rate not in chosen.get(mode, []):
+                st.state_path(folder, mode, rate).unlink(missing_ok=True)
     return {"rates": chosen, "warm_ups": runs, "skipped": skipped, "settings": asdict(s)}
 
 

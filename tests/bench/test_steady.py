@@ -131,7 +131,7 @@ def test_a_reports_steady_runs_are_simulated_from_the_same_states(dry, tmp_path)
     report = {"settings": settings, "steady": {"runs": [real]}}
     path = tmp_path / "gpu-report-x.json"
     path.write_text(json.dumps(report))
-    assert sim.main(["--gpu-report", str(path), "--device", "h100"]) == 0
+    assert sim.main(["--gpu-report", str(path), "--gpu-steady", "--device", "h100"]) == 0
     out = json.loads((tmp_path / "gpu-report-x-steady-sim-h100.json").read_text())
     (p,) = out["points"]
     (r,) = out["runs"]
