@@ -7,25 +7,34 @@ A warm-up in virtual time (`warm_up`: the sample, repeated, arriving at a rate f
 written as a small JSON file (`State`). A run seeds an engine with it (`seeds`, through
 `Engine.seed`: each conversation's history, the tier of each of its chunks, its last
 activity) and replays its continuation (`resume`): each live conversation at its next turn
-after what is left of its think time, the turns in flight at the cut sent again at once
-with their history up to their last completed turn, and new conversations arriving at the
-same rate from where the warm-up's arrivals stopped in the repeated sample. A real run
-and its simulated twin start from the same file, so they differ only by the cost model.
+after what is left of its think time, the turns in flight at the cut sent again at once,
+in the engine's order (running, then waiting), each going on from where it was (its
+history seeded up to what it had computed: a turn that was decoding sends its last token
+and asks for the rest of its reply, one in its prompt sends the rest of the prompt), and
+new conversations arriving at the same rate from where the warm-up's arrivals stopped in
+the repeated sample. Sending the running batch again from the start of each turn instead
+was tried first: near the bound the redone work (on average half of every running
+turn's reply) left a backlog that a 53 s run did not clear (the simulated stateless mode
+at 4/s went from 47 ms/token in the warm-up to 188 after the cut). A real run and its
+simulated twin start from the same file, so they differ only by the cost model.
 
 The file (`bench/samples/steady/<mode>-<rate>.json`, `State.to_json`):
 
     {"format": "pensieve-steady/1", "mode", "rate", "think_s", "cut_s", "seed",
      "sample", "sample_size", "next_index", "gpu_cache_chunks", "cpu_cache_chunks",
      "chunk_size", "simulated", "git_commit", "summary", "warmup_metrics",
-     "columns": ["index", "turns", "kv", "residency", "idle_s", "next_s"],
-     "conversations": [[index, turns, kv, "d12c5g8", idle_s, next_s], ...]}
+     "columns": ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"],
+     "conversations": [[index, turns, kv, "d12c5g8", idle_s, next_s, partial], ...]}
 
-One row per conversation the cut finds live or holding chunks: `index` in the repeated
-sample (`nth`), `turns` done, `kv` positions whose KV its chunks stand for (a turn's end
-leaves its last sampled token uncomputed), its residency run-length encoded (`d` dropped,
-`k` disk, `c` cpu, `g` gpu, `b` both), seconds since its last activity, seconds to its next
-turn (0: in flight at the cut; null: ended, its chunks held until evicted). `next_index`:
-the first conversation of the repeated sample that had not arrived. A chunk shared by
+One row per conversation the cut finds live or holding chunks, those in flight first (in
+the engine's order), then by index: `index` in the repeated sample (`nth`), `turns` done,
+`kv` positions whose KV its chunks stand for (a turn's end leaves its last sampled token
+uncomputed), its residency run-length encoded (`d` dropped, `k` disk, `c` cpu, `g` gpu,
+`b` both), seconds since its last activity, seconds to its next turn (0: in flight at the
+cut; null: ended, its chunks held until evicted), and for a turn in flight that had
+computed some of its tokens `[p, g]`: its history holds the first `p` tokens of that
+turn's prompt and `g` of its reply (null: none). `next_index`: the first conversation of
+the repeated sample that had not arrived. A chunk shared by
 several conversations (a common first prompt) is written as dropped in each: a seed holds
 no shared chunk. The history of a turn done is its prompt and `output_len` tokens of 0,
 as the simulator samples them.
@@ -47,7 +56,7 @@ from bench.lib.drivers import turn_stats
 from bench.lib.metrics import cache_use, steady_metrics, window_metrics
 
 FORMAT = "pensieve-steady/1"
-COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s"]
+COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"]
 CODES = {"gpu": "g", "both": "b", "cpu": "c", "disk": "k", "dropped": "d"}
 TIERS = {v: k for k, v in CODES.items()}
 WARMUP_MEASURED = 0.3  # the warm-up's own metrics: turns sent after this share of the cut
@@ -103,10 +112,32 @@ class Row:
     residency: str
     idle_s: float
     next_s: float | None
+    partial: list[int] | None = None  # [p, g]: the turn in flight, as far as it had got
 
     def to_list(self) -> list:
         nxt = None if self.next_s is None else round(self.next_s, 3)
-        return [self.index, self.turns, self.kv, self.residency, round(self.idle_s, 3), nxt]
+        return [self.index, self.turns, self.kv, self.residency, round(self.idle_s, 3), nxt,
+                self.partial]  # fmt: skip
+
+    def tokens(self, conv: wl.Conversation) -> list[int]:
+        """Its stream as seeded: the turns done, and as much of the one in flight as it had
+        computed."""
+        out = history(conv, self.turns)
+        if self.partial:
+            p, g = self.partial
+            out += conv.turns[self.turns].prompt[:p] + [OUTPUT_TOKEN] * g
+        return out
+
+    def next_turn(self, conv: wl.Conversation) -> wl.TurnSpec:
+        """The turn it sends next: a turn in flight goes on from where it was (the rest of
+        its prompt, or its last sampled token and the rest of its reply)."""
+        spec = conv.turns[self.turns]
+        if not self.partial:
+            return spec
+        p, g = self.partial
+        if p < len(spec.prompt):
+            return wl.TurnSpec(spec.prompt[p:], spec.output_len, spec.text)
+        return wl.TurnSpec([OUTPUT_TOKEN], spec.output_len - g - 1, spec.text)
 
 
 @dataclass
@@ -303,11 +334,13 @@ def warm_up(
     counts: dict[str, Any] = {}
     rows: dict[int, Row] = {}
     cs = engine.cache.chunk_size
-    for req, k, _ in waiting.values():  # in flight: sent again at once, from its history
-        kv = req.base if done[k] else 0
-        res = residency(engine, req.table, kv, counts) if done[k] else ""
-        idle = t_cut - (engine.clock.last_active(req.state.id) or t_cut)
-        rows[k] = Row(k, done[k], kv, res, idle, 0.0)
+    flying = []  # in flight, in the engine's order: sent again at once, going on from there
+    for req in engine.scheduler.turns():
+        if id(req) not in waiting:
+            continue  # a prefetch
+        k = waiting[id(req)][1]
+        rows[k] = in_flight(engine, req, k, plans[k].conversation, done[k], t_cut, counts)
+        flying.append(k)
     arrived = len(plans)
     for at, _, k, _ in events:
         if not done[k]:  # its arrival: not yet
@@ -326,7 +359,7 @@ def warm_up(
         idle = t_cut - (engine.clock.last_active(table.id) or t_cut)
         rows[k] = Row(k, done[k], state.kv_len, residency(engine, table, state.kv_len, counts),
                       idle, None)  # fmt: skip
-    in_flight = len(waiting)
+    n_flying = len(waiting)
     # The turns in flight run to their end (nothing more is sent): the warm-up's metrics.
     while engine.has_work():
         if not step_once():
@@ -343,7 +376,8 @@ def warm_up(
     summary = {
         "arrived": arrived,
         "live": sum(1 for r in rows.values() if r.next_s is not None),
-        "in_flight": in_flight,
+        "in_flight": n_flying,
+        "in_flight_partial": counts.get("partial", 0),  # going on from where they were
         "ended_holding": sum(1 for r in rows.values() if r.next_s is None),
         "chunks": tiers,
         "context_tokens_live": sum(r.kv for r in rows.values() if r.next_s is not None),
@@ -353,7 +387,29 @@ def warm_up(
         "chunks_demoted": counts.get("demoted", 0),
         "chunk_size": cs,
     }
-    return sorted(rows.values(), key=lambda r: r.index), arrived, t_cut - start, metrics, summary
+    first = set(flying)
+    order = [rows[k] for k in flying]
+    order += sorted((r for k, r in rows.items() if k not in first), key=lambda r: r.index)
+    return order, arrived, t_cut - start, metrics, summary
+
+
+def in_flight(engine, req, k: int, conv: wl.Conversation, turns: int, t_cut: float, counts) -> Row:
+    """The row of a turn in flight at the cut: its history as far as it had computed it
+    (a turn decoding: its prompt and all but its last sampled token; one in its prompt: the
+    positions computed; one waiting: its turns done)."""
+    prev = len(history(conv, turns))
+    prompt = len(conv.turns[turns].prompt)
+    made, kv = len(req.output), req.state.kv_len
+    if made:
+        p, g = prompt, made - 1
+    else:
+        p, g = max(0, kv - prev), 0
+    if kv > prev + p + g or (made and kv != prev + p + g):  # not as a turn leaves it: as sent
+        p, g, kv = 0, 0, min(req.base, prev)
+    res = residency(engine, req.table, kv, counts) if kv else ""
+    idle = t_cut - (engine.clock.last_active(req.state.id) or t_cut)
+    counts["partial"] = counts.get("partial", 0) + bool(p or g)
+    return Row(k, turns, kv, res, idle, 0.0, [p, g] if p or g else None)
 
 
 def warmup_plans_needed(rate: float, cut_s: float) -> int:
@@ -372,10 +428,10 @@ def seeds(state: State, convs: list[wl.Conversation], tag: str, now: float, chun
 
     out, bad = [], []
     for r in state.rows:
-        if not r.turns:
-            continue
         conv = nth(convs, r.index)
-        tokens = history(conv, r.turns)
+        tokens = r.tokens(conv)
+        if not tokens:
+            continue
         tiers = decode(r.residency)
         if r.kv > len(tokens) or len(tiers) != -(-r.kv // chunk_size):
             bad.append(r.index)
@@ -388,7 +444,8 @@ def resume(
     state: State, convs: list[wl.Conversation], stop_s: float, rate: float | None = None
 ) -> list[wl.Plan]:
     """The continuation of the state: each live conversation from its next turn after
-    `next_s` (its later think times as the warm-up planned them), and new conversations
+    `next_s` (a turn in flight: at once, in the rows' order, from where it was; its later
+    think times as the warm-up planned them), and new conversations
     from `next_index` on arriving at the state's rate (a new Poisson draw from the cut) up
     to `stop_s`."""
     rate = state.rate if rate is None else rate
@@ -399,7 +456,11 @@ def resume(
             continue
         think = wl.think_times(state.think_s, len(conv.turns) - 1, state.seed,
                                f"{r.index}:{conv.id}")  # fmt: skip
-        context = conv.context_lens()[r.turns - 1] if r.turns else 0
+        context = len(r.tokens(conv))
+        if r.partial:  # the turn in flight goes on from where it was
+            turns = list(conv.turns)
+            turns[r.turns] = r.next_turn(conv)
+            conv = wl.Conversation(conv.id, turns)
         plans.append(wl.Plan(conv, r.next_s, think, start=r.turns, context=context))
     n = math.ceil(rate * stop_s * 1.5) + 10
     arrivals = wl.poisson_arrivals(rate, n, f"{state.seed}/resume")

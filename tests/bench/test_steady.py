@@ -51,7 +51,9 @@ def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(dry, warm)
     assert json.loads(path.read_text())["columns"] == st.COLUMNS
     assert [r.to_list() for r in again.rows] == [r.to_list() for r in state.rows]
     assert again.next_index == state.next_index and again.cut_s >= s.steady_cut_s
-    assert state.summary["live"] > 10 and state.summary["in_flight"] > 0
+    assert state.summary["live"] > 10 and state.summary["in_flight_partial"] > 0
+    flying = [r.next_s == 0 for r in state.rows]  # those in flight come first
+    assert state.summary["in_flight"] == sum(flying) == flying.index(False)
     assert {"gpu", "cpu", "dropped"} <= set(state.summary["chunks"])  # tiers full: evicted
     rank = st.RANK
     for r in state.rows:
@@ -59,8 +61,16 @@ def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(dry, warm)
         assert len(tiers) == -(-r.kv // 32) and r.index < state.next_index
         assert all(rank[a] <= rank[b] for a, b in zip(tiers, tiers[1:], strict=False))
         assert r.idle_s >= 0 and (r.next_s is None or r.next_s >= 0)
-        if r.turns:  # a turn's end leaves its last sampled token uncomputed
-            assert r.kv == len(st.history(st.nth(convs, r.index), r.turns)) - 1
+        conv = st.nth(convs, r.index)
+        if r.partial:  # in flight: its history as far as it had computed it
+            assert r.next_s == 0 and 0 < r.kv <= len(r.tokens(conv))
+            spec = r.next_turn(conv)
+            assert spec.prompt and spec.output_len > 0
+            assert len(r.tokens(conv)) + len(spec.prompt) + spec.output_len == len(
+                st.history(conv, r.turns + 1)
+            )
+        elif r.turns:  # a turn's end leaves its last sampled token uncomputed
+            assert r.kv == len(st.history(conv, r.turns)) - 1
     held = sum(t in ("gpu", "both") for r in state.rows for t in st.decode(r.residency))
     assert 0 < held <= state.gpu_cache_chunks
     assert state.warmup_metrics["turns"] > 0
@@ -75,23 +85,27 @@ def test_a_seeded_engine_holds_the_state_and_the_replay_resumes_it(dry, warm):
     preset = replace(steady_preset(s, "pensieve"), device="sim:h100")
     engine = Engine(steady_config(s, "pensieve", preset))
     seeds, bad = st.seeds(state, convs, "t", engine.now())
-    assert not bad and len(seeds) == sum(1 for r in state.rows if r.turns)
+    assert not bad and len(seeds) == sum(1 for r in state.rows if r.tokens(st.nth(convs, r.index)))
     engine.seed(seeds)
     engine.cache.check()
     snap = {c.id: c for c in engine.snapshot().conversations}
     for r in state.rows:
-        if r.turns:
+        if r.kv:
             c = snap[f"t/{st.nth(convs, r.index).id}"]
             want = [t.replace("both", "gpu") for t in st.decode(r.residency)]
             assert list(c.chunks) == want and c.idle_s == pytest.approx(r.idle_s, abs=1e-6)
     plans = st.resume(state, convs, stop_s=5.0)
     live = {r.index: r for r in state.live()}
     resumed = [p for p in plans if p.start or p.context]
-    assert len(resumed) == sum(1 for r in live.values() if r.turns)
+    assert len(resumed) == sum(1 for r in live.values() if r.tokens(st.nth(convs, r.index)))
     for p in resumed:
         k = next(k for k, r in live.items() if st.nth(convs, k).id == p.conversation.id)
-        assert p.start == live[k].turns and p.arrival_s == pytest.approx(live[k].next_s)
-        assert p.context == len(st.history(p.conversation, p.start))
+        r = live[k]
+        assert p.start == r.turns and p.arrival_s == pytest.approx(r.next_s)
+        assert p.context == len(r.tokens(st.nth(convs, k)))
+        assert p.conversation.turns[p.start] == r.next_turn(st.nth(convs, k))
+    flying = [p.conversation.id for p in plans if p.arrival_s == 0]  # in the engine's order
+    assert flying == [st.nth(convs, r.index).id for r in state.rows if r.next_s == 0][: len(flying)]
     new = [p for p in plans if p.conversation.id not in {st.nth(convs, k).id for k in live}]
     assert new and new[0].conversation == st.nth(convs, state.next_index)
     assert all(0 < p.arrival_s <= 5.0 for p in new)
