@@ -250,6 +250,9 @@ def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
     t, runs, skipped, starts = 0.0, [], [], {}
     run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
     for mode in STEADY_MODES:
+        if mode in s.steady_skipped and not s.steady_rates.get(mode):
+            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
+            continue
         states, missing = steady_states(s, folder, mode)
         if missing:
             skipped.append(f"{mode}: no state {', '.join(missing)}")
