@@ -755,7 +755,7 @@ async def steady_run(engine, s: Settings, mode: str, state, path: Path, convs) -
         "warmup_s": s.steady_warmup_s,
         "window_s": s.steady_window_s,
         "wall_s": wall,
-        "metrics": st.window(records, s.steady_warmup_s, stop),
+        "metrics": st.window(records, s.steady_warmup_s, stop, st.going_on(state, convs)),
         "counters": counters,
     }
     _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} seeded {len(seeds)} "

@@ -148,10 +148,10 @@ def _reusable(path: Path, s, mode: str, rate: float, device: str) -> st.State | 
 
 
 def choose(s, device: str, modes, folder: Path, start: float | None = None, log=_log):
-    """Per mode, the pair of ladder rates that brackets the bound in the warm-ups' own
-    steady window, walking from `start` (else `START`); each warm-up's state written to
-    `folder` as it ends (a walk cut short goes on from them), those outside the pair
-    removed at the end."""
+    """Per mode, the pair of ladder rates that brackets the bound in the part's own runs
+    (each warm-up's state resumed as the part resumes it, `run_from`), walking from `start`
+    (else `START`); each warm-up's state written to `folder` as it ends (a walk cut short
+    goes on from them), those outside the pair removed at the end."""
     from bench.gpu_report import load_sample, state_mismatch, steady_preset
 
     convs, _ = load_sample(s)
@@ -165,7 +165,7 @@ def choose(s, device: str, modes, folder: Path, start: float | None = None, log=
             skipped.append(f"{mode}: {why}")
             log(f"skip {mode}: {why}")
             continue
-        states: dict[float, st.State] = {}
+        past: dict[float, bool] = {}  # rate -> its run was over the bound
         i = min(range(len(LADDER)), key=lambda j: abs(LADDER[j] - rate0))
         while 0 <= i < len(LADDER):
             rate = LADDER[i]
@@ -176,14 +176,17 @@ def choose(s, device: str, modes, folder: Path, start: float | None = None, log=
                 state.write(path)
             else:
                 log(f"{mode} at {rate:g}/s: the state in {path.name} (made at {state.git_commit})")
-            states[rate] = state
-            run = {"mode": mode, "rate": rate, "metrics": state.warmup_metrics}
-            runs.append({**run, "summary": state.summary, "git_commit": state.git_commit})
-            up = not over(run, s.bound)
+            run = run_from(s, mode, state, path, convs, device)
+            log(run_line(run) + "  [the part's run from it]")
+            past[rate] = over(run, s.bound)
+            runs.append({"mode": mode, "rate": rate, "warm_up": state.warmup_metrics,
+                         "run": run["metrics"], "summary": state.summary,
+                         "git_commit": state.git_commit})  # fmt: skip
+            up = not past[rate]
             nxt = LADDER[i + 1] if up and i + 1 < len(LADDER) else LADDER[i - 1] if i else None
             if nxt is None:
                 break
-            if nxt in states and over({"metrics": states[nxt].warmup_metrics}, s.bound) == up:
+            if nxt in past and past[nxt] == up:
                 lo, hi = sorted((rate, nxt))
                 chosen[mode] = [lo, hi]
                 log(f"{mode}: {lo:g}/s under, {hi:g}/s over")
@@ -191,10 +194,22 @@ def choose(s, device: str, modes, folder: Path, start: float | None = None, log=
             i += 1 if up else -1
         else:
             log(f"{mode}: the ladder ended before the bound was bracketed")
-        for rate in states:  # only the pair stays
+        for rate in past:  # only the pair stays
             if rate not in chosen.get(mode, []):
                 st.state_path(folder, mode, rate).unlink(missing_ok=True)
     return {"rates": chosen, "warm_ups": runs, "skipped": skipped, "settings": asdict(s)}
+
+
+def run_from(
+    s, mode: str, state: st.State, path: Path, convs, device: str, top: float | None = None
+) -> dict[str, Any]:
+    """One run of the part from `state` on a simulated engine of its own (`top`: the rate
+    the oracle's tiers are sized for)."""
+    engine, _ = _engine(s, mode, device, convs, top or state.rate)
+    try:
+        return steady_run(engine, s, mode, state, path, convs)
+    finally:
+        engine.close()
 
 
 # ---- the part rehearsed, and the twin of a real one -------------------------------------
@@ -228,7 +243,7 @@ def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict
         "warmup_s": s.steady_warmup_s,
         "window_s": s.steady_window_s,
         "wall_s": span,
-        "metrics": st.window(records, s.steady_warmup_s, stop),
+        "metrics": st.window(records, s.steady_warmup_s, stop, st.going_on(state, convs)),
     }
 
 
@@ -270,22 +285,21 @@ def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
             ENGINE_START_S + PIN_S_PER_GIB * cpu * kv_bytes_per_chunk(s.model, s.dtype) / 2**30
         )
         t += starts[mode]
-        engine, _ = _engine(s, mode, device, convs, max(r for r, _, _ in states))
-        try:
-            for rate, path, state in states:
-                if t + run_s + 15 >= s.steady_budget_s:  # part_steady's rule
-                    skipped.append(f"{mode} at {rate:g}/s: part budget")
-                    log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
-                    continue
-                run = steady_run(engine, s, mode, state, path, convs)
-                run["estimated_wall_s"] = run["seed_s"] + min(run["wall_s"], run_s)
-                t += run["estimated_wall_s"] + RUN_OVERHEAD_S
-                run["ends_at_s"] = t
-                runs.append(run)
-                log(run_line(run) + f"  [seeded {run['seeded']} in {run['seed_s']:.1f} s, "
-                    f"ends at ~{t:.0f} s]")  # fmt: skip
-        finally:
-            engine.close()
+        top = max(r for r, _, _ in states)  # the oracle's tiers: for the highest rate
+        for rate, path, state in states:
+            if t + run_s + 15 >= s.steady_budget_s:  # part_steady's rule
+                skipped.append(f"{mode} at {rate:g}/s: part budget")
+                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
+                continue
+            # An engine per run (the real part clears and re-seeds one per mode): the same
+            # run whatever ran before it, as `choose` ran it
+            run = run_from(s, mode, state, path, convs, device, top)
+            run["estimated_wall_s"] = run["seed_s"] + min(run["wall_s"], run_s)
+            t += run["estimated_wall_s"] + RUN_OVERHEAD_S
+            run["ends_at_s"] = t
+            runs.append(run)
+            log(run_line(run) + f"  [seeded {run['seeded']} in {run['seed_s']:.1f} s, "
+                f"ends at ~{t:.0f} s]")  # fmt: skip
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     caps = {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes}
     return {
@@ -315,32 +329,23 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict[str, Any]:
     convs, _ = load_sample(s)
     folder = steady_folder(s, convs)
     runs, points = [], []
-    engines: dict[str, Any] = {}
-    try:
-        for real in report["steady"]["runs"]:
-            mode = real["mode"]
-            path = folder / real["state"]
-            if not path.exists():
-                log(f"no state {path}: {mode} at {real['rate']:g}/s not simulated")
-                continue
-            state = st.State.read(path)
-            if mode not in engines:
-                for e in engines.values():
-                    e.close()
-                engines.clear()
-                engines[mode] = _engine(s, mode, device, convs, state.rate)[0]
-            run = steady_run(engines[mode], s, mode, state, path, convs)
-            runs.append(run)
-            point = {"mode": mode, "rate": real["rate"]}
-            for key in ("throughput_rps", "norm_latency_mean"):
-                r, v = real["metrics"][key], run["metrics"][key]
-                point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
-            points.append(point)
-            log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} "
-                "ms/tok)")  # fmt: skip
-    finally:
-        for e in engines.values():
-            e.close()
+    for real in report["steady"]["runs"]:
+        mode = real["mode"]
+        path = folder / real["state"]
+        if not path.exists():
+            log(f"no state {path}: {mode} at {real['rate']:g}/s not simulated")
+            continue
+        state = st.State.read(path)
+        top = max(x["rate"] for x in report["steady"]["runs"] if x["mode"] == mode)
+        run = run_from(s, mode, state, path, convs, device, top)
+        runs.append(run)
+        point = {"mode": mode, "rate": real["rate"]}
+        for key in ("throughput_rps", "norm_latency_mean"):
+            r, v = real["metrics"][key], run["metrics"][key]
+            point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
+        points.append(point)
+        log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} "
+            "ms/tok)")  # fmt: skip
     caps = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         real = crossing([x for x in report["steady"]["runs"] if x["mode"] == mode], s.bound)

@@ -196,13 +196,14 @@ def state_path(folder: Path, mode: str, rate: float) -> Path:
 RANK = {"dropped": 0, "disk": 0, "cpu": 1, "gpu": 2, "both": 2}
 
 
-def residency(engine, table, kv: int, tally: dict[str, Any]) -> str:
+def residency(engine, table, kv: int, tally: dict[str, Any], going_on: bool = False) -> str:
     """The tier of each chunk of the table's first `kv` positions, laid out as a seed takes
     them ([dropped or disk | cpu | gpu or both]). A chunk shared by several conversations
     keeps its tier in the first of them written (`tally["claimed"]`) and is dropped in the
     others (a seed holds no shared chunk); a shared run on the GPU before private CPU chunks
     (a layout only shared chunks have) goes to the CPU where it has a copy there, else is
-    dropped. Both are counted in `tally`."""
+    dropped. Both are counted in `tally`. A stateless engine holds chunks only for a turn
+    in flight that goes on from where it was (`going_on`)."""
     cs = engine.cache.chunk_size
     on_disk = engine.disk.keys() if engine.disk is not None else set()
     state = engine.streams.get(table.id)
@@ -226,8 +227,8 @@ def residency(engine, table, kv: int, tally: dict[str, Any]) -> str:
         out.append(tier)
     if len(out) * cs < kv:  # never: a table covers its computed positions
         raise RuntimeError(f"{table.id}: {len(out)} chunks for {kv} positions")
-    if engine.config.cache_mode == "stateless":  # a turn in flight: its end drops them all
-        return encode(["dropped"] * len(out))
+    if engine.config.cache_mode == "stateless" and not going_on:
+        return encode(["dropped"] * len(out))  # a turn in flight from its start: recomputed
     changed = True
     while changed:  # each chunk no faster than the next: demote the ones that are
         changed = False
@@ -406,7 +407,7 @@ def in_flight(engine, req, k: int, conv: wl.Conversation, turns: int, t_cut: flo
         p, g = max(0, kv - prev), 0
     if kv > prev + p + g or (made and kv != prev + p + g):  # not as a turn leaves it: as sent
         p, g, kv = 0, 0, min(req.base, prev)
-    res = residency(engine, req.table, kv, counts) if kv else ""
+    res = residency(engine, req.table, kv, counts, going_on=bool(p or g)) if kv else ""
     idle = t_cut - (engine.clock.last_active(req.state.id) or t_cut)
     counts["partial"] = counts.get("partial", 0) + bool(p or g)
     return Row(k, turns, kv, res, idle, 0.0, [p, g] if p or g else None)
@@ -472,11 +473,20 @@ def resume(
     return plans
 
 
-def window(records: list[wl.TurnRecord], start: float, end: float) -> dict[str, Any]:
+def going_on(state: State, convs: list[wl.Conversation]) -> set[tuple[str, int]]:
+    """(conversation id, turn index) of each turn in flight at the cut that goes on from
+    where it was."""
+    return {(nth(convs, r.index).id, r.turns) for r in state.rows if r.partial}
+
+
+def window(
+    records: list[wl.TurnRecord], start: float, end: float, resumed: set = frozenset()
+) -> dict[str, Any]:
     """The run's figures: the turns sent in [start, end) (after the part's short warm-up),
     cancelled ones at their lower bound (`window_metrics`); throughput over the window's
     length, as `steady_metrics` counts it. `first_second`: what the turns sent in the
-    first second of the replay found (the seeded state)."""
+    first second of the replay found (the seeded state), less those in flight at the cut
+    that went on from where they were (`resumed`, counted apart as `went_on`)."""
     inside = [r for r in records if start <= r.sent_s < end]
     m = window_metrics(inside, end - start)
     ok = [r for r in inside if r.error is None and r.output_tokens > 0
@@ -487,6 +497,9 @@ def window(records: list[wl.TurnRecord], start: float, end: float) -> dict[str, 
     m["window_s"] = [start, end]
     first = [r for r in records if r.sent_s < 1.0 and r.error is None
              and not r.stats.get("censored")]  # fmt: skip
+    on = [r for r in first if (r.conversation, r.index) in resumed]
+    first = [r for r in first if (r.conversation, r.index) not in resumed]
     m["first_second"] = {"turns": len(first), "later_turns": sum(1 for r in first if r.index),
                          **cache_use(first)}  # fmt: skip
+    m["went_on"] = {"turns": len(on), **cache_use(on)}
     return m

@@ -359,9 +359,10 @@ class KVCacheManager:
     def blocks_to_place(self, tiers: Sequence[str], tokens: int) -> tuple[int, int]:
         """The GPU and CPU blocks `place` takes for this residency. ValueError where this
         cache cannot hold it: not one tier of `RESIDENCIES` per chunk of `tokens` positions,
-        a layout other than [dropped or disk | cpu | gpu or both], a tier its mode lacks
-        (gpu-only: no CPU tier; stateless: nothing is held between turns), a chunk on disk
-        without a disk tier or not full."""
+        a layout other than [dropped or disk | cpu | gpu or both], a tier its mode lacks (a
+        CPU tier in gpu-only and stateless mode), a chunk on disk without a disk tier or not
+        full. (A stateless cache holds GPU chunks only while a turn runs: seeded, they stand
+        for a turn that goes on, and are dropped when the conversation's next turn ends.)"""
         if len(tiers) != self.n_chunks(tokens):
             raise ValueError(
                 f"{len(tiers)} tiers for {tokens} positions ({self.n_chunks(tokens)} chunks)"
@@ -383,8 +384,6 @@ class KVCacheManager:
                 raise ValueError(f"chunk {i} on disk is not full: only full chunks are files")
             gpu += tier in (GPU, BOTH)
             cpu += tier in (CPU, BOTH)
-        if self.mode == CacheMode.STATELESS and gpu + cpu:
-            raise ValueError("a stateless engine holds no chunk between turns: all dropped")
         if cpu and not self.cpu.num_blocks:
             raise ValueError(f"{cpu} chunks on the CPU tier: this engine has none ({self.mode})")
         return gpu, cpu

@@ -58,7 +58,7 @@ def test_placed_tables_keep_the_layout_and_the_counts():
         (CacheMode.PENSIEVE, "kg", "no disk tier"),
         (CacheMode.GPU, "cg", "has none"),
         (CacheMode.GPU, "bg", "has none"),
-        (CacheMode.STATELESS, "dg", "stateless"),
+        (CacheMode.STATELESS, "dc", "has none"),
         (CacheMode.PENSIEVE, "gggggggggggggggggg", "blocks asked"),
     ],
 )
