@@ -221,8 +221,9 @@ def clear(engine) -> None:
 
 
 def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict[str, Any]:
-    """`bench.gpu_report.steady_run` in virtual time: every turn sent runs to its end (the
-    real run cuts what runs past its drain, at its lower bound)."""
+    """`bench.gpu_report.steady_run` in virtual time: what still runs past the drain is
+    counted as the real run counts it, at its lower bound (`steady.censor`), and the run's
+    span is the simulated time every turn took to its end."""
     tag = f"steady-{mode}-{state.rate:g}"
     t = time.perf_counter()
     clear(engine)
@@ -231,6 +232,7 @@ def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict
     seed_s = time.perf_counter() - t
     stop = s.steady_warmup_s + s.steady_window_s
     records, span = replay(engine, st.resume(state, convs, stop), tag, 1.0, stop)
+    records = st.censor(records, stop + s.steady_drain_s)
     return {
         "mode": mode,
         "engine_mode": mode,
