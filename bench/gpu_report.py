@@ -113,8 +113,8 @@ class Settings:
     # Per mode the last rate under the bound and the first over it, each in the part's own
     # run from the state the simulator's warm-up at that rate left, chosen by
     # `steady_rates_by` (bench/README.md, "The steady part"). Simulated mean normalized
-    # latency of those runs (h100 model v2): stateless 73 / 574 ms, gpu-only 61 / 548,
-    # pensieve 31 / 198
+    # latency of those runs (h100 model v2): stateless 74 / 435 ms, gpu-only 63 / 435,
+    # pensieve 31 / 196
     steady_rates: dict[str, list[float]] = field(
         default_factory=lambda: {
             "stateless": [4.0, 4.76],

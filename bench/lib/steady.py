@@ -497,17 +497,21 @@ def window(
     records: list[wl.TurnRecord], start: float, end: float, resumed: set = frozenset()
 ) -> dict[str, Any]:
     """The run's figures: the turns sent in [start, end) (after the part's short warm-up),
-    cancelled ones at their lower bound (`window_metrics`); throughput over the window's
-    length, as `steady_metrics` counts it. `first_second`: what the turns sent in the
-    first second of the replay found (the seeded state), less those in flight at the cut
-    that went on from where they were (`resumed`, counted apart as `went_on`)."""
+    cancelled ones at their lower bound (`window_metrics`). Throughput is those turns over
+    the window's length, cut or not, as `steady_metrics` counts the simulator's steady
+    state (where every turn sent in the window is served, however late): under the bound
+    it is what was served; over it, what was offered (a run far over the bound completes
+    few of its turns before its drain ends: `completed_rps`). `first_second`: what the
+    turns sent in the first second of the replay found (the seeded state), less those in
+    flight at the cut that went on from where they were (`resumed`, apart as `went_on`)."""
     inside = [r for r in records if start <= r.sent_s < end]
     m = window_metrics(inside, end - start)
-    ok = [r for r in inside if r.error is None and r.output_tokens > 0
-          and not r.stats.get("censored")]  # fmt: skip
+    sent = [r for r in inside if r.error is None and r.output_tokens > 0]
+    done = [r for r in sent if not r.stats.get("censored")]
     m["duration_s"] = end - start
-    m["throughput_rps"] = len(ok) / (end - start)
-    m["throughput_tps"] = sum(r.output_tokens for r in ok) / (end - start)
+    m["throughput_rps"] = len(sent) / (end - start)
+    m["throughput_tps"] = sum(r.output_tokens for r in sent) / (end - start)
+    m["completed_rps"] = len(done) / (end - start)
     m["window_s"] = [start, end]
     first = [r for r in records if r.sent_s < 1.0 and r.error is None
              and not r.stats.get("censored")]  # fmt: skip

@@ -150,3 +150,24 @@ def test_a_reports_steady_runs_are_simulated_from_the_same_states(dry, tmp_path)
     (p,) = out["points"]
     (r,) = out["runs"]
     assert r["seeded"] > 0 and p["throughput_rps"]["sim"] == r["metrics"]["throughput_rps"]
+
+
+def test_the_committed_states_are_those_the_part_runs() -> None:
+    """Each rate of `Settings.steady_rates` has its state in `steady_states`, made for the
+    part's tiers, think time and sample by a warm-up of at least `steady_cut_s`."""
+    from bench.gpu_report import Settings, state_mismatch, steady_folder, steady_preset
+
+    s = Settings(device="cpu")
+    folder = steady_folder(s, [])
+    assert set(s.steady_rates) | set(s.steady_skipped) == set(STEADY_MODES)
+    for mode, rates in s.steady_rates.items():
+        assert len(rates) == 2 and rates[0] < rates[1]
+        for rate in rates:
+            state = st.State.read(st.state_path(folder, mode, rate))
+            assert (state.mode, state.rate, state.think_s) == (mode, rate, s.steady_think_s)
+            assert state.cut_s >= s.steady_cut_s and state.sample == s.sample
+            assert state.sample_size == s.conversations and state.simulated.startswith(
+                "SIMULATED h100"
+            )
+            assert state_mismatch(state, steady_preset(s, mode)) is None
+            assert state.summary["live"] > 500 and len(state.rows) >= state.summary["live"]
