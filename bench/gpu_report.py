@@ -127,7 +127,7 @@ class Settings:
     steady_skipped: dict[str, str] = field(
         default_factory=lambda: {
             "oracle": "its tiers (the whole history of every conversation arriving in the "
-            "warm-up and the run: 3982 GB at 8/s) do not fit one GPU"
+            "warm-up and the run: about 4 TB at 8/s) do not fit one GPU"
         }
     )
     steady_warmup_s: float = 6.0  # each run: sent, not counted (the turns in flight go on)
