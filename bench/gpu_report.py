@@ -42,7 +42,7 @@ from typing import Any
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment, host_memory_gb
 from bench.lib.drivers import EngineDriver
-from bench.lib.metrics import crossing, run_line, window_metrics
+from bench.lib.metrics import capacity_text, crossing, run_line, window_metrics
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
 from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
@@ -639,10 +639,15 @@ def summary(report: dict[str, Any]) -> str:
             continue
         for m, c in res["capacity"].items():
             p90 = res["capacity_p90"][m]
+            bound = report["settings"]["bound"] * 1e3
             lines.append(
-                f"  {part} {m:<18} capacity {_fmt(c['capacity_rps'])} req/s "
-                f"({'crossed' if c['crossed'] else 'NOT crossed'} {report['settings']['bound'] * 1e3:g} ms/token mean), "
-                f"p90 {_fmt(p90['capacity_rps'])}"
+                f"  {part} {m:<18} capacity {capacity_text(c)} at {bound:g} ms/token mean, "
+                f"p90 {capacity_text(p90)}"
+                + (
+                    f" (refusing runs left out at {c['unmeasured_rates']}/s)"
+                    if c.get("unmeasured_rates")
+                    else ""
+                )
             )
         for line in res.get("skipped", []):
             lines.append(f"  {part} skipped: {line}")
