@@ -339,11 +339,12 @@ def _chunks(gb: float, per: int) -> int:
 
 
 def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Preset:
-    """The engine settings of one scale: tiers / k (the oracle: tiers that hold everything)."""
+    """The engine settings of one scale: tiers / k (the oracle: the same GPU tier, and a
+    second tier that holds everything: `bench.lib.presets.Mode` says why)."""
     per = kv_bytes_per_chunk(s.model, s.dtype)
     gpu, cpu = _chunks(s.gpu_cache_gb / k, per), _chunks(s.cpu_cache_gb / k, per)
     if oracle_chunks is not None:
-        gpu, cpu = max(gpu, oracle_chunks), max(cpu, oracle_chunks)
+        cpu = max(cpu, oracle_chunks)
     return Preset(
         name="gpu-report",
         model=s.model,

@@ -319,7 +319,7 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     convs, _ = load_sample(s)
     runs, points = [], []
     for real in report["serve"]["runs"]:
-        oracle = real["gpu_cache_chunks"] if real["mode"] == "oracle" else None
+        oracle = real["cpu_cache_chunks"] if real["mode"] == "oracle" else None
         run = twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
                        real["scale"], real["window_s"], device, oracle)  # fmt: skip
         runs.append(run)

@@ -19,6 +19,7 @@ STYLE = {
     "stateless": ("tab:gray", "D"),
     "server": ("tab:green", "o"),
     "oracle": ("black", "*"),
+    "oracle-gpu": ("gray", "*"),
     "pensieve-disk": ("tab:brown", "P"),
 }
 

@@ -108,13 +108,15 @@ def fit_pools(preset: Preset, convs: list[wl.Conversation], chunk: int = 32) -> 
 
 
 def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset:
-    """The preset a mode runs: the oracle's tiers hold every conversation of the sample."""
+    """The preset a mode runs: the oracle's second tier (and `oracle-gpu`'s first) holds
+    every conversation of the sample."""
     if not mode.holds_all:
         return preset
     every = int(history_chunks(convs) * 1.1) + 64
+    gpu = preset.gpu_cache_chunks or 0
     return replace(
         preset,
-        gpu_cache_chunks=max(preset.gpu_cache_chunks or 0, every),
+        gpu_cache_chunks=max(gpu, every) if mode.gpu_holds_all else preset.gpu_cache_chunks,
         cpu_cache_chunks=max(preset.cpu_cache_chunks or 0, every),
     )
 

@@ -255,3 +255,19 @@ def test_fit_pools_keeps_tiers_given_in_chunks() -> None:
     assert fitted.cpu_cache_chunks == total and fitted.gpu_cache_chunks < total
     small = fit_pools(replace(PRESETS["cpu"], cpu_cache_chunks=5), convs)
     assert small.cpu_cache_chunks == 5 and small.gpu_cache_chunks == fitted.gpu_cache_chunks
+
+
+def test_the_oracle_keeps_the_gpu_tier_and_never_drops() -> None:
+    from bench.lib.pools import for_mode, history_chunks
+    from bench.lib.presets import MODES, PRESETS
+
+    preset = replace(PRESETS["cpu"], gpu_cache_chunks=100, cpu_cache_chunks=200)
+    convs = [wl.Conversation(id="a", turns=[wl.TurnSpec(list(range(3000)), 2000)] * 3)]
+    every = history_chunks(convs)
+    assert every > 200
+    oracle = for_mode(preset, MODES["oracle"], convs)
+    # The same GPU tier (the same batches on the same card), a second tier that holds all.
+    assert oracle.gpu_cache_chunks == 100 and oracle.cpu_cache_chunks >= every
+    both = for_mode(preset, MODES["oracle-gpu"], convs)
+    assert both.gpu_cache_chunks >= every and both.cpu_cache_chunks >= every
+    assert for_mode(preset, MODES["pensieve"], convs) == preset
