@@ -30,7 +30,15 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, SAMPLES, environment
-from bench.lib.metrics import claims, crossing, merge_runs, run_line, run_record, steady_metrics
+from bench.lib.metrics import (
+    claims,
+    crossing,
+    merge_runs,
+    run_line,
+    run_record,
+    steady_metrics,
+    window_metrics,
+)
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
@@ -278,23 +286,26 @@ def speed(reals: list[dict], sim: dict) -> dict:
     }
 
 
-def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, window: float,
-             device: str, oracle: int | None = None) -> dict:  # fmt: skip
-    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time:
-    every turn sent in the window runs to its end (no drain cut)."""
-    from bench.gpu_report import preset_for
+def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
+             oracle: int | None = None) -> dict:  # fmt: skip
+    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time, as
+    the real one runs: turns sent for the window, refused at a full queue, and those still
+    running at the drain's end cancelled and counted at their lower bound (`window_metrics`)."""
+    from bench.gpu_report import preset_for, window_of
     from engine import Engine
 
+    window, drain = window_of(s, k)
     preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
     engine = Engine(engine_config(preset, MODES[engine_mode]))
     try:
         plans = wl.plan(convs, rate, s.think_s / k, 0)
-        records, span = replay(engine, plans, mode, 1.0, window)
+        records, span = replay(engine, plans, mode, 1.0, window, deadline_s=window + drain)
+        counters = asdict(engine.snapshot().counters)
     finally:
         engine.close()
-    run = run_record(mode, s.think_s, rate, records, span, {})
-    run["scale"] = k
-    return run
+    return {"mode": mode, "engine_mode": engine_mode, "rate": rate, "scale": k,
+            "think_s": s.think_s, "window_s": window, "wall_s": span,
+            "metrics": window_metrics(records, span), "counters": counters}  # fmt: skip
 
 
 def report_settings(settings: dict):
@@ -311,8 +322,10 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
     each run with the same sample, rate, replayed think time, tiers and window, and the
     error of the simulation against it (throughput, mean normalized latency, capacity).
-    The real runs cut turns still running at the end of their drain (counted at their lower
-    bound); the simulated ones run every turn sent in the window to its end."""
+    Each simulated run is cut as its real one was (`twin_run`): the same queue limit, the
+    same drain. A mode's capacity is compared as `crossing` gives it, for real and simulated
+    runs alike: where the bound was crossed, or the lower bound where it was not
+    (`capacity_of`)."""
     from bench.gpu_report import load_sample
 
     s = report_settings(report["settings"])
@@ -321,7 +334,7 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     for real in report["serve"]["runs"]:
         oracle = real["gpu_cache_chunks"] if real["mode"] == "oracle" else None
         run = twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                       real["scale"], real["window_s"], device, oracle)  # fmt: skip
+                       real["scale"], device, oracle)  # fmt: skip
         runs.append(run)
         point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
         for key in ("throughput_rps", "norm_latency_mean"):
@@ -332,11 +345,24 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     bound = s.bound
     caps = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
-        real = crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
-        sim = crossing([x for x in runs if x["mode"] == mode], bound)
-        r, v = real.get("capacity_rps"), sim.get("capacity_rps")
-        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None}
+        real = capacity_of(
+            crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
+        )
+        sim = capacity_of(crossing([x for x in runs if x["mode"] == mode], bound))
+        r, v = real["rps"], sim["rps"]
+        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None,
+                      "real_at_least": real["at_least"], "sim_at_least": sim["at_least"]}  # fmt: skip
     return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}
+
+
+def capacity_of(c: dict) -> dict:
+    """A mode's capacity from its `crossing`: where its latency crossed the bound, or, where
+    its runs never passed it, its best throughput (`at_least`: a lower bound). Either shape
+    of the crossing: a lower bound as `capacity_rps` of a run not `crossed`, or as
+    `at_least_rps` beside a `capacity_rps` of None."""
+    if c.get("capacity_rps") is not None:
+        return {"rps": c["capacity_rps"], "at_least": not c.get("crossed", True)}
+    return {"rps": c.get("at_least_rps"), "at_least": c.get("at_least_rps") is not None}
 
 
 # What a real serve part spends besides its runs' windows and drains (the H200's, ba0cc72:
@@ -375,7 +401,7 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
                 skipped.append(f"{mode} at {rate:g}/s")
                 log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
                 break
-            run = twin_run(s, convs, mode, mode, rate, s.scale, s.window_s, device)
+            run = twin_run(s, convs, mode, mode, rate, s.scale, device)
             run["estimated_wall_s"] = min(run["wall_s"], s.window_s + s.drain_s)
             t += run["estimated_wall_s"] + RUN_OVERHEAD_S
             run["ends_at_s"] = t
