@@ -330,6 +330,7 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
 
     s = report_settings(report["settings"])
     convs, _ = load_sample(s)
+    host = host_model(s, device)
     runs, points = [], []
     for real in report["serve"]["runs"]:
         oracle = real["gpu_cache_chunks"] if real["mode"] == "oracle" else None
@@ -340,8 +341,15 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
         for key in ("throughput_rps", "norm_latency_mean"):
             r, v = real["metrics"][key], run["metrics"][key]
             point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
+        if ms := step_ms(real, run, host):
+            point["step_ms"] = ms
         points.append(point)
-        log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok)")
+        ms = point.get("step_ms")
+        steps = f", {ms['real']:.1f} ms/step, simulated {ms['sim']:.1f}" if ms else ""
+        log(
+            run_line(run)
+            + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok{steps})"
+        )
     bound = s.bound
     caps = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
@@ -352,7 +360,11 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
         r, v = real["rps"], sim["rps"]
         caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None,
                       "real_at_least": real["at_least"], "sim_at_least": sim["at_least"]}  # fmt: skip
-    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}
+    timed = [p for p in points if "step_ms" in p]
+    fit = host_fit(timed) if len(timed) > 1 else None
+    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps,
+            "step_host": {"model_ms": [host[0] * 1e3, host[1] * 1e3],
+                          "fit_ms": fit and [fit[0] * 1e3, fit[1] * 1e3]}}  # fmt: skip
 
 
 def capacity_of(c: dict) -> dict:
@@ -363,6 +375,56 @@ def capacity_of(c: dict) -> dict:
     if c.get("capacity_rps") is not None:
         return {"rps": c["capacity_rps"], "at_least": not c.get("crossed", True)}
     return {"rps": c.get("at_least_rps"), "at_least": c.get("at_least_rps") is not None}
+
+
+def host_model(s, device: str) -> tuple[float, float]:
+    """The device model's host time (`StepCost.host_s`) for the report's model: seconds per
+    step, and per sampled row."""
+    from engine.model.loader import model_args
+    from engine.sim.cost import Shape, Work
+    from engine.sim.devices import gpu_device
+
+    cost = gpu_device(device, Shape.of(model_args(s.model), s.dtype)).cost
+    step = cost.host_s([Work(1, 0, False)])
+    return step, cost.host_s([Work(1, 0, True)]) - step
+
+
+def step_ms(real: dict, sim: dict, host: tuple[float, float]) -> dict | None:
+    """Milliseconds per step, real (its wall time over its steps) and simulated; sampled rows
+    per step (generated tokens over steps) of each; and the host time per step that the
+    real run implies: its time per step less the model's own (the simulated step less the
+    model's host time at the simulated rows). `host_fit` fits the device's host figures to
+    these."""
+    rc, sc = real.get("counters", {}), sim["counters"]
+    if not rc.get("steps") or not sc["steps"]:
+        return None
+    r, v = real["wall_s"] / rc["steps"], sim["wall_s"] / sc["steps"]
+    rows = {
+        "real": rc["generated_tokens"] / rc["steps"],
+        "sim": sc["generated_tokens"] / sc["steps"],
+    }
+    model = host[0] + host[1] * rows["sim"]
+    return {"real": r * 1e3, "sim": v * 1e3, "error": (v - r) / r, "rows": rows,
+            "host_model": model * 1e3, "host_implied": (r - (v - model)) * 1e3}  # fmt: skip
+
+
+def host_fit(points: list[dict]) -> tuple[float, float]:
+    """Host seconds per step and per sampled row that fit the host times the twins' runs
+    imply (`step_ms`) against their real rows per step: least squares, neither negative
+    (a negative intercept: a line through the origin; a negative slope: a constant)."""
+    if not points:
+        raise ValueError("no run to fit")
+    xs = [p["step_ms"]["rows"]["real"] for p in points]
+    ys = [p["step_ms"]["host_implied"] * 1e-3 for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    a = my - b * mx
+    if a < 0:
+        a, b = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if b < 0:
+        a, b = max(0.0, my), 0.0
+    return a, b
 
 
 # What a real serve part spends besides its runs' windows and drains (the H200's, ba0cc72:
@@ -549,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.gpu_report.stem}-sim-{args.device}.json"
         )
         out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-        print(json.dumps(result["capacity"], indent=1))
+        print(json.dumps({k: result[k] for k in ("capacity", "step_host")}, indent=1))
         print(f"wrote {out}")
         return 0
 
