@@ -299,7 +299,9 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
     engine = Engine(engine_config(preset, MODES[engine_mode]))
     try:
         plans = wl.plan(convs, rate, s.think_s / k, 0)
-        records, span = replay(engine, plans, mode, 1.0, window, deadline_s=window + drain)
+        records, span = replay(
+            engine, plans, mode, 1.0, window, deadline_s=window + drain, queue_limit=True
+        )
         counters = asdict(engine.snapshot().counters)
     finally:
         engine.close()

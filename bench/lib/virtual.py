@@ -4,10 +4,12 @@ The same conversations, arrivals and think times as the real replay (`workload.s
 driven by events instead of tasks: a conversation's next action is due at a virtual time;
 the engine steps while it has work, each step moving the clock on by what the device model
 says it took; when it is idle the clock jumps to the next event. A turn is sent at its own
-due time (within a step: it waits for the step to end, as a real one does). As the real
-drivers do, a turn is refused when the engine's queue is full (`Engine.accept`, the rule the
-AsyncEngine applies; the refusal ends its conversation), and with a deadline the turns
-still running then are cancelled and counted at their latency so far (`drivers.censored`).
+due time (within a step: it waits for the step to end, as a real one does). To replay a
+real run as its driver did (a GPU report's twin): with `queue_limit` a turn is refused when
+the engine's queue is full (`Engine.accept`, the rule the AsyncEngine applies; the refusal
+ends its conversation), and with a deadline the turns still running then are cancelled and
+counted at their latency so far (`drivers.censored`). The preset sweeps apply neither:
+their queue is unbounded, as the paper's capacity measure assumes.
 
 Besides the replay's records it measures the real host time of the engine's steps: the
 project's scheduler and cache, which the simulation runs for real.
@@ -61,11 +63,13 @@ def replay(
     stop_s: float | None = None,
     host: HostTime | None = None,
     deadline_s: float | None = None,
+    queue_limit: bool = False,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
     `deadline_s` (seconds of replay, past `stop_s`): the turns still in flight then are
     cancelled and recorded as censored at that time, as the real run's driver does
-    (`EngineDriver`'s deadline: a window, then a drain)."""
+    (`EngineDriver`'s deadline: a window, then a drain). `queue_limit`: a turn sent while
+    the engine's `max_waiting` turns are queued is refused, as the AsyncEngine refuses it."""
     from engine import EngineOverloaded, SamplingParams, Turn
 
     clock = engine.now
@@ -89,7 +93,7 @@ def replay(
         sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
         turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
         try:
-            engine.accept(turn, engine.queued())  # the queue's limit, as the AsyncEngine's
+            engine.accept(turn, engine.queued() if queue_limit else 0)
             req = engine.submit(turn, accepted=True)
         except (ValueError, EngineOverloaded) as e:  # refused: a result, not a crash
             now = due[0]

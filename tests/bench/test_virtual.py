@@ -25,15 +25,17 @@ def plans(n: int, turns: int, output: int, arrival: float = 0.0) -> list[wl.Plan
 
 def test_a_full_queue_refuses_a_turn_and_its_conversation_ends() -> None:
     # Six first turns at once, before any step: two queue, the other four are refused.
-    records, _ = replay(engine(max_waiting=2), plans(6, 2, 8), "q")
+    records, _ = replay(engine(max_waiting=2), plans(6, 2, 8), "q", queue_limit=True)
     refused = [r for r in records if r.error]
     assert len(refused) == 4
     assert all(r.error.startswith("EngineOverloaded") for r in refused)
     assert all(r.output_tokens == 0 for r in refused)
     done = {r.conversation for r in records if not r.error}
     assert len(done) == 2 and len(records) == 4 + 2 * 2  # a refusal ends its conversation
-    # With room in the queue, nothing is refused.
-    records, _ = replay(engine(), plans(6, 2, 8), "q")
+    # With room in the queue, or without the limit (a preset's sweep), nothing is refused.
+    records, _ = replay(engine(), plans(6, 2, 8), "q", queue_limit=True)
+    assert len(records) == 12 and not any(r.error for r in records)
+    records, _ = replay(engine(max_waiting=2), plans(6, 2, 8), "q")
     assert len(records) == 12 and not any(r.error for r in records)
 
 
