@@ -20,16 +20,17 @@
     the host time the real run implies (`bench.sim.step_ms`), against the run's sampled
     rows per step; a least-squares line through them, neither part negative
     (`bench.sim.host_fit`), over twelve runs: the six of the H100 report at 4e07f94
-    (`bench/results/h100-4e07f94/`: 75-82 rows a step, a full queue; 4.0-9.4 ms implied)
+    (`bench/results/h100-4e07f94/`: 75-82 rows a step, a full queue; 4.1-9.4 ms implied)
     and the stateless and gpu runs of the H200 report at ba0cc72 (5-34 rows; 0.9-2.4 ms).
     Its pensieve run is left out: its swaps went block by block then (1,360 small copies
     a swap-in step), which the engine no longer does. The fit is 0.083 ms per row and no
-    part per step: the model's forward has its fixed part already (the attention kernel's
-    launch as the kernel benchmark measured it, 3.5 ms a step, where a captured decode step
-    pays less). Per row: its piece of the batch, its scheduling, its sampled token accepted
-    and handed to the event loop (a thread that takes the GIL too). It replaces the batch
-    metadata alone (`bench/results/step_prep_cpu.json`: 0.66 ms for 64 pieces on a 2-core
-    CPU). The host works before the forward, while the copy stream goes on.
+    part per step (its intercept: -0.01 ms): the model's forward has a fixed part already
+    (the attention kernel's launch as the kernel benchmark measured it, 3.5 ms a step,
+    where a captured decode step pays less). Per row: its piece of the batch, its
+    scheduling, its sampled token accepted and handed to the event loop (a thread that
+    takes the GIL too). It replaces the batch metadata alone
+    (`bench/results/step_prep_cpu.json`: 0.66 ms for 64 pieces on a 2-core CPU). The host
+    works before the forward, while the copy stream goes on.
 - `a100-80gb`: the paper's GPU. Spec sheet (A100 SXM 80GB): 312 TFLOP/s dense bf16, 2.039
   TB/s HBM2e, PCIe 4.0 x16 (32 GB/s a direction). Achieved shares are taken from the H100's
   (matmul 81% of peak, attention and weights' reads the same share of HBM, swaps the same
