@@ -338,6 +338,12 @@ def _chunks(gb: float, per: int) -> int:
     return max(2, int(gb * 2**30 // per))
 
 
+def window_of(s: Settings, k: float) -> tuple[float, float]:
+    """A run's window (seconds of turns sent) and drain (at most this long after it, then
+    what still runs is cancelled): the unscaled run's are longer."""
+    return (s.unscaled_window_s, s.unscaled_drain_s) if k == 1 else (s.window_s, s.drain_s)
+
+
 def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Preset:
     """The engine settings of one scale: tiers / k (the oracle: the same GPU tier, and a
     second tier that holds everything: `bench.lib.presets.Mode` says why)."""
@@ -378,8 +384,7 @@ class Runner:
         temperature: float = 0.0,
     ) -> dict[str, Any] | None:
         s = self.s
-        window, drain = (s.unscaled_window_s, s.unscaled_drain_s) if k == 1 else (
-            s.window_s, s.drain_s)  # fmt: skip
+        window, drain = window_of(s, k)
         name = label or mode
         if not self.fits(window, drain):
             self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): part budget")
