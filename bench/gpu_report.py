@@ -29,7 +29,7 @@ finish within its budget (`--budget`) and records what it skipped.
   machine allows, think time 60 s), each mode at a pair of rates that brackets the bound,
   chosen beforehand by the simulator; each run seeded with the state the simulator wrote
   at the end of a 20-minute warm-up at its rate (`bench/lib/steady.py`), then a short
-  warm-up, then a 45 s window. The oracle where its tiers fit (on one GPU they do not).
+  warm-up, then a 45 s window. The oracle where its tiers fit (on a lent machine they do not).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment, host_memory_gb
 from bench.lib.drivers import EngineDriver
-from bench.lib.metrics import crossing, run_line, window_metrics
+from bench.lib.metrics import capacity_text, crossing, run_line, window_metrics
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
 from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
@@ -126,17 +126,14 @@ class Settings:
     # Modes the simulator chose no rates for, and why (listed as skipped by the part)
     steady_skipped: dict[str, str] = field(
         default_factory=lambda: {
-            "oracle": "its tiers (the whole history of every conversation arriving in the "
-            "warm-up and the run: about 4 TB at 8/s) do not fit one GPU"
+            "oracle": "its second tier (the whole history of every conversation arriving "
+            "in the warm-up and the run: about 4 TB at 8/s) is over 60% of a lent machine's RAM"
         }
     )
     steady_warmup_s: float = 6.0  # each run: sent, not counted (the turns in flight go on)
     steady_window_s: float = 45.0  # then counted
     steady_drain_s: float = 15.0  # then turns still running are cut (at their lower bound)
     steady_budget_s: float = 480.0  # the whole part, engine starts included
-    # The async front's queue: as deep as the simulator's (which refuses nothing), so that a
-    # run over the bound queues rather than refuses, as its twin does
-    steady_max_waiting: int = 8192
     dry: bool = False  # a CPU dry run: turns cut short, tiny tiers
 
 
@@ -392,12 +389,19 @@ def _chunks(gb: float, per: int) -> int:
     return max(2, int(gb * 2**30 // per))
 
 
+def window_of(s: Settings, k: float) -> tuple[float, float]:
+    """A run's window (seconds of turns sent) and drain (at most this long after it, then
+    what still runs is cancelled): the unscaled run's are longer."""
+    return (s.unscaled_window_s, s.unscaled_drain_s) if k == 1 else (s.window_s, s.drain_s)
+
+
 def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Preset:
-    """The engine settings of one scale: tiers / k (the oracle: tiers that hold everything)."""
+    """The engine settings of one scale: tiers / k (the oracle: the same GPU tier, and a
+    second tier that holds everything: `bench.lib.presets.Mode` says why)."""
     per = kv_bytes_per_chunk(s.model, s.dtype)
     gpu, cpu = _chunks(s.gpu_cache_gb / k, per), _chunks(s.cpu_cache_gb / k, per)
     if oracle_chunks is not None:
-        gpu, cpu = max(gpu, oracle_chunks), max(cpu, oracle_chunks)
+        cpu = max(cpu, oracle_chunks)
     return Preset(
         name="gpu-report",
         model=s.model,
@@ -431,8 +435,7 @@ class Runner:
         temperature: float = 0.0,
     ) -> dict[str, Any] | None:
         s = self.s
-        window, drain = (s.unscaled_window_s, s.unscaled_drain_s) if k == 1 else (
-            s.window_s, s.drain_s)  # fmt: skip
+        window, drain = window_of(s, k)
         name = label or mode
         if not self.fits(window, drain):
             self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): part budget")
@@ -673,13 +676,13 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
 
 
 def steady_preset(s: Settings, mode: str, convs=None, rate: float | None = None) -> Preset:
-    """The engine settings of the steady part: the unscaled tiers (the oracle's: tiers
-    that hold every conversation arriving up to its last run's end, `steady_oracle_chunks`)."""
+    """The engine settings of the steady part: the unscaled tiers (the oracle's: the same
+    GPU tier, and a second tier that holds every conversation arriving up to its last run's
+    end, `steady_oracle_chunks`, as `preset_for` sizes the serve part's oracle)."""
     per = kv_bytes_per_chunk(s.model, s.dtype)
     gpu, cpu = _chunks(s.steady_gpu_gb, per), _chunks(s.steady_cpu_gb, per)
     if mode == "oracle":
-        n = steady_oracle_chunks(s, convs, rate)
-        gpu, cpu = max(gpu, n), max(cpu, n)
+        cpu = max(cpu, steady_oracle_chunks(s, convs, rate))
     return Preset(
         name="gpu-report-steady",
         model=s.model,
@@ -703,7 +706,7 @@ def steady_oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float)
 
 
 def steady_config(s: Settings, mode: str, preset: Preset):
-    return replace(engine_config(preset, MODES[mode]), max_waiting=s.steady_max_waiting)
+    return engine_config(preset, MODES[mode])  # its queue unbounded (`pools.BENCH_QUEUE`)
 
 
 def steady_folder(s: Settings, convs: list[wl.Conversation]) -> Path:
@@ -875,10 +878,15 @@ def summary(report: dict[str, Any]) -> str:
             continue
         for m, c in res["capacity"].items():
             p90 = res["capacity_p90"][m]
+            bound = report["settings"]["bound"] * 1e3
             lines.append(
-                f"  {part} {m:<18} capacity {_fmt(c['capacity_rps'])} req/s "
-                f"({'crossed' if c['crossed'] else 'NOT crossed'} {report['settings']['bound'] * 1e3:g} ms/token mean), "
-                f"p90 {_fmt(p90['capacity_rps'])}"
+                f"  {part} {m:<18} capacity {capacity_text(c)} at {bound:g} ms/token mean, "
+                f"p90 {capacity_text(p90)}"
+                + (
+                    f" (refusing runs left out at {c['unmeasured_rates']}/s)"
+                    if c.get("unmeasured_rates")
+                    else ""
+                )
             )
         for line in res.get("skipped", []):
             lines.append(f"  {part} skipped: {line}")

@@ -30,7 +30,15 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, SAMPLES, environment
-from bench.lib.metrics import claims, crossing, merge_runs, run_line, run_record, steady_metrics
+from bench.lib.metrics import (
+    claims,
+    crossing,
+    merge_runs,
+    run_line,
+    run_record,
+    steady_metrics,
+    window_metrics,
+)
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
@@ -278,23 +286,28 @@ def speed(reals: list[dict], sim: dict) -> dict:
     }
 
 
-def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, window: float,
-             device: str, oracle: int | None = None) -> dict:  # fmt: skip
-    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time:
-    every turn sent in the window runs to its end (no drain cut)."""
-    from bench.gpu_report import preset_for
+def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
+             oracle: int | None = None) -> dict:  # fmt: skip
+    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time, as
+    the real one runs: turns sent for the window, refused at a full queue, and those still
+    running at the drain's end cancelled and counted at their lower bound (`window_metrics`)."""
+    from bench.gpu_report import preset_for, window_of
     from engine import Engine
 
+    window, drain = window_of(s, k)
     preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
     engine = Engine(engine_config(preset, MODES[engine_mode]))
     try:
         plans = wl.plan(convs, rate, s.think_s / k, 0)
-        records, span = replay(engine, plans, mode, 1.0, window)
+        records, span = replay(
+            engine, plans, mode, 1.0, window, deadline_s=window + drain, queue_limit=True
+        )
+        counters = asdict(engine.snapshot().counters)
     finally:
         engine.close()
-    run = run_record(mode, s.think_s, rate, records, span, {})
-    run["scale"] = k
-    return run
+    return {"mode": mode, "engine_mode": engine_mode, "rate": rate, "scale": k,
+            "think_s": s.think_s, "window_s": window, "wall_s": span,
+            "metrics": window_metrics(records, span), "counters": counters}  # fmt: skip
 
 
 def report_settings(settings: dict):
@@ -311,32 +324,109 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
     each run with the same sample, rate, replayed think time, tiers and window, and the
     error of the simulation against it (throughput, mean normalized latency, capacity).
-    The real runs cut turns still running at the end of their drain (counted at their lower
-    bound); the simulated ones run every turn sent in the window to its end."""
+    Each simulated run is cut as its real one was (`twin_run`): the same queue limit, the
+    same drain. A mode's capacity is compared as `crossing` gives it, for real and simulated
+    runs alike: where the bound was crossed, or the lower bound where it was not
+    (`capacity_of`)."""
     from bench.gpu_report import load_sample
 
     s = report_settings(report["settings"])
     convs, _ = load_sample(s)
+    host = host_model(s, device)
     runs, points = [], []
     for real in report["serve"]["runs"]:
-        oracle = real["gpu_cache_chunks"] if real["mode"] == "oracle" else None
+        oracle = real["cpu_cache_chunks"] if real["mode"] == "oracle" else None
         run = twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                       real["scale"], real["window_s"], device, oracle)  # fmt: skip
+                       real["scale"], device, oracle)  # fmt: skip
         runs.append(run)
         point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
         for key in ("throughput_rps", "norm_latency_mean"):
             r, v = real["metrics"][key], run["metrics"][key]
             point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
+        if ms := step_ms(real, run, host):
+            point["step_ms"] = ms
         points.append(point)
-        log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok)")
+        ms = point.get("step_ms")
+        steps = f", {ms['real']:.1f} ms/step, simulated {ms['sim']:.1f}" if ms else ""
+        log(
+            run_line(run)
+            + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok{steps})"
+        )
     bound = s.bound
     caps = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
-        real = crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
-        sim = crossing([x for x in runs if x["mode"] == mode], bound)
-        r, v = real.get("capacity_rps"), sim.get("capacity_rps")
-        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None}
-    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}
+        real = capacity_of(
+            crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
+        )
+        sim = capacity_of(crossing([x for x in runs if x["mode"] == mode], bound))
+        r, v = real["rps"], sim["rps"]
+        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None,
+                      "real_at_least": real["at_least"], "sim_at_least": sim["at_least"]}  # fmt: skip
+    timed = [p for p in points if "step_ms" in p]
+    fit = host_fit(timed) if len(timed) > 1 else None
+    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps,
+            "step_host": {"model_ms": [host[0] * 1e3, host[1] * 1e3],
+                          "fit_ms": fit and [fit[0] * 1e3, fit[1] * 1e3]}}  # fmt: skip
+
+
+def capacity_of(c: dict) -> dict:
+    """A mode's capacity from its `crossing`: where its latency crossed the bound, or, where
+    its runs never passed it, its best throughput (`at_least`: a lower bound). Either shape
+    of the crossing: a lower bound as `capacity_rps` of a run not `crossed`, or as
+    `at_least_rps` beside a `capacity_rps` of None."""
+    if c.get("capacity_rps") is not None:
+        return {"rps": c["capacity_rps"], "at_least": not c.get("crossed", True)}
+    return {"rps": c.get("at_least_rps"), "at_least": c.get("at_least_rps") is not None}
+
+
+def host_model(s, device: str) -> tuple[float, float]:
+    """The device model's host time (`StepCost.host_s`) for the report's model: seconds per
+    step, and per sampled row."""
+    from engine.model.loader import model_args
+    from engine.sim.cost import Shape, Work
+    from engine.sim.devices import gpu_device
+
+    cost = gpu_device(device, Shape.of(model_args(s.model), s.dtype)).cost
+    step = cost.host_s([Work(1, 0, False)])
+    return step, cost.host_s([Work(1, 0, True)]) - step
+
+
+def step_ms(real: dict, sim: dict, host: tuple[float, float]) -> dict | None:
+    """Milliseconds per step, real (its wall time over its steps) and simulated; sampled rows
+    per step (generated tokens over steps) of each; and the host time per step that the
+    real run implies: its time per step less the model's own (the simulated step less the
+    model's host time at the simulated rows). `host_fit` fits the device's host figures to
+    these."""
+    rc, sc = real.get("counters", {}), sim["counters"]
+    if not rc.get("steps") or not sc["steps"]:
+        return None
+    r, v = real["wall_s"] / rc["steps"], sim["wall_s"] / sc["steps"]
+    rows = {
+        "real": rc["generated_tokens"] / rc["steps"],
+        "sim": sc["generated_tokens"] / sc["steps"],
+    }
+    model = host[0] + host[1] * rows["sim"]
+    return {"real": r * 1e3, "sim": v * 1e3, "error": (v - r) / r, "rows": rows,
+            "host_model": model * 1e3, "host_implied": (r - (v - model)) * 1e3}  # fmt: skip
+
+
+def host_fit(points: list[dict]) -> tuple[float, float]:
+    """Host seconds per step and per sampled row that fit the host times the twins' runs
+    imply (`step_ms`) against their real rows per step: least squares, neither negative
+    (a negative intercept: a line through the origin; a negative slope: a constant)."""
+    if not points:
+        raise ValueError("no run to fit")
+    xs = [p["step_ms"]["rows"]["real"] for p in points]
+    ys = [p["step_ms"]["host_implied"] * 1e-3 for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    a = my - b * mx
+    if a < 0:
+        a, b = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if b < 0:
+        a, b = max(0.0, my), 0.0
+    return a, b
 
 
 # What a real serve part spends besides its runs' windows and drains (the H200's, ba0cc72:
@@ -375,7 +465,7 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
                 skipped.append(f"{mode} at {rate:g}/s")
                 log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
                 break
-            run = twin_run(s, convs, mode, mode, rate, s.scale, s.window_s, device)
+            run = twin_run(s, convs, mode, mode, rate, s.scale, device)
             run["estimated_wall_s"] = min(run["wall_s"], s.window_s + s.drain_s)
             t += run["estimated_wall_s"] + RUN_OVERHEAD_S
             run["ends_at_s"] = t
@@ -539,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.gpu_report.stem}-sim-{args.device}.json"
         )
         out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-        print(json.dumps(result["capacity"], indent=1))
+        print(json.dumps({k: result[k] for k in ("capacity", "step_host")}, indent=1))
         print(f"wrote {out}")
         return 0
 

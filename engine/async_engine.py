@@ -11,7 +11,6 @@ from dataclasses import asdict
 
 from engine.drain import DrainRate
 from engine.engine import Engine
-from engine.errors import EngineOverloaded
 from engine.persistence import ActivityClock, TokenHistory
 from engine.request import Request
 from engine.snapshot import EngineSnapshot
@@ -142,12 +141,8 @@ class AsyncEngine:
             raise RuntimeError("the engine is not started")
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        self.engine.accept(turn)
-        limit = self.engine.config.max_waiting
-        if self.queued >= limit:
-            self.engine.claims.release(turn.conversation_id)
-            wait = self.drain.wait_s(self.queued, time.monotonic())  # from its drain rate
-            raise EngineOverloaded(f"the engine has {limit} turns queued already", wait)
+        # the wait a refused turn is told: from the queue's drain rate
+        self.engine.accept(turn, self.queued, lambda q: self.drain.wait_s(q, time.monotonic()))
         self._in_flight += 1
         stream = TurnStream(self, turn)
         self._post(("submit", stream))

@@ -12,7 +12,8 @@ from engine.backends import Backend, pick
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.policy import CostModel, Policy
 from engine.disk import DiskIndex
-from engine.errors import ConversationBusy
+from engine.drain import DEFAULT_S as DEFAULT_RETRY_S
+from engine.errors import ConversationBusy, EngineOverloaded
 from engine.guide import check
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.reads import Reads
@@ -133,11 +134,26 @@ class Engine:
         tier (a turn's context must fit there while it runs, with room for one more)."""
         return min(self.max_context, self.cache.gpu_capacity() * self.cache.chunk_size) - 1
 
-    def accept(self, turn: Turn) -> None:
-        """Check the turn (`validate`) and claim its conversation (ConversationBusy if a turn
-        of it is in flight). Needs no step: the async front calls it on its event loop."""
+    def accept(
+        self, turn: Turn, queued: int = 0, retry_s: Callable[[int], float] | None = None
+    ) -> None:
+        """Check the turn (`validate`), claim its conversation (ConversationBusy if a turn
+        of it is in flight), and apply the queue's limit: with `queued` turns submitted and
+        not running, `max_waiting` or more refuse it (EngineOverloaded, its claim released;
+        `retry_s(queued)`: when to try again). Needs no step: the async front calls it on
+        its event loop, a simulated replay before each `submit`."""
         self.validate(turn)
         self.claims.claim(turn.conversation_id)
+        limit = self.config.max_waiting
+        if queued >= limit:
+            self.claims.release(turn.conversation_id)
+            wait = DEFAULT_RETRY_S if retry_s is None else retry_s(queued)
+            raise EngineOverloaded(f"the engine has {limit} turns queued already", wait)
+
+    def queued(self) -> int:
+        """Real turns submitted and not running (waiting for admission, or suspended): what
+        the queue's limit counts where turns are submitted straight to this engine."""
+        return self.scheduler.counts()[1]
 
     def submit(
         self, turn: Turn, on_token: Callable[[int], None] | None = None, accepted: bool = False

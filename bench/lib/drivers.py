@@ -59,8 +59,7 @@ class EngineDriver:
                 now = time.monotonic()
                 async for _ in stream:  # it ends within a step
                     pass
-                stats = {"censored": 1, "completed_tokens": n}
-                return wl.Reply(first or now, now, spec.output_len, stats)
+                return censored(spec, first or now, now, n)
             done = time.monotonic()
             res = stream.result
         except Exception as e:  # a refused turn is a result of the run, not a crash
@@ -78,6 +77,12 @@ class EngineDriver:
         for conv in self.ids:
             await self.engine.free(conv)
         self.ids.clear()
+
+
+def censored(spec: wl.TurnSpec, first: float, now: float, tokens: int) -> wl.Reply:
+    """A turn cancelled at a run's deadline after `tokens` of its reply: counted with its
+    latency so far over its planned length, a lower bound (`metrics.window_metrics`)."""
+    return wl.Reply(first, now, spec.output_len, {"censored": 1, "completed_tokens": tokens})
 
 
 def turn_stats(stats) -> dict[str, Any]:

@@ -84,37 +84,53 @@ def counters_delta(before, after) -> dict[str, int]:
 def crossing(runs: list[dict[str, Any]], bound: float, key: str = "norm_latency_mean") -> dict:
     """Where one mode's latency (`key`) reaches `bound` as its rate grows.
 
-    Runs are taken in rate order; the first whose latency is over the bound (or that had
-    errors: refused turns) is the crossing. Capacity = the throughput linearly interpolated
-    between the last run under the bound and that one, in latency. Not crossed: the best
-    throughput under the bound, a lower bound on the capacity. Crossed at the lowest rate:
-    no capacity (it is under every throughput measured)."""
+    Runs are taken in rate order; the first whose latency is over the bound is the crossing.
+    Capacity = the throughput linearly interpolated between the last run under the bound and
+    that one, in latency. A run that refused turns (errors) and stayed under the bound says
+    nothing (the load it refused might have taken it over): it is left out and listed in
+    `unmeasured_rates`; one that refused turns and is over the bound anyway is over. Not
+    crossed: no capacity, only `at_least_rps`, the best throughput under the bound (a lower
+    bound on it). Crossed at the lowest rate: no capacity (it is under every throughput
+    measured)."""
     pts = sorted((r for r in runs if r["metrics"]["turns"]), key=lambda r: r["rate"])
+    unmeasured = [r["rate"] for r in pts if r["metrics"]["errors"] and r["metrics"][key] <= bound]
+    pts = [r for r in pts if r["rate"] not in unmeasured]
+    out: dict[str, Any] = {"crossed": False, "over_rate": None, "under_rate": None,
+                           "capacity_rps": None, "at_least_rps": None}  # fmt: skip
+    if unmeasured:
+        out["unmeasured_rates"] = unmeasured
     under = None
     for r in pts:
         m = r["metrics"]
         lat, tp = m[key], m["throughput_rps"]
-        if m["errors"] == 0 and lat <= bound:
+        if lat <= bound:
             under = r
             continue
-        out = {"crossed": True, "over_rate": r["rate"], "under_rate": None, "capacity_rps": None}
+        out.update(crossed=True, over_rate=r["rate"])
         if under is None:
             return out
         u = under["metrics"]
         out["under_rate"] = under["rate"]
-        if lat <= u[key] or not lat > bound:  # errors without a latency rise: no slope
+        if lat <= u[key]:  # no slope to interpolate along
             out["capacity_rps"] = u["throughput_rps"]
         else:
             share = (bound - u[key]) / (lat - u[key])
             out["capacity_rps"] = u["throughput_rps"] + share * (tp - u["throughput_rps"])
         return out
-    best = max((r["metrics"]["throughput_rps"] for r in pts), default=None)
-    return {
-        "crossed": False,
-        "over_rate": None,
-        "under_rate": under["rate"] if under else None,
-        "capacity_rps": best,  # a lower bound: the sweep never reached the bound
-    }
+    # Never over the bound: the most it served under it, plus what the refusing runs served.
+    served = [r["metrics"]["throughput_rps"] for r in runs if r["metrics"]["turns"]]
+    out["under_rate"] = under["rate"] if under else None
+    out["at_least_rps"] = max(served, default=None)
+    return out
+
+
+def capacity_text(c: dict[str, Any]) -> str:
+    """A crossing in words: `2.15 req/s`, `at least 1.50 req/s`, or `over at the lowest rate`."""
+    if c.get("capacity_rps") is not None:
+        return f"{c['capacity_rps']:.2f} req/s"
+    if c.get("at_least_rps") is not None:
+        return f"at least {c['at_least_rps']:.2f} req/s"
+    return "over the bound at its lowest rate"
 
 
 def capacity(runs: list[dict[str, Any]], bound: float, key: str = "norm_latency_mean") -> dict:
@@ -148,7 +164,9 @@ def claims(runs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
         out[f"think_{think:g}s"] = {
             "latency_bound_s_per_token": bound,
             "peak_rps": peak,  # the most each mode served at any rate, whatever its latency
+            # None where the sweep never crossed the bound: see `at_least_rps` then.
             "capacity_rps": {m: c["capacity_rps"] for m, c in mean.items()},
+            "at_least_rps": {m: c["at_least_rps"] for m, c in mean.items() if not c["crossed"]},
             "crossed": {m: c["crossed"] for m, c in mean.items()},
             "capacity": mean,
             "capacity_p90": p90,

@@ -14,7 +14,12 @@ class Mode:
     cache_mode: str = "pensieve"
     eviction: str = "pensieve"
     unified: bool = True
-    holds_all: bool = False  # the oracle: tiers that hold every conversation, never evicting
+    # The oracle: a second tier that holds every conversation (never drops one), beside the
+    # same GPU tier, so it runs the same batches on the same GPU: the most keeping KV can
+    # give there. `gpu_holds_all`: the GPU tier holds them all too (no swaps, and batches no
+    # GPU of that size could run): not a cache's bound, the most any memory could give.
+    holds_all: bool = False
+    gpu_holds_all: bool = False
     disk: bool = False  # a disk tier (a fresh directory; none simulated) behind the CPU tier
 
 
@@ -28,6 +33,7 @@ MODES = {
         Mode("pensieve-returns", eviction="returns"),
         Mode("pensieve-separate", unified=False),
         Mode("oracle", holds_all=True),
+        Mode("oracle-gpu", holds_all=True, gpu_holds_all=True),
         Mode("pensieve-disk", disk=True),
     )
 }

@@ -473,20 +473,6 @@ def resume(
     return plans
 
 
-def censor(records: list[wl.TurnRecord], deadline: float) -> list[wl.TurnRecord]:
-    """The records as a real run's driver leaves them when it cancels what still runs at
-    `deadline` (`EngineDriver`): a turn not done by then ends there, at its planned length,
-    counted as censored (its latency so far: a lower bound). A simulated run of the part
-    is cut so, to measure what the real one measures."""
-    out = []
-    for r in records:
-        if r.done_s > deadline and r.error is None:
-            r = replace(r, first_token_s=min(r.first_token_s, deadline), done_s=deadline,
-                        stats={"censored": 1})  # fmt: skip
-        out.append(r)
-    return out
-
-
 def going_on(state: State, convs: list[wl.Conversation]) -> set[tuple[str, int]]:
     """(conversation id, turn index) of each turn in flight at the cut that goes on from
     where it was."""

@@ -95,6 +95,8 @@ def next_rate(rates: list[float], rate: float, max_rate: float | None) -> float 
 
 
 def over(run: dict[str, Any], bound: float) -> bool:
-    """A run past the bound: refused turns, or its mean normalized latency above it."""
+    """A run the sweep goes no higher from: its mean normalized latency above the bound, or
+    refused turns (more load is refused too; `crossing` leaves such a run out when it is
+    under the bound)."""
     m = run["metrics"]
     return bool(m["errors"]) or not m["norm_latency_mean"] <= bound

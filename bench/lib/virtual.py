@@ -4,7 +4,12 @@ The same conversations, arrivals and think times as the real replay (`workload.s
 driven by events instead of tasks: a conversation's next action is due at a virtual time;
 the engine steps while it has work, each step moving the clock on by what the device model
 says it took; when it is idle the clock jumps to the next event. A turn is sent at its own
-due time (within a step: it waits for the step to end, as a real one does).
+due time (within a step: it waits for the step to end, as a real one does). To replay a
+real run as its driver did (a GPU report's twin): with `queue_limit` a turn is refused when
+the engine's queue is full (`Engine.accept`, the rule the AsyncEngine applies; the refusal
+ends its conversation), and with a deadline the turns still running then are cancelled and
+counted at their latency so far (`drivers.censored`). The preset sweeps apply neither:
+their queue is unbounded, as the paper's capacity measure assumes.
 
 Besides the replay's records it measures the real host time of the engine's steps: the
 project's scheduler and cache, which the simulation runs for real.
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.drivers import turn_stats
+from bench.lib.drivers import censored, turn_stats
 
 STALLS = 1000  # futile waits for a history read (50 ms each) before a replay gives up
 
@@ -57,9 +62,15 @@ def replay(
     time_scale: float = 1.0,
     stop_s: float | None = None,
     host: HostTime | None = None,
+    deadline_s: float | None = None,
+    queue_limit: bool = False,
 ) -> tuple[list[wl.TurnRecord], float]:
-    """Every plan replayed to its end: the turn records and the virtual seconds it took."""
-    from engine import SamplingParams, Turn
+    """Every plan replayed to its end: the turn records and the virtual seconds it took.
+    `deadline_s` (seconds of replay, past `stop_s`): the turns still in flight then are
+    cancelled and recorded as censored at that time, as the real run's driver does
+    (`EngineDriver`'s deadline: a window, then a drain). `queue_limit`: a turn sent while
+    the engine's `max_waiting` turns are queued is refused, as the AsyncEngine refuses it."""
+    from engine import EngineOverloaded, SamplingParams, Turn
 
     clock = engine.now
     start = clock()
@@ -67,7 +78,9 @@ def replay(
     records: list[wl.TurnRecord] = []
     events: list[tuple[float, int, Any]] = []  # (due, order, conversation's script)
     order = itertools.count()
-    waiting: dict[int, Any] = {}  # id of the request in flight -> its conversation's script
+    # id of the request in flight -> (its conversation's script, the request, its turn)
+    waiting: dict[int, tuple[Any, Any, wl.TurnSpec]] = {}
+    cut_at = None if deadline_s is None else start + deadline_s
 
     def advance(steps, reply: wl.Reply | None) -> None:
         try:
@@ -80,12 +93,24 @@ def replay(
         sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
         turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
         try:
-            req = engine.submit(turn)
-        except ValueError as e:  # refused (too long for the tiers): a result, not a crash
+            engine.accept(turn, engine.queued() if queue_limit else 0)
+            req = engine.submit(turn, accepted=True)
+        except (ValueError, EngineOverloaded) as e:  # refused: a result, not a crash
             now = due[0]
             advance(steps, wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}"))
             return
-        waiting[id(req)] = steps
+        waiting[id(req)] = (steps, req, step.spec)
+
+    def cut() -> None:
+        """The deadline passed: every turn in flight is cancelled, counted at its time."""
+        assert cut_at is not None
+        due[0] = cut_at
+        for key, (steps, req, spec) in list(waiting.items()):
+            del waiting[key]
+            engine.cancel(req)
+            first = req.stats.first_token_s if req.output else cut_at
+            first = min(first, cut_at) - start  # a first token after the deadline: not seen
+            advance(steps, censored(spec, first, cut_at - start, len(req.output)))
 
     stalls = 0  # steps in a row that ran nothing, with no event to wait for
     for p in plans:
@@ -94,6 +119,8 @@ def replay(
         while events and events[0][0] <= clock():
             due[0], _, steps = heapq.heappop(events)
             advance(steps, None)
+        if waiting and cut_at is not None and clock() > cut_at:
+            cut()
         if not engine.has_work():
             if events:
                 clock.advance_to(events[0][0])
@@ -106,13 +133,18 @@ def replay(
             host.virtual_s.append(clock() - before)
             host.conversations.append(len(engine.cache.held()))
         due[0] = clock()
+        if cut_at is not None and clock() > cut_at:
+            cut()  # the turns that ended in this step too: they were not done by then
+            ended = []
         for req in ended:
+            if id(req) not in waiting:  # cancelled at the deadline, recorded then
+                continue
             s = req.stats
             error = None if req.finish_reason == "length" else str(req.finish_reason)
             reply = wl.Reply(
                 s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
             )
-            advance(waiting.pop(id(req)), reply)
+            advance(waiting.pop(id(req))[0], reply)
         if clock() > before or ended:
             stalls = 0
             continue

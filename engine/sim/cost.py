@@ -1,10 +1,13 @@
 """How long a step takes on a device: the forward of a batch of pieces, and the copies.
 
-Two kinds of model behind one interface (`StepCost.forward_s`):
+Two kinds of model behind one interface (`StepCost.forward_s`, and `StepCost.host_s`: the
+host's own time a step, on the step's critical path but beside the copy stream):
 - `Roofline` (GPUs): per layer, the linear layers take FLOPs / (achieved matmul rate x an
   efficiency curve in tokens per step) or the weight read at HBM bandwidth, whichever is
   larger; attention takes a fixed launch plus the larger of KV bytes / the kernel's
   measured bandwidth and FLOPs / its measured rate; the LM head runs on sampled rows only.
+  Its host time (scheduling, the batch, launches, sampling, handing each token over) is
+  measured: a part per step and a part per sampled row, apart from the forward.
 - `Fitted` (the CPU it runs on): a least-squares fit of whole measured steps on the same
   features (tokens, sampled rows, attention pairs and KV read, pieces), from
   `engine/calibrate.py`.
@@ -67,12 +70,16 @@ class Features:
 
 
 class StepCost:
-    """Seconds a device spends on a step's forward (host work included)."""
+    """Seconds a device spends on a step: its forward, and the host's own work."""
 
     name: str
 
     def forward_s(self, batch: list[Work]) -> float:
         raise NotImplementedError
+
+    def host_s(self, batch: list[Work]) -> float:
+        """The host's time a step apart from the forward (0: `forward_s` includes it)."""
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,8 @@ class GPUSpec:
     attn_bps: float  # attention kernel: KV bytes per second it reads
     attn_flops: float  # attention kernel: FLOP/s on long prompts
     token_layer_s: float  # per token and layer: the unfused rest (norms, RoPE, activations)
-    step_overhead_s: float  # host work per step: batch metadata, sampling, scheduling
+    step_host_s: float  # the host's work per step, before the forward (devices.py: measured)
+    row_host_s: float  # and per sampled row of the step
     swap_in_bps: float
     swap_out_bps: float
     swap_in_hidden: float  # share of a swap-in the layer pipeline hides behind the forward
@@ -140,13 +148,18 @@ class Roofline(StepCost):
     def forward_s(self, batch: list[Work]) -> float:
         s, m, f = self.spec, self.shape, Features.of(batch)
         if not batch:
-            return s.step_overhead_s
+            return 0.0
         attn_bytes = f.kv_tokens * m.kv_bytes_per_token
         attn = s.attn_launch_s + max(
             attn_bytes / s.attn_bps, 4 * f.pairs * m.heads * m.head_dim / s.attn_flops
         )
         layer = self._linear_s(f.tokens, m.layer_params) + attn + s.token_layer_s * f.tokens
-        return s.step_overhead_s + m.layers * layer + self._linear_s(f.sampled, m.head_params)
+        return m.layers * layer + self._linear_s(f.sampled, m.head_params)
+
+    def host_s(self, batch: list[Work]) -> float:
+        if not batch:
+            return 0.0
+        return self.spec.step_host_s + self.spec.row_host_s * sum(w.sample for w in batch)
 
 
 @dataclass(frozen=True)

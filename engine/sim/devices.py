@@ -13,12 +13,29 @@
     bf16 matmul reached on the lent H100 (`bench.mfu`'s probe; `make gpu-check` records it
     in `bench/results/gpu-report-*.json`); half of it at 64 tokens per step (assumed: the
     usual shape of cuBLAS efficiency against M at N, K of 5k-14k).
-  - Host work per step: `bench/results/step_prep_cpu.json` (a 64-piece step's metadata on a
-    2-core CPU; a GPU host is faster, so this is pessimistic).
+  - The host's work a step (`H100_STEP_HOST_S`, `H100_ROW_HOST_S`): what real serving
+    steps took beyond the model. A GPU report's serve runs record their wall time and steps
+    (`counters`); each run's twin (`bench.sim --gpu-report`: the same run in virtual time)
+    gives the model's time for its own steps, host time apart. The difference per step is
+    the host time the real run implies (`bench.sim.step_ms`), against the run's sampled
+    rows per step; a least-squares line through them, neither part negative
+    (`bench.sim.host_fit`), over twelve runs: the six of the H100 report at 4e07f94
+    (`bench/results/h100-4e07f94/`: 75-82 rows a step, a full queue; 4.1-9.4 ms implied)
+    and the stateless and gpu runs of the H200 report at ba0cc72 (5-34 rows; 0.9-2.4 ms).
+    Its pensieve run is left out: its swaps went block by block then (1,360 small copies
+    a swap-in step), which the engine no longer does. The fit is 0.083 ms per row and no
+    part per step (its intercept: -0.01 ms): the model's forward has a fixed part already
+    (the attention kernel's launch as the kernel benchmark measured it, 3.5 ms a step,
+    where a captured decode step pays less). Per row: its piece of the batch, its
+    scheduling, its sampled token accepted and handed to the event loop (a thread that
+    takes the GIL too). It replaces the batch metadata alone
+    (`bench/results/step_prep_cpu.json`: 0.66 ms for 64 pieces on a 2-core CPU). The host
+    works before the forward, while the copy stream goes on.
 - `a100-80gb`: the paper's GPU. Spec sheet (A100 SXM 80GB): 312 TFLOP/s dense bf16, 2.039
   TB/s HBM2e, PCIe 4.0 x16 (32 GB/s a direction). Achieved shares are taken from the H100's
   (matmul 81% of peak, attention and weights' reads the same share of HBM, swaps the same
   share of the link: 52.3 of PCIe 5's 64 GB/s), a stated assumption until one is measured.
+  The host's time a step is the H100's (the host's, not the GPU's).
 - `h200`: an H200 (141 GB HBM3e), from this project's first GPU report on one
   (`bench/results/gpu-report-nvidia-h200.json`, at ba0cc72):
   - its `mfu` part: the best bf16 matmul (797 TFLOP/s, the probe's `matmul_flops_per_s`),
@@ -29,7 +46,8 @@
   The report measures neither the attention kernel nor swaps: the kernel's fit (launch,
   KV bytes/s, prefill FLOP/s) and the swap rates over PCIe 5 (and the share of a swap-in
   hidden) are the H100's, as measured there. The H200's faster HBM makes attention
-  pessimistic here; its link is the H100's (PCIe 5 x16), so the swaps should hold.
+  pessimistic here; its link is the H100's (PCIe 5 x16), so the swaps should hold. The
+  host's time a step is the H100's, whose fit takes this report's serving runs too.
 - `cpu`: fitted on the machine it runs on (`engine/calibrate.py`), whole measured steps;
   its eviction policy's Cost(l) is the real engine's profile on that machine.
 - The disk tier's drive, on every device: one datacenter NVMe SSD, a Samsung PM9A3 U.2
@@ -41,7 +59,10 @@
 simulated result names it. (cpu v2: decodes padded to the step's longest context; v2 of
 the GPUs and v3 of cpu: the disk tier's drive; cpu v4: the calibration also times steps
 where a prompt joins decodes, as most serving steps do; cpu v5: the policy's Cost(l) is the
-real engine's measured profile, not one derived from the fit.)
+real engine's measured profile, not one derived from the fit; h100 v3, a100-80gb v3, h200
+v2: the host's time per step measured on the H100 report's serving runs, apart from the
+forward and beside the copy stream, and a forward that waits for the last step's
+ahead-of-time swap-outs as the real pool's does.)
 """
 
 from __future__ import annotations
@@ -55,12 +76,12 @@ from engine.cache.policy import CostModel
 from engine.model.loader import model_args
 from engine.sim.cost import Features, GPUSpec, Roofline, Shape, StepCost, Work
 
-VERSIONS = {"h100": 2, "h200": 1, "a100-80gb": 2, "cpu": 5}
+VERSIONS = {"h100": 3, "h200": 2, "a100-80gb": 3, "cpu": 5}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 REPORT_H200 = RESULTS / "gpu-report-nvidia-h200.json"
 KERNEL_H100 = RESULTS / "kernel-nvidia-h100-80gb-hbm3.json"
 SWAP_H100 = RESULTS / "swap-NVIDIA_H100_80GB_HBM3.json"
-STEP_PREP = RESULTS / "step_prep_cpu.json"
+REPORT_H100 = RESULTS / "h100-4e07f94" / "gpu-report-nvidia-h100.json"
 
 H100_PEAK_FLOPS = 989e12  # H100 SXM5 dense bf16 (spec sheet)
 H100_MATMUL_SHARE = 0.81  # 798 TFLOP/s measured
@@ -72,6 +93,12 @@ PCIE4_BPS = 32e9
 MATMUL_HALF_TOKENS = 64.0
 PM9A3_READ_BPS = 6.5e9  # Samsung PM9A3 U.2, sequential read (spec sheet)
 PM9A3_WRITE_BPS = 3.5e9  # sequential write
+# The host's work a step on the lent GPU machines (module docstring): the fit of the host
+# time the real serving runs imply, each run's in its twin's `step_ms`
+# (bench/results/h100-4e07f94/gpu-report-nvidia-h100-sim-h100-v3.json and
+# bench/results/gpu-report-nvidia-h200-sim-h200-v2.json; tests/bench/test_sim.py refits it).
+H100_STEP_HOST_S = 0.0  # per step: the fit's part, none (the forward has a fixed part)
+H100_ROW_HOST_S = 0.083e-3  # per sampled row of the step
 
 
 @dataclass(frozen=True)
@@ -146,10 +173,6 @@ def _h100_attention() -> tuple[float, float, float, float]:
     return max(launch, 0.0), 1.0 / per_byte, flops, best
 
 
-def _step_overhead() -> float:
-    return json.loads(STEP_PREP.read_text())["after"]["median_us"] * 1e-6
-
-
 def h100_spec() -> GPUSpec:
     launch, attn_bps, attn_flops, hbm = _h100_attention()
     swap = json.loads(SWAP_H100.read_text())
@@ -162,12 +185,19 @@ def h100_spec() -> GPUSpec:
         attn_bps=attn_bps,
         attn_flops=attn_flops,
         token_layer_s=0.0,  # set from the measured forward below
-        step_overhead_s=_step_overhead(),
+        step_host_s=H100_STEP_HOST_S,
+        row_host_s=H100_ROW_HOST_S,
         swap_in_bps=swap["swap_in_GBps"] * 1e9,
         swap_out_bps=swap["swap_out_GBps"] * 1e9,
         swap_in_hidden=swap["swap_in_hidden_share"],
         memory_bytes=80e9,
-        sources=(KERNEL_H100.name, SWAP_H100.name, STEP_PREP.name, "H100 SXM5 spec sheet"),
+        sources=(
+            KERNEL_H100.name,
+            SWAP_H100.name,
+            str(REPORT_H100.relative_to(RESULTS)),
+            REPORT_H200.name,
+            "H100 SXM5 spec sheet",
+        ),  # fmt: skip
     )
 
 

@@ -2,8 +2,13 @@
 
 They hold no tensors. The engine's own scheduler and cache decide every step and copy as
 they do on a real device; here a step only moves the virtual clock on by what the device
-model says the forward and the copies take, with the overlap the real pool implements:
+model says the host, the forward and the copies take, with the overlap the real pool
+implements:
+- the host's work comes first (planning, the batch; it sends the copies, then the forward),
+  while the copy stream goes on with what earlier steps gave it;
 - swap-outs before the forward run first and the forward waits for them (blocks are freed);
+  it waits as well for the previous step's ahead-of-time swap-outs, whenever there were
+  some (`KVPool.begin_step`: the event it waits on is recorded after them);
 - the swap-in is copied layer by layer beside the forward: its measured hidden share is
   hidden, and the forward cannot end before the copy does;
 - ahead-of-time swap-outs after the forward run in the background on the copy stream (the
@@ -40,6 +45,7 @@ class SimPool:
         self._out_s = 0.0  # this step's swap-outs, before its forward
         self._in_s = 0.0  # this step's swap-in, beside its forward
         self._spill_s = 0.0  # chunks for the disk tier copied out of GPU blocks
+        self._background = False  # the last step started ahead-of-time swap-outs
         self.copied_bytes = 0
 
     @property
@@ -62,15 +68,17 @@ class SimPool:
         self._in_s = self._seconds(len(plan.swap_in) + len(plan.load), c.swap_in_bps)
         self._spill_s = 0.0
 
-    def run(self, forward_s: float) -> None:
-        """The step's copies and its forward: move the clock to the step's end."""
+    def run(self, forward_s: float, host_s: float = 0.0) -> None:
+        """The step's host work, copies and forward: move the clock to the step's end."""
         c, now = self.device.copies, self.clock()
         if c.synchronous:
-            self.clock.advance(self._out_s + self._in_s + forward_s)
+            self.clock.advance(host_s + self._out_s + self._in_s + forward_s)
             return
-        start = max(now, self.copy_free_at)  # behind earlier background copies
+        sent = now + host_s  # the host has planned the step and sent its copies
+        start = max(sent, self.copy_free_at)  # behind earlier background copies
         out_done = start + self._out_s
-        forward_start = out_done if self._out_s else now
+        # The forward waits for the swap-outs, and for the last step's background ones
+        forward_start = out_done if self._out_s or self._background else sent
         in_done = out_done + self._in_s
         end = forward_start + forward_s
         if self._in_s:
@@ -78,6 +86,7 @@ class SimPool:
             self.swap_in_until = in_done
         self.copy_free_at = max(self.copy_free_at, in_done)
         self._out_s = self._in_s = 0.0
+        self._background = False
         self.clock.advance_to(end)
 
     def swap_in_now(self) -> None:
@@ -93,6 +102,7 @@ class SimPool:
             self.clock.advance(seconds)
         else:
             self.copy_free_at = max(self.copy_free_at, self.clock()) + seconds
+            self._background = True
 
     def swap_in_busy(self) -> bool:
         return self.swap_in_until > self.clock()
@@ -112,8 +122,8 @@ class SimRunner:
 
     def step(self, pieces, plan: CopyPlan) -> list[int]:
         batch = [Work(p.end - p.start, p.start, p.sample) for p in pieces]
-        forward = self.device.cost.forward_s(batch)
+        cost = self.device.cost
         self.pool.begin_step(plan)
-        self.pool.run(forward)
+        self.pool.run(cost.forward_s(batch), cost.host_s(batch))
         self.steps += 1
         return [0] * sum(w.sample for w in batch)

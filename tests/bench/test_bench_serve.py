@@ -48,7 +48,8 @@ def test_capacity_is_interpolated_where_the_mean_crosses_the_bound() -> None:
     ]
     c = metrics.crossing(runs, bound=0.5)
     # Between rate 2 (1.8 req/s at 0.4) and rate 4 (2.5 req/s at 0.6): halfway in latency.
-    assert c == {"crossed": True, "under_rate": 2, "over_rate": 4, "capacity_rps": 2.15}
+    assert c == {"crossed": True, "under_rate": 2, "over_rate": 4, "capacity_rps": 2.15,
+                 "at_least_rps": None}  # fmt: skip
     # p90 (twice the mean here) crosses between rates 1 and 2: 0.2 -> 0.8 reaches 0.5 halfway.
     p90 = metrics.crossing(runs, bound=0.5, key="norm_latency_p90")
     assert p90["capacity_rps"] == pytest.approx(0.9 + 0.5 * 0.9) and p90["over_rate"] == 2
@@ -56,12 +57,27 @@ def test_capacity_is_interpolated_where_the_mean_crosses_the_bound() -> None:
 
 def test_capacity_of_sweeps_that_do_not_cross_or_cross_at_once() -> None:
     never = metrics.crossing([_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.5, 0.3)], bound=0.5)
-    assert never == {"crossed": False, "under_rate": 2, "over_rate": None, "capacity_rps": 1.5}
+    # Never over the bound: no capacity, only a lower bound on it.
+    assert never == {"crossed": False, "under_rate": 2, "over_rate": None, "capacity_rps": None,
+                     "at_least_rps": 1.5}  # fmt: skip
+    assert metrics.capacity_text(never) == "at least 1.50 req/s"
     at_once = metrics.crossing([_run("gpu", 1, 0.9, 0.7), _run("gpu", 2, 1.0, 0.9)], bound=0.5)
     assert at_once["crossed"] and at_once["capacity_rps"] is None
-    # A run that refused turns is past the bound whatever its latency: no slope to follow.
+    assert at_once["at_least_rps"] is None
+    assert metrics.capacity_text(at_once) == "over the bound at its lowest rate"
+
+
+def test_a_run_that_refused_turns_under_the_bound_measures_nothing() -> None:
+    # Refused load might have taken it over: left out, and the sweep did not cross.
     refused = [_run("gpu", 1, 0.9, 0.1), _run("gpu", 2, 1.2, 0.2, errors=3)]
-    assert metrics.crossing(refused, bound=0.5)["capacity_rps"] == 0.9
+    c = metrics.crossing(refused, bound=0.5)
+    assert not c["crossed"] and c["capacity_rps"] is None
+    assert c["at_least_rps"] == 1.2 and c["unmeasured_rates"] == [2]
+    # Over the bound although it refused turns: over all the same, and the crossing is there.
+    over = [*refused, _run("gpu", 4, 1.4, 0.7, errors=9)]
+    c = metrics.crossing(over, bound=0.5)
+    assert c["crossed"] and (c["under_rate"], c["over_rate"]) == (1, 4)
+    assert c["capacity_rps"] == pytest.approx(0.9 + (0.4 / 0.6) * 0.5)
 
 
 def test_claims_compare_capacities_only_where_both_crossed() -> None:
@@ -75,7 +91,8 @@ def test_claims_compare_capacities_only_where_both_crossed() -> None:
         _run("pensieve", 4, 2.4, 0.8),  # crosses at 1.8 + 0.5 * 0.6 = 2.1
     ]
     c = metrics.claims(runs, bound=0.5)["think_60s"]
-    assert c["capacity_rps"] == pytest.approx({"stateless": 1.0, "gpu": 1.5, "pensieve": 2.1})
+    assert c["capacity_rps"] == pytest.approx({"stateless": 1.0, "gpu": None, "pensieve": 2.1})
+    assert c["at_least_rps"] == {"gpu": 1.5}
     assert c["crossed"] == {"stateless": True, "gpu": False, "pensieve": True}
     assert c["pensieve_over_stateless"] == pytest.approx(2.1) and c["pensieve_2x_stateless"]
     assert c["pensieve_over_gpu"] is None and c["pensieve_beats_gpu"] is None
@@ -238,3 +255,19 @@ def test_fit_pools_keeps_tiers_given_in_chunks() -> None:
     assert fitted.cpu_cache_chunks == total and fitted.gpu_cache_chunks < total
     small = fit_pools(replace(PRESETS["cpu"], cpu_cache_chunks=5), convs)
     assert small.cpu_cache_chunks == 5 and small.gpu_cache_chunks == fitted.gpu_cache_chunks
+
+
+def test_the_oracle_keeps_the_gpu_tier_and_never_drops() -> None:
+    from bench.lib.pools import for_mode, history_chunks
+    from bench.lib.presets import MODES, PRESETS
+
+    preset = replace(PRESETS["cpu"], gpu_cache_chunks=100, cpu_cache_chunks=200)
+    convs = [wl.Conversation(id="a", turns=[wl.TurnSpec(list(range(3000)), 2000)] * 3)]
+    every = history_chunks(convs)
+    assert every > 200
+    oracle = for_mode(preset, MODES["oracle"], convs)
+    # The same GPU tier (the same batches on the same card), a second tier that holds all.
+    assert oracle.gpu_cache_chunks == 100 and oracle.cpu_cache_chunks >= every
+    both = for_mode(preset, MODES["oracle-gpu"], convs)
+    assert both.gpu_cache_chunks >= every and both.cpu_cache_chunks >= every
+    assert for_mode(preset, MODES["pensieve"], convs) == preset

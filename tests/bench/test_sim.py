@@ -194,3 +194,57 @@ def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
     # A budget that fits no run: every mode's first run is skipped.
     tight = sim.serve_part(replace(s, budget_s=20.0), "h100", log=lambda *a: None)
     assert not tight["runs"] and len(tight["skipped"]) == len(SERVE_MODES)
+
+
+def test_a_capacity_is_read_from_either_shape_of_a_crossing() -> None:
+    crossed = {"crossed": True, "capacity_rps": 9.5}
+    assert sim.capacity_of(crossed) == {"rps": 9.5, "at_least": False}
+    # Never over the bound: its best throughput, a lower bound, in either field
+    assert sim.capacity_of({"crossed": False, "capacity_rps": 11.0}) == {
+        "rps": 11.0,
+        "at_least": True,
+    }
+    shape = {"crossed": False, "capacity_rps": None, "at_least_rps": 11.0}
+    assert sim.capacity_of(shape) == {"rps": 11.0, "at_least": True}
+    assert sim.capacity_of({"crossed": True, "capacity_rps": None})["rps"] is None
+
+
+def test_the_host_time_a_real_run_implies_and_its_fit() -> None:
+    real = {"wall_s": 10.0, "counters": {"steps": 400, "generated_tokens": 20000}}  # 25 ms
+    twin = {"wall_s": 12.0, "counters": {"steps": 600, "generated_tokens": 24000}}  # 20 ms
+    ms = sim.step_ms(real, twin, (0.001, 0.0001))  # the model's host: 1 + 0.1 x 40 rows
+    assert ms["rows"] == {"real": 50.0, "sim": 40.0}
+    assert ms["host_model"] == pytest.approx(5.0)
+    assert ms["host_implied"] == pytest.approx(25.0 - (20.0 - 5.0))
+    assert sim.step_ms({"wall_s": 1.0, "metrics": {}}, twin, (0.0, 0.0)) is None  # no counters
+
+    def point(rows: float, ms: float) -> dict:
+        return {"step_ms": {"rows": {"real": rows}, "host_implied": ms}}
+
+    line = [point(x, 0.5 + 0.08 * x) for x in (5, 20, 33, 75, 80)]
+    assert sim.host_fit(line) == pytest.approx((0.5e-3, 0.08e-3))
+    # A negative intercept: through the origin instead; a negative slope: a constant
+    a, b = sim.host_fit([point(x, -1.0 + 0.1 * x) for x in (10, 20, 80)])
+    assert a == 0.0 and b > 0
+    assert sim.host_fit([point(10, 3.0), point(50, 1.0)]) == pytest.approx((2.0e-3, 0.0))
+
+
+def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
+    """engine/sim/devices.py: the H100's host figures fit what the committed GPU reports'
+    runs imply, as simulated with them (the H200 report's pensieve run left out: its swaps
+    went block by block then)."""
+    from engine.sim import devices
+
+    h100 = devices.RESULTS / "h100-4e07f94" / "gpu-report-nvidia-h100-sim-h100-v3.json"
+    h200 = devices.RESULTS / "gpu-report-nvidia-h200-sim-h200-v2.json"
+    twins = [json.loads(p.read_text()) for p in (h100, h200)]
+    for t in twins:  # made with the figures in force
+        assert t["simulated"] == sim.label(t["simulated"].split()[1])
+        assert t["step_host"]["model_ms"] == pytest.approx(
+            [devices.H100_STEP_HOST_S * 1e3, devices.H100_ROW_HOST_S * 1e3]
+        )
+    points = twins[0]["points"] + [p for p in twins[1]["points"] if p["mode"] != "pensieve"]
+    assert len(points) == 12
+    a, b = sim.host_fit(points)
+    assert a == pytest.approx(devices.H100_STEP_HOST_S, abs=0.1e-3)
+    assert b == pytest.approx(devices.H100_ROW_HOST_S, rel=0.03)

@@ -36,16 +36,24 @@ def test_residency_is_run_length_encoded_and_the_sample_repeats_as_the_simulator
 
 
 @pytest.fixture(scope="module")
-def warm(dry, tmp_path_factory):
-    """A pensieve warm-up on the dry run's tiny tiers, cut at 20 virtual seconds."""
+def big(dry):
+    """The dry run's short conversations on the 13B-GQA10 shape (simulated: no weights)
+    with tiers of 16 and 64 chunks: steps long enough that turns are in flight at a cut."""
     s, convs = dry
+    return replace(s, model="dummy:llama-2-13b-gqa10", steady_gpu_gb=0.1, steady_cpu_gb=0.4), convs
+
+
+@pytest.fixture(scope="module")
+def warm(big, tmp_path_factory):
+    """A pensieve warm-up on tiny tiers, cut at 20 virtual seconds."""
+    s, convs = big
     state = sim_steady.warm_up(s, "pensieve", 8.0, "h100", convs, log=lambda *a: None)
     path = state.write(tmp_path_factory.mktemp("steady") / "pensieve-8.json")
     return state, path
 
 
-def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(dry, warm):
-    s, convs = dry
+def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(big, warm):
+    s, convs = big
     state, path = warm
     again = st.State.read(path)
     assert json.loads(path.read_text())["columns"] == st.COLUMNS
@@ -76,11 +84,11 @@ def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(dry, warm)
     assert state.warmup_metrics["turns"] > 0
 
 
-def test_a_seeded_engine_holds_the_state_and_the_replay_resumes_it(dry, warm):
+def test_a_seeded_engine_holds_the_state_and_the_replay_resumes_it(big, warm):
     from bench.gpu_report import steady_config, steady_preset
     from engine import Engine
 
-    s, convs = dry
+    s, convs = big
     state, _ = warm
     preset = replace(steady_preset(s, "pensieve"), device="sim:h100")
     engine = Engine(steady_config(s, "pensieve", preset))

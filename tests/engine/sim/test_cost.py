@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from engine.calibrate import _nonnegative_fit
 from engine.model.loader import model_args
-from engine.sim.cost import Features, Fitted, Shape, Work, chunk_costs
+from engine.sim.cost import Features, Fitted, Roofline, Shape, Work, chunk_costs
 from engine.sim.devices import DEVICES, RESULTS, gpu_device
 
 GQA = Shape.of(model_args("dummy:llama-2-13b-gqa10"), "bfloat16")
@@ -56,6 +57,26 @@ def test_the_h100_model_reproduces_the_measured_prefill_it_was_fitted_to() -> No
     swap = json.loads((RESULTS / "swap-NVIDIA_H100_80GB_HBM3.json").read_text())
     got = gpu_device("h100", GQA).cost.forward_s([Work(2048, 0, True)])
     assert got == pytest.approx(swap["forward_s"], rel=0.01)
+
+
+def test_the_host_time_is_apart_from_the_forward_per_sampled_row() -> None:
+    h100 = gpu_device("h100", GQA).cost
+    s = h100.spec
+    assert s.row_host_s > 0 and s.step_host_s >= 0
+    decode = [Work(1, 1000, True)] * 80
+    assert h100.host_s(decode) == pytest.approx(s.step_host_s + 80 * s.row_host_s)
+    # A prompt's chunk that samples nothing costs no row; an empty step costs nothing
+    chunk = [Work(512, 0, False)]
+    assert h100.host_s(chunk + decode) == pytest.approx(h100.host_s(decode))
+    assert h100.host_s([]) == 0.0 == h100.forward_s([])
+    # On the devices that share the H100's host figures too, never in the forward
+    for name in ("h200", "a100-80gb"):
+        other = gpu_device(name, GQA).cost
+        assert other.host_s(decode) == pytest.approx(h100.host_s(decode))
+    no_host = replace(s, row_host_s=0.0, step_host_s=0.0)
+    assert Roofline(no_host, GQA).forward_s(decode) == h100.forward_s(decode)
+    # The CPU's fitted model times whole steps: no host time apart
+    assert Fitted("cpu", (0.04, 0.002, 0.0, 1.6e-6, 1e-5, 1e-5, 0.0)).host_s(decode) == 0.0
 
 
 def test_the_h200_model_is_traced_to_the_h200_report() -> None:

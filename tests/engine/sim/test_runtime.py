@@ -72,3 +72,34 @@ def test_on_a_cpu_every_copy_is_on_the_step() -> None:
     p.end_step(CopyPlan(background=blocks(1)))
     assert clock() == pytest.approx(5.5)
     assert p.copied_bytes == 3 * BLOCK
+
+
+def test_the_forward_waits_for_the_last_steps_background_swap_outs() -> None:
+    p, clock = pool()
+    p.begin_step(CopyPlan())
+    p.run(1.0)
+    p.end_step(CopyPlan(background=blocks(2)))  # 4 s on the copy stream, from t=1
+    p.begin_step(CopyPlan())  # no copies of its own: it still waits for those (t=5)
+    p.run(1.0)
+    assert clock() == pytest.approx(6.0)
+    p.begin_step(CopyPlan())  # nothing in the background before it: no wait
+    p.run(1.0)
+    assert clock() == pytest.approx(7.0)
+
+
+def test_the_hosts_work_comes_first_and_hides_the_copies_still_running() -> None:
+    p, clock = pool()
+    p.begin_step(CopyPlan())
+    p.run(1.0, host_s=0.5)  # the host, then the forward
+    assert clock() == pytest.approx(1.5)
+    p.end_step(CopyPlan(background=blocks(1)))  # 2 s on the copy stream, done at 3.5
+    p.begin_step(CopyPlan())
+    p.run(1.0, host_s=3.0)  # the host's 3 s cover them: no wait
+    assert clock() == pytest.approx(5.5)
+    p.begin_step(CopyPlan(swap_out=blocks(1)))  # sent after the host's work: 0.5 + 2, then 1
+    p.run(1.0, host_s=0.5)
+    assert clock() == pytest.approx(5.5 + 0.5 + 2.0 + 1.0)
+    cpu, clock = pool(Copies(1000.0, 500.0, 0.0, synchronous=True))
+    cpu.begin_step(CopyPlan(swap_in=blocks(1)))
+    cpu.run(0.5, host_s=0.25)  # on a CPU everything in a row
+    assert clock() == pytest.approx(0.25 + 1.0 + 0.5)
