@@ -113,13 +113,13 @@ class Settings:
     # Per mode the last rate under the bound and the first over it, each in the part's own
     # run from the state the simulator's warm-up at that rate left, chosen by
     # `steady_rates_by` (bench/README.md, "The steady part"). Simulated mean normalized
-    # latency of those runs (h100 model v2): stateless 74 / 435 ms, gpu-only 63 / 435,
-    # pensieve 31 / 196
+    # latency of those runs (h100 model v3): stateless 41 / 334 ms, gpu-only 35 / 339,
+    # pensieve 44 / 556
     steady_rates: dict[str, list[float]] = field(
         default_factory=lambda: {
-            "stateless": [4.0, 4.76],
-            "gpu": [4.0, 4.76],
-            "pensieve": [4.0, 4.76],
+            "stateless": [2.83, 3.36],
+            "gpu": [2.83, 3.36],
+            "pensieve": [3.36, 4.0],
         }
     )
     steady_rates_by: str = "python -m bench.sim --steady-states --device h100 --modes M"
@@ -127,7 +127,8 @@ class Settings:
     steady_skipped: dict[str, str] = field(
         default_factory=lambda: {
             "oracle": "its second tier (the whole history of every conversation arriving "
-            "in the warm-up and the run: about 4 TB at 8/s) is over 60% of a lent machine's RAM"
+            "in the warm-up and the run: about 2.4 TB at 4.76/s) is over 60% of a lent "
+            "machine's RAM"
         }
     )
     steady_warmup_s: float = 6.0  # each run: sent, not counted (the turns in flight go on)

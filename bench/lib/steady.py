@@ -34,10 +34,10 @@ uncomputed), its residency run-length encoded (`d` dropped, `k` disk, `c` cpu, `
 cut; null: ended, its chunks held until evicted), and for a turn in flight that had
 computed some of its tokens `[p, g]`: its history holds the first `p` tokens of that
 turn's prompt and `g` of its reply (null: none). `next_index`: the first conversation of
-the repeated sample that had not arrived. A chunk shared by
-several conversations (a common first prompt) is written as dropped in each: a seed holds
-no shared chunk. The history of a turn done is its prompt and `output_len` tokens of 0,
-as the simulator samples them.
+the repeated sample that had not arrived. A chunk shared by several conversations (a
+common first prompt) is written in the first of them and as dropped in the others: a seed
+holds no shared chunk (`residency`). The history of a turn done is its prompt and
+`output_len` tokens of 0, as the simulator samples them.
 """
 
 from __future__ import annotations
