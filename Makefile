@@ -84,7 +84,8 @@ gpu-check:
 	$(GPU_PY) -m bench.gpu_check
 
 # Then the serving parts, each at most ~9 min: one command per part where commands are
-# limited to 10 minutes (make gpu-report PARTS=serve, then PARTS=extra). See bench/README.md.
+# limited to 10 minutes (make gpu-report PARTS=steady, at most 8 min, in the same loan as
+# gpu-check; then PARTS=serve, then PARTS=extra). See bench/README.md.
 PARTS ?= serve,extra
 # After the serve part, the same runs on the simulated H100 and H200 (seconds each): the
 # simulator's error beside the report.

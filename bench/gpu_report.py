@@ -1,9 +1,10 @@
 """The GPU report: prefill MFU, the decode roofline and serving capacity, in one command.
 
-    python -m bench.gpu_report                        # every part, about 23 min on an H100
+    python -m bench.gpu_report                        # every part, about 31 min on an H100
     python -m bench.gpu_report --part mfu,decode      # about 5 min
     python -m bench.gpu_report --part serve           # about 7.5 min: the capacity sweep
     python -m bench.gpu_report --part extra           # at most 9 min: unscaled check, oracle, lru
+    python -m bench.gpu_report --part steady          # at most 8 min: the steady state, unscaled
     python -m bench.gpu_report --device cpu --model dummy:tiny   # dry run of every part
 
 Everything runs in this process on the engine (no server, no web stack), on dummy weights
@@ -24,6 +25,11 @@ finish within its budget (`--budget`) and records what it skipped.
 - extra: one rate both unscaled (k = 1, a longer window) and scaled, the same run sampled at
   temperature 1.0 (the goal: within 3% of greedy), the oracle (tiers that never evict) and
   pensieve's eviction against lru on the same run.
+- steady: the paper's setting unscaled (40 GiB GPU tier, a CPU tier as large as a lent
+  machine allows, think time 60 s), each mode at a pair of rates that brackets the bound,
+  chosen beforehand by the simulator; each run seeded with the state the simulator wrote
+  at the end of a 20-minute warm-up at its rate (`bench/lib/steady.py`), then a short
+  warm-up, then a 45 s window. The oracle where its tiers fit (on a lent machine they do not).
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
 from bench.lib.sweep import measure, over
 
-PARTS = ("mfu", "decode", "serve", "extra")
+PARTS = ("mfu", "decode", "serve", "extra", "steady")
 SERVE_MODES = ("stateless", "gpu", "pensieve")  # in this order: each next should serve more
+STEADY_MODES = (*SERVE_MODES, "oracle")
 SAMPLE = SAMPLES / "gpu.json"
 
 
@@ -94,6 +101,39 @@ class Settings:
     unscaled_window_s: float = 180.0
     unscaled_drain_s: float = 60.0
     max_batch_tokens: int = 2048
+    # steady: the paper's setting unscaled on one GPU, each run seeded with a steady state
+    # the simulator computed beforehand (bench/lib/steady.py), one engine per mode
+    steady_gpu_gb: float = 40.0
+    # GiB, pinned: as large as a lent machine allows (60% of its 128 GiB is 76.8 GiB), with
+    # room left for a host that reports a little less
+    steady_cpu_gb: float = 72.0
+    steady_think_s: float = 60.0
+    steady_cut_s: float = 1200.0  # virtual seconds of the simulated warm-up before the cut
+    steady_states: str = "bench/samples/steady"  # <mode>-<rate>.json, relative to the checkout
+    # Per mode the last rate under the bound and the first over it, each in the part's own
+    # run from the state the simulator's warm-up at that rate left, chosen by
+    # `steady_rates_by` (bench/README.md, "The steady part"). Simulated mean normalized
+    # latency of those runs (h100 model v2): stateless 74 / 435 ms, gpu-only 63 / 435,
+    # pensieve 31 / 196
+    steady_rates: dict[str, list[float]] = field(
+        default_factory=lambda: {
+            "stateless": [4.0, 4.76],
+            "gpu": [4.0, 4.76],
+            "pensieve": [4.0, 4.76],
+        }
+    )
+    steady_rates_by: str = "python -m bench.sim --steady-states --device h100 --modes M"
+    # Modes the simulator chose no rates for, and why (listed as skipped by the part)
+    steady_skipped: dict[str, str] = field(
+        default_factory=lambda: {
+            "oracle": "its second tier (the whole history of every conversation arriving "
+            "in the warm-up and the run: about 4 TB at 8/s) is over 60% of a lent machine's RAM"
+        }
+    )
+    steady_warmup_s: float = 6.0  # each run: sent, not counted (the turns in flight go on)
+    steady_window_s: float = 45.0  # then counted
+    steady_drain_s: float = 15.0  # then turns still running are cut (at their lower bound)
+    steady_budget_s: float = 480.0  # the whole part, engine starts included
     dry: bool = False  # a CPU dry run: turns cut short, tiny tiers
 
 
@@ -124,6 +164,17 @@ def dry_settings(model: str) -> Settings:
         unscaled_window_s=6.0,
         unscaled_drain_s=4.0,
         max_batch_tokens=256,
+        steady_gpu_gb=0.002,  # ~16 chunks of dummy:tiny, ~64 on the CPU tier
+        steady_cpu_gb=0.008,
+        steady_think_s=2.0,
+        steady_cut_s=20.0,
+        steady_states="",  # made by the simulator at the start of the dry run, under /tmp
+        steady_rates={m: [2.0, 8.0] for m in ("stateless", "gpu", "pensieve", "oracle")},
+        steady_skipped={},
+        steady_warmup_s=0.5,
+        steady_window_s=2.5,
+        steady_drain_s=2.0,
+        steady_budget_s=150.0,
         dry=True,
     )
 
@@ -621,6 +672,188 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     return out
 
 
+# ---------------------------------------------------------------- steady
+
+
+def steady_preset(s: Settings, mode: str, convs=None, rate: float | None = None) -> Preset:
+    """The engine settings of the steady part: the unscaled tiers (the oracle's: the same
+    GPU tier, and a second tier that holds every conversation arriving up to its last run's
+    end, `steady_oracle_chunks`, as `preset_for` sizes the serve part's oracle)."""
+    per = kv_bytes_per_chunk(s.model, s.dtype)
+    gpu, cpu = _chunks(s.steady_gpu_gb, per), _chunks(s.steady_cpu_gb, per)
+    if mode == "oracle":
+        cpu = max(cpu, steady_oracle_chunks(s, convs, rate))
+    return Preset(
+        name="gpu-report-steady",
+        model=s.model,
+        device=s.device,
+        dtype=s.dtype,
+        gpu_cache_chunks=gpu,
+        cpu_cache_chunks=cpu,
+        max_batch_tokens=s.max_batch_tokens,
+        latency_bound=s.bound,
+    )
+
+
+def steady_oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int:
+    """Tiers that never evict at `rate`: the whole context of every conversation that
+    arrives in the warm-up and the run after it (+50%), +10% and 64 chunks."""
+    from bench.lib import steady as st
+
+    n = st.warmup_plans_needed(rate, s.steady_cut_s)
+    n += int(rate * (s.steady_warmup_s + s.steady_window_s) * 1.5) + 10
+    return int(history_chunks([st.nth(convs, k) for k in range(n)]) * 1.1) + 64
+
+
+def steady_config(s: Settings, mode: str, preset: Preset):
+    return engine_config(preset, MODES[mode])  # its queue unbounded (`pools.BENCH_QUEUE`)
+
+
+def steady_folder(s: Settings, convs: list[wl.Conversation]) -> Path:
+    """Where the part's states are: committed (`steady_states`), or, for a dry run, made
+    now by the simulator in a temporary folder (seconds on dummy:tiny)."""
+    if s.steady_states:
+        return ROOT / s.steady_states
+    import tempfile
+
+    from bench.sim_steady import make_states
+
+    folder = Path(tempfile.mkdtemp(prefix="pensieve-steady-"))
+    make_states(s, "h100", STEADY_MODES, folder, convs, log=lambda *a: None)
+    return folder
+
+
+async def clear(engine) -> None:
+    """Forget every conversation the engine holds (a run's, and those seeded for it)."""
+    e = engine.engine
+    ids = set(e.streams) | {t.id for t in e.cache.held()}
+    await asyncio.gather(*(engine.free(cid) for cid in ids))
+
+
+async def steady_run(engine, s: Settings, mode: str, state, path: Path, convs) -> dict[str, Any]:
+    """One run from a steady state: the engine cleared and seeded with it, its continuation
+    replayed (`steady_warmup_s` sent, not counted; then `steady_window_s` counted; then at
+    most `steady_drain_s` before what still runs is cut, at its lower bound)."""
+    from bench.lib import steady as st
+
+    tag = f"steady-{mode}-{state.rate:g}"
+    t = time.monotonic()
+    await clear(engine)
+    seeds, bad = st.seeds(state, convs, tag, engine.engine.now(), engine.engine.cache.chunk_size)
+    await engine.seed(seeds)
+    seed_s = time.monotonic() - t
+    stop = s.steady_warmup_s + s.steady_window_s
+    plans = st.resume(state, convs, stop)
+    deadline = time.monotonic() + stop + s.steady_drain_s
+    driver = EngineDriver(engine, tag, 0.0, deadline)
+    records, wall, counters = await measure(engine, driver, plans, tag, stop_s=stop)
+    run = {
+        "mode": mode,
+        "engine_mode": mode,
+        "rate": state.rate,
+        "think_s": state.think_s,
+        "state": path.name,
+        "seeded": len(seeds),
+        "seed_left_out": bad,
+        "seed_s": seed_s,
+        "warmup_s": s.steady_warmup_s,
+        "window_s": s.steady_window_s,
+        "wall_s": wall,
+        "metrics": st.window(records, s.steady_warmup_s, stop, st.going_on(state, convs)),
+        "counters": counters,
+    }
+    _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} seeded {len(seeds)} "
+         f"in {seed_s:.1f} s")  # fmt: skip
+    return run
+
+
+def steady_states(s: Settings, folder: Path, mode: str):
+    """The mode's (rate, path, state) of each rate of `steady_rates`; missing ones listed."""
+    from bench.lib import steady as st
+
+    got, missing = [], []
+    for rate in s.steady_rates.get(mode, []):
+        path = st.state_path(folder, mode, rate)
+        if path.exists():
+            got.append((rate, path, st.State.read(path)))
+        else:
+            missing.append(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
+    return got, missing
+
+
+def state_mismatch(state, preset: Preset) -> str | None:
+    """Why a state was not made for these tiers (None: it was)."""
+    have = (state.gpu_cache_chunks, state.cpu_cache_chunks)
+    want = (preset.gpu_cache_chunks, preset.cpu_cache_chunks)
+    if state.mode == "stateless" or state.mode == "gpu":
+        have, want = have[:1], want[:1]
+    if state.mode == "oracle":  # never evicts: any tiers at least as large will do
+        return None if min(w - h for w, h in zip(want, have, strict=True)) >= 0 else (
+            f"state made for tiers {have}, larger than the part's {want}")  # fmt: skip
+    return None if have == want else f"state made for tiers {have}, the part has {want}"
+
+
+async def part_steady(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
+    """The paper's setting unscaled on one GPU, in its steady state: per mode one engine;
+    per rate of `steady_rates` (a pair that brackets the bound, chosen beforehand by the
+    simulator) the engine cleared, seeded with the state the simulator wrote at the end of
+    its warm-up at that rate, and its continuation replayed (`steady_run`). A mode whose
+    tiers do not fit this machine (the oracle) or whose states are missing is skipped and
+    listed."""
+    from engine import AsyncEngine
+
+    convs, info = load_sample(s)
+    folder = steady_folder(s, convs)
+    runs: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    starts: dict[str, float] = {}
+    for mode in STEADY_MODES:
+        if mode in s.steady_skipped and not s.steady_rates.get(mode):
+            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
+            continue
+        states, missing = steady_states(s, folder, mode)
+        if missing:
+            skipped.append(f"{mode}: no state {', '.join(missing)}")
+            _log(f"skip {mode}: no state {missing}")
+        if not states:
+            continue
+        preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
+        cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
+        why = no_room(s, preset.gpu_cache_chunks, cpu) or state_mismatch(states[0][2], preset)
+        if why:
+            skipped.append(f"{mode}: {why}")
+            _log(f"skip {mode}: {why}")
+            continue
+        run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
+        if time.monotonic() + run_s + 15 >= budget:
+            skipped += [f"{mode} at {r:g}/s: part budget" for r, _, _ in states]
+            continue
+        t = time.monotonic()
+        engine = AsyncEngine(steady_config(s, mode, preset))
+        await engine.start()
+        starts[mode] = time.monotonic() - t
+        _log(f"{mode}: engine started in {starts[mode]:.1f} s")
+        try:
+            for rate, path, state in states:
+                if time.monotonic() + run_s + 15 >= budget:
+                    skipped.append(f"{mode} at {rate:g}/s: part budget")
+                    _log(f"skip {mode} at {rate:g}/s: it would not finish within the budget")
+                    continue
+                try:
+                    runs.append(await steady_run(engine, s, mode, state, path, convs))
+                except Exception as e:  # the loan goes on with the next run: listed
+                    log_exc = f"{mode} at {rate:g}/s: failed: {type(e).__name__}: {e}"
+                    skipped.append(log_exc)
+                    _log(log_exc)
+        finally:
+            await engine.stop()
+    out = _serve_result(s, info, runs, skipped, convs)
+    out.pop("history_chunks")  # the whole sample's: not what the steady tiers hold
+    out["engine_start_s"] = starts
+    out["states"] = str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder)
+    return out
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -639,7 +872,7 @@ def summary(report: dict[str, Any]) -> str:
     if dec:
         lines.append(f"  HBM copy {dec['hbm']['bytes_per_s'] / 1e9:.0f} GB/s")
         lines += ["  " + _decode_line(r) for r in dec["points"]]
-    for part in ("serve", "extra"):
+    for part in ("serve", "extra", "steady"):
         res = report.get(part)
         if not res:
             continue
@@ -673,6 +906,8 @@ def claims(report: dict[str, Any]) -> dict[str, Any]:
     val = lambda c: c["capacity_rps"] if c and c["crossed"] else None  # noqa: E731
     p, st, g = (val(cap.get(m)) for m in ("pensieve", "stateless", "gpu"))
     o = val(extra.get("capacity", {}).get("oracle"))
+    steady = report.get("steady", {}).get("capacity", {})
+    sst, sg, sp, so = (val(steady.get(m)) for m in STEADY_MODES)
     return {
         "pensieve_over_stateless": p / st if p and st else None,
         "pensieve_over_gpu": p / g if p and g else None,
@@ -681,6 +916,10 @@ def claims(report: dict[str, Any]) -> dict[str, Any]:
         "sampled_over_greedy_tps": (
             (extra.get("sampled_vs_greedy") or {}).get("throughput_tps", {}).get("ratio")
         ),
+        # The steady part (the paper's setting, unscaled): capacities where both crossed
+        "steady_pensieve_over_stateless": sp / sst if sp and sst else None,
+        "steady_pensieve_over_gpu": sp / sg if sp and sg else None,
+        "steady_pensieve_over_oracle": sp / so if sp and so else None,
     }
 
 
@@ -720,6 +959,17 @@ def plot(report: dict[str, Any], path: Path) -> list[Path]:
             "environment": report["environment"],
         }  # fmt: skip
         out.append(plot_serve(res, path.with_name(path.stem + "-serve.png")))
+    steady = report.get("steady", {}).get("runs", [])
+    if steady:
+        s = report["settings"]
+        res = {
+            "runs": steady,
+            "preset": {"latency_bound": s["bound"], "model": s["model"],
+                       "note": f"steady state, think time {s['steady_think_s']:g} s, tiers "
+                               f"{s['steady_gpu_gb']:g} + {s['steady_cpu_gb']:g} GiB, unscaled"},
+            "environment": report["environment"],
+        }  # fmt: skip
+        out.append(plot_serve(res, path.with_name(path.stem + "-steady.png")))
     return out
 
 
@@ -764,16 +1014,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{out} holds a report of another model; pass --out")
     for part in parts:
         t0 = time.monotonic()
-        budget = t0 + s.budget_s
-        _log(f"== {part} (budget {s.budget_s:.0f} s)")
+        # The steady part's own budget (engine starts included) unless --budget says
+        part_budget = s.steady_budget_s if part == "steady" and args.budget is None else s.budget_s
+        budget = t0 + part_budget
+        _log(f"== {part} (budget {part_budget:.0f} s)")
         if part == "mfu":
             res = part_mfu(s, budget)
         elif part == "decode":
             res = part_decode(s, budget)
         elif part == "serve":
             res = asyncio.run(part_serve(s, budget, report))
-        else:
+        elif part == "extra":
             res = asyncio.run(part_extra(s, budget, report))
+        else:
+            res = asyncio.run(part_steady(s, budget, report))
         res["elapsed_s"] = time.monotonic() - t0
         res["git_commit"] = env["git_commit"]
         report[part] = res

@@ -580,7 +580,23 @@ def main(argv: list[str] | None = None) -> int:
         help="rehearse the GPU report's serve part (its default settings; --rates, "
         "--conversations, --bound change them): runs, wall time against its budget, crossings",
     )
+    ap.add_argument(
+        "--gpu-steady",
+        action="store_true",
+        help="rehearse the GPU report's steady part from its committed states "
+        "(bench/sim_steady.py): runs, crossings, estimated time against its budget; with "
+        "--gpu-report, simulate that report's steady runs (<report>-steady-sim-<device>.json)",
+    )
+    ap.add_argument(
+        "--steady-states",
+        action="store_true",
+        help="the steady part's states: per mode (--modes) simulated warm-ups along a ladder "
+        "of rates until a pair brackets the bound; writes their states (slow: minutes a run)",
+    )
     args = ap.parse_args(argv)
+
+    if args.gpu_steady or args.steady_states:  # before --gpu-report: with it, its twin
+        return steady_main(args)
 
     if args.gpu_serve:
         from bench.gpu_report import Settings
@@ -682,6 +698,48 @@ def main(argv: list[str] | None = None) -> int:
         from bench.lib.plots import plot_serve
 
         print(f"wrote {plot_serve(result, out.with_suffix('.png'))}")
+    return 0
+
+
+def steady_main(args) -> int:
+    """`--steady-states`, `--gpu-steady` and `--gpu-steady --gpu-report` (bench/sim_steady.py)."""
+    from bench.gpu_report import STEADY_MODES, Settings
+    from bench.sim_steady import choose, rehearse
+
+    s = Settings()
+    if args.bound:
+        s = replace(s, bound=args.bound)
+    env = {**environment(), "device": label(args.device), "simulated": True}
+    if args.gpu_report:
+        from bench.sim_steady import twin
+
+        report = json.loads(args.gpu_report.read_text())
+        if not report.get("steady", {}).get("runs"):
+            print(f"{args.gpu_report} has no steady runs to simulate")
+            return 0
+        result = twin(report, args.device)
+        out = args.out or args.gpu_report.with_name(
+            f"{args.gpu_report.stem}-steady-sim-{args.device}.json"
+        )
+        print(json.dumps(result["capacity"], indent=1))
+    elif args.steady_states:
+        modes = args.modes.split(",") if args.modes else list(STEADY_MODES)
+        start = floats(args.rates)[0] if args.rates else None  # where each walk starts
+        result = choose(s, args.device, modes, ROOT / s.steady_states, start)
+        out = args.out or SIM / f"steady-states_{args.device}_{'-'.join(modes)}.json"
+        print(f"rates chosen: {result['rates']}; skipped {result['skipped'] or 'nothing'}")
+    else:
+        result = rehearse(s, args.device)
+        out = args.out or SIM / f"gpu-steady_{args.device}.json"
+        print(f"about {result['estimated_s']:.0f} s of the {s.steady_budget_s:.0f} s budget "
+              f"(fits: {result['fits']}); skipped {result['skipped'] or 'nothing'}; every mode "
+              f"crossed: {result['all_crossed']}")  # fmt: skip
+        for mode, c in result["capacity"].items():
+            print(f"  {mode}: {c}")
+    result["environment"] = env
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
+from engine.seed import Seed
 from engine.snapshot import ConversationInfo, EngineCounters, EngineSnapshot, PoolUsage
 from engine.types import (
     CacheMode,
@@ -33,6 +34,7 @@ __all__ = [
     "PoolUsage",
     "Guide",
     "SamplingParams",
+    "Seed",
     "TokenHistory",
     "Turn",
     "TurnResult",

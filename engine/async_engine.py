@@ -170,6 +170,13 @@ class AsyncEngine:
         self._post(("fork", parent_id, child_id, list(token_ids), parent_len, fut))
         return fut
 
+    def seed(self, seeds) -> asyncio.Future:
+        """Place conversations in the tiers as a given state says, on the loop thread (see
+        `Engine.seed`: for measurement; refused while turns are in flight); await it."""
+        fut = self._loop.create_future()
+        self._post(("seed", list(seeds), fut))
+        return fut
+
     def prefetch(self, conversation_id: str) -> None:
         """The user is typing: bring the conversation's context back to the GPU tier at low
         priority (see `Engine.prefetch`). Cheap, never raises; repeated calls are one."""
@@ -258,7 +265,7 @@ class AsyncEngine:
             if item[0] == "submit":  # accepted, never queued: its claim goes here
                 self.engine.claims.release(item[1].turn.conversation_id)
                 self._call(self._end, item[1], None, error)
-            elif item[0] in ("free", "fork"):
+            elif item[0] in ("free", "fork", "seed"):
                 self._call(_resolve, item[-1], None, error)
 
     def _drain(self) -> None:
@@ -284,6 +291,13 @@ class AsyncEngine:
                 _, cid, erase, fut = item
                 try:
                     self.engine.free(cid, erase)
+                    self._call(_resolve, fut, None, None)
+                except Exception as e:
+                    self._call(_resolve, fut, None, e)
+            elif kind == "seed":
+                _, seeds, fut = item
+                try:
+                    self.engine.seed(seeds)
                     self._call(_resolve, fut, None, None)
                 except Exception as e:
                     self._call(_resolve, fut, None, e)

@@ -110,6 +110,11 @@ class DiskIndex:
         """Queue a chunk to be written; False if it is not."""
         raise NotImplementedError
 
+    def seed(self, key: bytes, index: int, parts: list[torch.Tensor], size: int) -> None:
+        """Hold a chunk at once, as if written long ago (a seeded state, `Engine.seed`):
+        indexed with `size` bytes, no write timed; a tier of files writes `parts` first."""
+        self._add(key, index, size)
+
     def remove(self, key: bytes, index: int) -> None:
         """Forget a chunk (a deleted conversation's), queued or written."""
         with self.lock:
@@ -335,6 +340,10 @@ class DiskTier(DiskIndex):
                 self.pending.pop(key, None)
             self.skipped += 1
             return False
+
+    def seed(self, key: bytes, index: int, parts: list[torch.Tensor], size: int) -> None:
+        """Write the chunk's file now (a seeded state: its KV is whatever `parts` hold)."""
+        self._write(key, index, parts)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued chunk is written (tests, shutdown)."""

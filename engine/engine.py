@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from engine.backends import Backend, pick
@@ -20,6 +20,7 @@ from engine.reads import Reads
 from engine.request import Request, Status
 from engine.sampler import make_generator
 from engine.scheduler import Scheduler
+from engine.seed import Seed, plant
 from engine.snapshot import (
     ConversationInfo,
     EngineCounters,
@@ -269,6 +270,15 @@ class Engine:
                 self.history.append(child_id, list(token_ids))
             self.clock.touch(child_id, self.now())
             return linked
+
+    def seed(self, seeds: Iterable[Seed]) -> None:
+        """Place conversations in the tiers as a given state says, without running their
+        turns (`engine/seed.py`): each one's next turn goes on from there. For measurement:
+        the KV of a chunk placed on a tier is not computed. All or none; ValueError while
+        turns are in flight, for a conversation held already or a residency this engine
+        cannot hold."""
+        with self.lock:
+            plant(self, seeds)
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True

@@ -399,6 +399,10 @@ class Plan:
     conversation: Conversation
     arrival_s: float
     think_s: list[float]  # len(turns) - 1 gaps, between a reply and the next turn
+    # A conversation resumed from a steady state (`bench/lib/steady.py`): its first turn
+    # sent is `start` (at `arrival_s`), after `context` tokens of turns done before
+    start: int = 0
+    context: int = 0
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -500,9 +504,11 @@ def script(
     if stop_s is not None and p.arrival_s * time_scale > stop_s:
         return
     yield Wait(p.arrival_s * time_scale - elapsed())
-    context = 0
+    context = p.context
     for i, spec in enumerate(conv.turns):
-        if i:
+        if i < p.start:
+            continue
+        if i > p.start:
             think = p.think_s[i - 1] * time_scale
             if stop_s is not None and elapsed() + think > stop_s:
                 return  # its next turn would come after the end of the run

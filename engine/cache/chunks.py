@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 GPU, CPU, DROPPED = "gpu", "cpu", "dropped"
+# A seeded residency (`KVCacheManager.place`) also names a GPU chunk with a CPU copy, and a
+# dropped chunk the disk tier holds
+BOTH, DISK = "both", "disk"
+RESIDENCIES = (GPU, CPU, BOTH, DISK, DROPPED)
 
 
 @dataclass(eq=False)

@@ -17,10 +17,10 @@ The manager itself admits, grows, releases, suspends and cuts back conversations
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.cache.chunks import Chunk, ChunkTable
+from engine.cache.chunks import BOTH, CPU, DISK, DROPPED, GPU, RESIDENCIES, Chunk, ChunkTable
 from engine.cache.eviction import Evictor
 from engine.cache.order import REORDER_S, UNEXPECTED, EvictionOrder
 from engine.cache.policy import Policy
@@ -352,6 +352,65 @@ class KVCacheManager:
         t.n_dropped = min(t.n_dropped, keep)
         t.n_shared = min(t.n_shared, keep)
         t.n_off_gpu = min(t.n_off_gpu, keep)
+        self.order.changed(t)
+
+    # ---- a seeded state (engine/seed.py) ---------------------------------------------------
+
+    def blocks_to_place(self, tiers: Sequence[str], tokens: int) -> tuple[int, int]:
+        """The GPU and CPU blocks `place` takes for this residency. ValueError where this
+        cache cannot hold it: not one tier of `RESIDENCIES` per chunk of `tokens` positions,
+        a layout other than [dropped or disk | cpu | gpu or both], a tier its mode lacks (a
+        CPU tier in gpu-only and stateless mode), a chunk on disk without a disk tier or not
+        full. (A stateless cache holds GPU chunks only while a turn runs: seeded, they stand
+        for a turn that goes on, and are dropped when the conversation's next turn ends.)"""
+        if len(tiers) != self.n_chunks(tokens):
+            raise ValueError(
+                f"{len(tiers)} tiers for {tokens} positions ({self.n_chunks(tokens)} chunks)"
+            )
+        rank = {DROPPED: 0, DISK: 0, CPU: 1, GPU: 2, BOTH: 2}
+        last, gpu, cpu = 0, 0, 0
+        for i, tier in enumerate(tiers):
+            if tier not in rank:
+                raise ValueError(f"chunk {i}: unknown tier {tier!r}, not one of {RESIDENCIES}")
+            if rank[tier] < last:
+                raise ValueError(
+                    f"chunk {i} on {tier} after a chunk on a faster tier: a table is laid "
+                    "out [dropped or disk | cpu | gpu or both]"
+                )
+            last = rank[tier]
+            if tier == DISK and not self.spilling:
+                raise ValueError(f"chunk {i} on disk: this engine has no disk tier")
+            if tier == DISK and (i + 1) * self.chunk_size > tokens:
+                raise ValueError(f"chunk {i} on disk is not full: only full chunks are files")
+            gpu += tier in (GPU, BOTH)
+            cpu += tier in (CPU, BOTH)
+        if cpu and not self.cpu.num_blocks:
+            raise ValueError(f"{cpu} chunks on the CPU tier: this engine has none ({self.mode})")
+        return gpu, cpu
+
+    def place(self, t: ChunkTable, tiers: Sequence[str], tokens: int) -> None:
+        """Give an empty, idle table the chunks of `tokens` positions in the tiers given
+        (`blocks_to_place`), through the tiers' own accounting: a seeded state, whose KV is
+        whatever the blocks hold (`Engine.seed`). A chunk on "disk" is dropped here (the
+        disk tier holds it). ValueError if the blocks are not free."""
+        if t.chunks or t.pinned:
+            raise ValueError(f"conversation {t.id!r} holds chunks already")
+        gpu, cpu = self.blocks_to_place(tiers, tokens)
+        if gpu > self.gpu.num_free or cpu > self.cpu.num_free:
+            raise ValueError(
+                f"{gpu} GPU and {cpu} CPU blocks asked, {self.gpu.num_free} and "
+                f"{self.cpu.num_free} free"
+            )
+        for tier in tiers:
+            c = Chunk()
+            t.chunks.append(c)
+            if tier in (GPU, BOTH):
+                self.tiers.set_gpu(t, c)
+            if tier in (CPU, BOTH):
+                self.tiers.set_cpu(t, c, self.cpu.allocate())
+        t.n_dropped = t.n_shared = sum(1 for x in tiers if x in (DROPPED, DISK))
+        t.n_off_gpu = t.n_dropped + sum(1 for x in tiers if x == CPU)
+        t.tokens = tokens
         self.order.changed(t)
 
     # ---- prefetch (prefetch.py), swap-out ahead (eviction.py), spills (spills.py) ----------

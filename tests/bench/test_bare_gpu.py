@@ -2,7 +2,8 @@
 
 Each check runs in a subprocess whose imports are limited to that machine's packages
 (tests/bare_gpu/sitecustomize.py): `pytest -m gpu` collects, `bench.gpu_check` rehearses
-its sequence, `bench.serve --preset gpu` replays the committed sample.
+its sequence, `bench.serve --preset gpu` replays the committed sample, the GPU report's
+steady part seeds its engines from the simulator's states.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ import engine, kernels, torch, transformers  # noqa: F401
 # The GPU entry points (bench.soak and bench.cluster drive a server: not among them).
 import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
 import bench.fused, bench.swap, bench.tp, bench.step_prep, bench.cache_step  # noqa: F401
-import bench.sim, engine.backends.simulated, engine.calibrate  # noqa: F401
+import bench.sim, bench.sim_steady, bench.lib.steady, engine.backends.simulated  # noqa: F401
+import engine.calibrate, engine.seed  # noqa: F401
 try:
     import redis  # noqa: F401
 except ModuleNotFoundError as e:
@@ -110,3 +112,29 @@ def test_serve_gpu_presets_replay_the_committed_sample_on_the_bare_machine(
     assert result["workload"]["sample_file"] == "gpu.json"
     (r,) = result["runs"]
     assert r["metrics"]["errors"] == 0 and r["metrics"]["turns"] > 0
+
+
+def test_the_steady_part_dry_run_seeds_each_engine_on_the_bare_machine(tmp_path) -> None:
+    """`make gpu-report PARTS=steady`'s dry run: states made by the simulator, each mode's
+    engine seeded from them; the seeded state is there from the replay's first second:
+    stateless recomputes the whole history of a later turn, pensieve finds it cached or
+    swaps it in."""
+    out = tmp_path / "report.json"
+    args = ["-m", "bench.gpu_report", "--device", "cpu", "--model", "dummy:tiny"]
+    ok(run([*args, "--part", "steady", "--out", str(out), "--no-plot"]))
+    steady = json.loads(out.read_text())["steady"]
+    assert not steady["skipped"]
+    assert list(dict.fromkeys(r["mode"] for r in steady["runs"])) == [
+        "stateless", "gpu", "pensieve", "oracle"
+    ]  # fmt: skip
+    for r in steady["runs"]:
+        m, first = r["metrics"], r["metrics"]["first_second"]
+        assert r["seeded"] > 0 and not r["seed_left_out"] and m["errors"] == 0
+        assert first["later_turns"] > 0, r["mode"]
+        if r["mode"] == "stateless":  # every later turn recomputes its whole history
+            assert first["cached_tokens"] == first["swapped_in_tokens"] == 0
+            assert first["recomputed_tokens"] >= first["context_tokens"] - first["later_turns"]
+        if r["mode"] == "pensieve":
+            assert first["cached_tokens"] + first["swapped_in_tokens"] > 0
+            assert m["swapped_in_tokens"] > 0
+    assert set(steady["capacity"]) == {"stateless", "gpu", "pensieve", "oracle"}

@@ -1,0 +1,359 @@
+"""The GPU report's steady part in virtual time (`python -m bench.sim`): its states, the
+choice of its rates, its rehearsal and its twin. Every figure here is SIMULATED.
+
+    python -m bench.sim --steady-states --device h100 [--modes pensieve]   # states and rates
+    python -m bench.sim --gpu-steady --device h100        # the part rehearsed: time, crossings
+
+- `choose` (`--steady-states`): per mode, warm-ups (`bench/lib/steady.py`: the committed
+  sample repeated, arriving for `steady_cut_s` virtual seconds at a rate, the part's
+  unscaled tiers and think time) along a ladder of rates 2^(1/4) apart, up while the
+  warm-up's own steady window (the turns sent in its last 70%) is under the bound and down
+  while over, until an adjacent pair brackets it; the states at the cut of those two are
+  written to `steady_states` (`<mode>-<rate>.json`). The rates go into `Settings.
+  steady_rates` by hand, with the command. A mode whose tiers do not fit the lent machine
+  (the oracle) is left out, and listed.
+- `rehearse` (`--gpu-steady`): the part as `bench.gpu_report.part_steady` runs it, from
+  the same files, on a simulated engine per mode: each run cleared, seeded and replayed
+  for the short warm-up and the window; its wall time estimated as the seeding's host time
+  here plus its simulated span cut at warm-up + window + drain, plus each engine's start.
+- `twin`: a real report's steady runs again on a simulated device, from the same states.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench.lib import steady as st
+from bench.lib.common import git_commit
+from bench.lib.metrics import crossing, run_line
+from bench.lib.pools import kv_bytes_per_chunk
+from bench.lib.sweep import over
+from bench.lib.virtual import replay
+
+# Rungs 2^(1/4) apart (x1.19): a bracket this narrow is 9% either side of the crossing.
+LADDER = [round(2 ** (i / 4), 2) for i in range(0, 25)]  # 1 ... 64
+# Where each mode's walk starts (the paper's setting on the h100 model with a 200 GiB CPU
+# tier crossed at 4-4.76/s stateless and gpu-only, 5.66-6.73/s pensieve, 6.73-8 the oracle)
+START = {"stateless": 4.0, "gpu": 4.0, "pensieve": 4.76, "oracle": 6.73}
+# The lent machines (bench/README.md, "With a GPU for 15 minutes"): GPU memory as torch
+# reports it, and the host's RAM
+LENT_GPU_BYTES = {"h100": 85.0e9, "h200": 150.0e9, "a100-80gb": 85.0e9, "cpu": math.inf}
+LENT_HOST_GIB = 128.0
+# A real part's time besides its runs (`bench.sim.ENGINE_START_S`, `RUN_OVERHEAD_S`: the
+# H200's serve part), and the page-locking of a CPU tier at the engine's start, assumed
+# (the serve part's 12.5 GiB tier started within those 7 s; not measured apart)
+PIN_S_PER_GIB = 0.25
+
+
+def _log(*a) -> None:
+    print(*a, flush=True)
+
+
+def lent_room(s, device: str, gpu_chunks: int, cpu_chunks: int) -> str | None:
+    """Why these tiers would not fit the lent machine of `device` (None: they would), by
+    `bench.gpu_report.no_room`'s rule: the first tier beside the weights in 90% of the
+    GPU's memory, the second (pinned) in 60% of the host's RAM."""
+    import torch
+
+    from bench.gpu_report import weight_bytes
+    from engine.model.loader import model_args
+
+    per = kv_bytes_per_chunk(s.model, s.dtype)
+    weights = weight_bytes(model_args(s.model), getattr(torch, s.dtype).itemsize)
+    gpu = LENT_GPU_BYTES.get(device, math.inf)
+    if gpu_chunks * per + weights > 0.9 * gpu:
+        return (
+            f"a first tier of {gpu_chunks * per / 1e9:.0f} GB does not fit beside "
+            f"{weights / 1e9:.0f} GB of weights in {gpu / 1e9:.0f} GB of GPU memory"
+        )
+    if cpu_chunks * per > 0.6 * LENT_HOST_GIB * 2**30:
+        return (
+            f"a second tier of {cpu_chunks * per / 1e9:.0f} GB (pinned) is over 60% of "
+            f"{LENT_HOST_GIB * 2**30 / 1e9:.0f} GB of RAM"
+        )
+    return None
+
+
+def _engine(s, mode: str, device: str, convs, rate: float):
+    from bench.gpu_report import steady_config, steady_preset
+    from engine import Engine
+
+    preset = replace(steady_preset(s, mode, convs, rate), device=f"sim:{device}")
+    return Engine(steady_config(s, mode, preset)), preset
+
+
+def warm_up(s, mode: str, rate: float, device: str, convs, log=_log) -> st.State:
+    """The warm-up at `rate` on a simulated engine of its own, cut at `steady_cut_s`."""
+    from bench.sim import label
+
+    engine, preset = _engine(s, mode, device, convs, rate)
+    n = st.warmup_plans_needed(rate, s.steady_cut_s)
+    t = time.perf_counter()
+    try:
+        rows, nxt, cut, metrics, summary = st.warm_up(
+            engine, [st.nth(convs, k) for k in range(n)], rate, s.steady_think_s, 0,
+            s.steady_cut_s,
+        )  # fmt: skip
+    finally:
+        engine.close()
+    summary["real_s"] = time.perf_counter() - t
+    state = st.State(
+        mode=mode,
+        rate=rate,
+        think_s=s.steady_think_s,
+        cut_s=cut,
+        seed=0,
+        sample=s.sample,
+        sample_size=len(convs),
+        next_index=nxt,
+        gpu_cache_chunks=preset.gpu_cache_chunks,
+        cpu_cache_chunks=preset.cpu_cache_chunks,
+        chunk_size=32,
+        rows=rows,
+        simulated=label(device),
+        git_commit=git_commit(),
+        summary=summary,
+        warmup_metrics=metrics,
+    )
+    line = run_line({"mode": mode, "think_s": s.steady_think_s, "rate": rate, "metrics": metrics})
+    log(line + f"  [warm-up {cut:.0f} s: {summary['live']} live, {summary['real_s']:.0f}s real]")
+    return state
+
+
+def make_states(s, device: str, modes, folder: Path, convs, log=_log) -> dict[str, Any]:
+    """The states at `steady_rates` as they are (no walk): the dry run's."""
+    out = {}
+    for mode in modes:
+        for rate in s.steady_rates.get(mode, []):
+            state = warm_up(s, mode, rate, device, convs, log)
+            out[f"{mode}-{rate:g}"] = str(state.write(st.state_path(folder, mode, rate)))
+    return out
+
+
+def _reusable(path: Path, s, mode: str, rate: float, device: str) -> st.State | None:
+    """A state written earlier for the same mode, rate, think time, cut, tiers and cost
+    model (an interrupted walk goes on from there)."""
+    from bench.sim import label
+
+    if not path.exists():
+        return None
+    state = st.State.read(path)
+    same = (state.mode, state.rate, state.think_s, state.simulated) == (
+        mode, rate, s.steady_think_s, label(device))  # fmt: skip
+    return state if same and state.cut_s >= s.steady_cut_s else None
+
+
+def choose(s, device: str, modes, folder: Path, start: float | None = None, log=_log):
+    """Per mode, the pair of ladder rates that brackets the bound in the part's own runs
+    (each warm-up's state resumed as the part resumes it, `run_from`), walking from `start`
+    (else `START`); each warm-up's state written to `folder` as it ends (a walk cut short
+    goes on from them), those outside the pair removed at the end."""
+    from bench.gpu_report import load_sample, state_mismatch, steady_preset
+
+    convs, _ = load_sample(s)
+    chosen, runs, skipped = {}, [], []
+    for mode in modes:
+        rate0 = start or START.get(mode, 4.0)
+        preset = steady_preset(s, mode, convs, rate0 * 2 ** (1 / 4))
+        cpu = preset.cpu_cache_chunks if mode not in ("stateless", "gpu") else 0
+        why = lent_room(s, device, preset.gpu_cache_chunks, cpu)
+        if why:
+            skipped.append(f"{mode}: {why}")
+            log(f"skip {mode}: {why}")
+            continue
+        past: dict[float, bool] = {}  # rate -> its run was over the bound
+        i = min(range(len(LADDER)), key=lambda j: abs(LADDER[j] - rate0))
+        while 0 <= i < len(LADDER):
+            rate = LADDER[i]
+            path = st.state_path(folder, mode, rate)
+            state = _reusable(path, s, mode, rate, device)
+            if state is None or state_mismatch(state, steady_preset(s, mode, convs, rate)):
+                state = warm_up(s, mode, rate, device, convs, log)
+                state.write(path)
+            else:
+                log(f"{mode} at {rate:g}/s: the state in {path.name} (made at {state.git_commit})")
+            run = run_from(s, mode, state, path, convs, device)
+            log(run_line(run) + "  [the part's run from it]")
+            past[rate] = over(run, s.bound)
+            runs.append({"mode": mode, "rate": rate, "warm_up": state.warmup_metrics,
+                         "run": run["metrics"], "summary": state.summary,
+                         "git_commit": state.git_commit})  # fmt: skip
+            up = not past[rate]
+            nxt = LADDER[i + 1] if up and i + 1 < len(LADDER) else LADDER[i - 1] if i else None
+            if nxt is None:
+                break
+            if nxt in past and past[nxt] == up:
+                lo, hi = sorted((rate, nxt))
+                chosen[mode] = [lo, hi]
+                log(f"{mode}: {lo:g}/s under, {hi:g}/s over")
+                break
+            i += 1 if up else -1
+        else:
+            log(f"{mode}: the ladder ended before the bound was bracketed")
+        for rate in past:  # only the pair stays
+            if rate not in chosen.get(mode, []):
+                st.state_path(folder, mode, rate).unlink(missing_ok=True)
+    return {"rates": chosen, "warm_ups": runs, "skipped": skipped, "settings": asdict(s)}
+
+
+def run_from(
+    s, mode: str, state: st.State, path: Path, convs, device: str, top: float | None = None
+) -> dict[str, Any]:
+    """One run of the part from `state` on a simulated engine of its own (`top`: the rate
+    the oracle's tiers are sized for)."""
+    engine, _ = _engine(s, mode, device, convs, top or state.rate)
+    try:
+        return steady_run(engine, s, mode, state, path, convs)
+    finally:
+        engine.close()
+
+
+# ---- the part rehearsed, and the twin of a real one -------------------------------------
+
+
+def clear(engine) -> None:
+    for cid in set(engine.streams) | {t.id for t in engine.cache.held()}:
+        engine.free(cid)
+
+
+def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict[str, Any]:
+    """`bench.gpu_report.steady_run` in virtual time, cut as the real one is: what still
+    runs at the drain's end is cancelled and counted at its lower bound, a turn refused at
+    a full queue as the AsyncEngine refuses it (`virtual.replay`)."""
+    tag = f"steady-{mode}-{state.rate:g}"
+    t = time.perf_counter()
+    clear(engine)
+    seeds, bad = st.seeds(state, convs, tag, engine.now(), engine.cache.chunk_size)
+    engine.seed(seeds)
+    seed_s = time.perf_counter() - t
+    stop = s.steady_warmup_s + s.steady_window_s
+    plans = st.resume(state, convs, stop)
+    records, span = replay(engine, plans, tag, 1.0, stop, deadline_s=stop + s.steady_drain_s,
+                           queue_limit=True)  # fmt: skip
+    return {
+        "mode": mode,
+        "engine_mode": mode,
+        "rate": state.rate,
+        "think_s": state.think_s,
+        "state": path.name,
+        "seeded": len(seeds),
+        "seed_left_out": bad,
+        "seed_s": seed_s,
+        "warmup_s": s.steady_warmup_s,
+        "window_s": s.steady_window_s,
+        "wall_s": span,
+        "metrics": st.window(records, s.steady_warmup_s, stop, st.going_on(state, convs)),
+    }
+
+
+def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
+    """The steady part in virtual time, with its budget rule: its runs, crossings and
+    estimated wall time (engine starts, seeding, warm-up, window, drain)."""
+    from bench.gpu_report import (
+        STEADY_MODES,
+        load_sample,
+        state_mismatch,
+        steady_folder,
+        steady_preset,
+        steady_states,
+    )
+    from bench.sim import ENGINE_START_S, RUN_OVERHEAD_S, label
+
+    convs, info = load_sample(s)
+    folder = steady_folder(s, convs)
+    t, runs, skipped, starts = 0.0, [], [], {}
+    run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
+    for mode in STEADY_MODES:
+        if mode in s.steady_skipped and not s.steady_rates.get(mode):
+            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
+            continue
+        states, missing = steady_states(s, folder, mode)
+        if missing:
+            skipped.append(f"{mode}: no state {', '.join(missing)}")
+        if not states:
+            continue
+        preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
+        cpu = preset.cpu_cache_chunks if mode not in ("stateless", "gpu") else 0
+        why = lent_room(s, device, preset.gpu_cache_chunks, cpu)
+        why = why or state_mismatch(states[0][2], preset)
+        if why:
+            skipped.append(f"{mode}: {why}")
+            log(f"skip {mode}: {why}")
+            continue
+        starts[mode] = (
+            ENGINE_START_S + PIN_S_PER_GIB * cpu * kv_bytes_per_chunk(s.model, s.dtype) / 2**30
+        )
+        t += starts[mode]
+        top = max(r for r, _, _ in states)  # the oracle's tiers: for the highest rate
+        for rate, path, state in states:
+            if t + run_s + 15 >= s.steady_budget_s:  # part_steady's rule
+                skipped.append(f"{mode} at {rate:g}/s: part budget")
+                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
+                continue
+            # An engine per run (the real part clears and re-seeds one per mode): the same
+            # run whatever ran before it, as `choose` ran it
+            run = run_from(s, mode, state, path, convs, device, top)
+            run["estimated_wall_s"] = run["seed_s"] + min(run["wall_s"], run_s)
+            t += run["estimated_wall_s"] + RUN_OVERHEAD_S
+            run["ends_at_s"] = t
+            runs.append(run)
+            log(run_line(run) + f"  [seeded {run['seeded']} in {run['seed_s']:.1f} s, "
+                f"ends at ~{t:.0f} s]")  # fmt: skip
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    caps = {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes}
+    return {
+        "simulated": label(device),
+        "settings": asdict(s),
+        "workload": {k: v for k, v in info.items() if k != "parse"},
+        "runs": runs,
+        "skipped": skipped,
+        "capacity": caps,
+        "engine_start_s": starts,
+        "estimated_s": t,
+        "fits": t <= s.steady_budget_s,
+        # every mode crossed the bound between its two rates (a capacity, not "at least")
+        "all_crossed": bool(caps) and all(c["capacity_rps"] is not None for c in caps.values()),
+    }
+
+
+def twin(report: dict, device: str = "h100", log=_log) -> dict[str, Any]:
+    """The steady runs of a GPU report again on a simulated device, each from the same
+    state file (the committed one of the report's name), rate, warm-up and window; the
+    error of the simulation against each run and each capacity."""
+    from bench.gpu_report import load_sample, steady_folder
+    from bench.sim import label, report_settings
+
+    s = report_settings(report["settings"])
+    if report["settings"].get("steady_states"):
+        s = replace(s, steady_states=report["settings"]["steady_states"])
+    convs, _ = load_sample(s)
+    folder = steady_folder(s, convs)
+    runs, points = [], []
+    for real in report["steady"]["runs"]:
+        mode = real["mode"]
+        path = folder / real["state"]
+        if not path.exists():
+            log(f"no state {path}: {mode} at {real['rate']:g}/s not simulated")
+            continue
+        state = st.State.read(path)
+        top = max(x["rate"] for x in report["steady"]["runs"] if x["mode"] == mode)
+        run = run_from(s, mode, state, path, convs, device, top)
+        runs.append(run)
+        point = {"mode": mode, "rate": real["rate"]}
+        for key in ("throughput_rps", "norm_latency_mean"):
+            r, v = real["metrics"][key], run["metrics"][key]
+            point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
+        points.append(point)
+        log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} "
+            "ms/tok)")  # fmt: skip
+    caps = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        real = crossing([x for x in report["steady"]["runs"] if x["mode"] == mode], s.bound)
+        sim = crossing([x for x in runs if x["mode"] == mode], s.bound)
+        r, v = real.get("capacity_rps"), sim.get("capacity_rps")
+        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None}
+    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}
