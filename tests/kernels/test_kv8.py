@@ -426,11 +426,23 @@ def test_bundled_model_divergence_of_bfloat16_weights(reference):
     assert err < max_err and identical >= min_identical and agree / total >= min_agree
     assert err > 0  # it did compute in bfloat16
     served = serve(bf16, plan)
-    same = [
-        reply == streams[conv][start:end]
-        for (conv, start, end), reply in zip(spans, [r for s in served for r in s], strict=True)
-    ]
-    assert sum(same) >= min_identical
+    replies = [r for s in served for r in s]
+    assert sum(r == streams[c][a:b] for (c, a, b), r in zip(spans, replies, strict=True)) >= 6
+    # Served batches have other shapes than teacher forcing, and bfloat16 sums in another order
+    # on each CPU's kernels (12 of 12 replies equal on an AVX512-BF16 EPYC, 9 of 12 on another
+    # CPU), so a reply may part from the float32 one; it may only do so at a near tie, where
+    # float32's own top two logits lie within bfloat16's error. Past the first parting the
+    # conversation's context differs, so only the first is checked.
+    parted: set[int] = set()
+    for (conv, start, end), reply in zip(spans, replies, strict=True):
+        want = streams[conv][start:end]
+        if conv in parted or reply == want:
+            continue
+        parted.add(conv)
+        i = next((i for i, (a, b) in enumerate(zip(reply, want, strict=False)) if a != b), None)
+        if i is not None:  # (else one reply stopped earlier: a parting at the end token)
+            row = ref_logits[conv][start + i - 1]
+            assert row[want[i]] - row[reply[i]] < max_err, (conv, start + i)
 
 
 def test_fp8_served_matches_its_teacher_forced_greedy(reference):
