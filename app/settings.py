@@ -45,8 +45,10 @@ ENGINE_HELP: dict[str, str] = {
     "compile_cpu": "CPU: compile the forward with torch.compile at start (faster steps)",
     "share_prefixes": "pensieve mode: store chunks of first prompts equal across conversations "
     "(a system prompt) once, and link them instead of computing them",
-    "cuda_graphs": "replay decode-only steps from CUDA graphs captured per batch size "
-    "(CUDA with the triton backend, one rank)",
+    "cuda_graphs": "replay steps without a swap-in from CUDA graphs captured per bucket of "
+    "positions and turns (CUDA with the triton backend, one rank)",
+    "cuda_graph_tokens": "largest mixed prompt and decode step replayed from a CUDA graph, in "
+    "positions (0: decode steps only)",
     "tensor_parallel": "split the model across this many ranks (GPUs on CUDA): worker processes "
     "over torch.distributed; heads must divide by it",
     "force_tensor_parallel": "run the tensor-parallel path even at tensor_parallel=1 (a one-rank "

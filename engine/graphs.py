@@ -1,18 +1,26 @@
-"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket.
+"""CUDA graphs for steps: one captured forward per bucket of (tokens, sub-requests).
 
-A decode step of n turns (one position each, no swap-in) is padded up to the smallest
-captured bucket B >= n and replayed from persistent device buffers: ids, positions, slots,
-logit rows, query_start, query_pos and block tables of a fixed width (the most chunks a
-context can have). Padding rows do nothing: slot -1 (the KV write skips it), query_start = n
-for every padded sub-request (q_len 0: attention exits at once, and rows past
-query_start[-1] are never written), position 0 and block 0 (a valid block, never read).
-The graph computes the logits of all B rows into one static buffer; the wanted rows are
-picked after the replay.
+A step of t positions over s pieces (no swap-in or disk load to wait for inside the forward)
+is padded up to the smallest captured bucket holding both and replayed from persistent device
+buffers: ids, positions, slots, logit rows, query_start, query_pos and block tables of a
+fixed width (the most chunks a context can have). Decode buckets are (B, B) for B = 1, 2, 4,
+..., 256; mixed buckets (T, S) with T past the largest decode bucket, up to
+`cuda_graph_tokens`, take prompt pieces beside decodes (S the largest decode bucket). The
+attention kernel's grid needs only the token and sub-request counts (`query_start[s] //
+BLOCK_Q + s` programs, each finding its sub-request on the device), so one graph serves any
+mix of prompt and decode pieces of its bucket.
+
+Padding does nothing: padded tokens have slot -1 (the KV write skips it), position 0 and
+id 0, and belong to no sub-request (rows past query_start[-1] are never written by
+attention; every other op is row by row); padded sub-requests have query_start = t (q_len
+0: their attention programs exit at once) and block 0 (a valid block, never read). The graph
+computes the logits of S rows into one static buffer (padded rows read row 0); the first R
+are the wanted ones.
 
 Triton bakes the token and sub-request counts into its grids and specialises on them, so
 every bucket is warmed up eagerly (compiling its kernels) right before its capture. The
 buckets share one memory pool, captured largest first. Swap waits, the sampler and every
-host sync stay outside the graph: steps with a swap-in or any prefill piece run eagerly.
+host sync stay outside the graph: steps with a swap-in run eagerly.
 
 Everything but the capture and replay is plain tensor code: with `capture=False` the same
 buffers feed an eager forward (the CPU tests run the padding and the buffers through the
@@ -20,6 +28,8 @@ engine that way).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,9 +39,17 @@ from engine.copies import CopyPlan
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A captured step shape: `tokens` positions over `seqs` sub-requests (at most)."""
+
+    tokens: int
+    seqs: int
+
+
 def bucket_sizes(max_turns: int) -> list[int]:
-    """The buckets to capture: up to the first that holds `max_turns` decode rows (at most
-    256; a larger decode step runs eagerly)."""
+    """The decode buckets: up to the first that holds `max_turns` rows (at most 256; a
+    larger decode step runs eagerly)."""
     out = []
     for b in BUCKETS:
         out.append(b)
@@ -40,8 +58,30 @@ def bucket_sizes(max_turns: int) -> list[int]:
     return out
 
 
+def buckets(max_turns: int, max_tokens: int) -> list[Bucket]:
+    """Decode buckets (B, B) for `bucket_sizes(max_turns)`, then mixed buckets (T, top) with
+    T doubling past the largest decode bucket up to the first that holds `max_tokens`
+    positions (0: decode buckets only)."""
+    sizes = bucket_sizes(max_turns)
+    out = [Bucket(b, b) for b in sizes]
+    top = t = sizes[-1]
+    while t < max_tokens:
+        t *= 2
+        out.append(Bucket(t, top))
+    return out
+
+
+def bucket_for(tokens: int, seqs: int, sizes: list[Bucket]) -> Bucket | None:
+    """The smallest bucket that holds `tokens` positions over `seqs` sub-requests; None: none
+    does."""
+    for b in sorted(sizes):
+        if b.tokens >= tokens and b.seqs >= seqs:
+            return b
+    return None
+
+
 def bucket_of(n: int, sizes: list[int]) -> int | None:
-    """The smallest captured size that holds n rows; None: none does."""
+    """The smallest decode size that holds n rows; None: none does."""
     for b in sizes:
         if b >= n:
             return b
@@ -51,71 +91,78 @@ def bucket_of(n: int, sizes: list[int]) -> int | None:
 def is_decode_only(x: StepInputs, plan: CopyPlan) -> bool:
     """One position per piece and no swap-in (or disk tier load) to wait for inside the
     forward."""
-    return bool(x.starts) and len(x.ids) == len(x.starts) and not (plan.swap_in or plan.load)
+    return bool(x.starts) and len(x.ids) == len(x.starts) and graphable(x, plan)
 
 
-def pad(b: Batch, size: int) -> Batch:
-    """A decode-only batch of n rows as `size` rows, the extra rows inert (module docstring).
-    The block tables keep their width; `rows` stays (indices of real rows)."""
-    n = b.ids.numel()
-    extra = size - n
-    if extra < 0:
-        raise ValueError(f"{n} rows do not fit a bucket of {size}")
-    if b.query_start.numel() != n + 1:
-        raise ValueError("pad takes decode-only batches (one position per sub-request)")
+def graphable(x: StepInputs, plan: CopyPlan) -> bool:
+    """A step a graph can run: it has pieces, and no swap-in (or disk tier load) to wait for
+    inside the forward."""
+    return bool(x.starts) and not (plan.swap_in or plan.load)
 
-    def grow(t: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+
+def pad(b: Batch, size: int | Bucket) -> Batch:
+    """A batch of t positions over s sub-requests as `size` (a decode size n: (n, n)), the
+    extra positions and sub-requests inert (module docstring). The block tables keep their
+    width; `rows` stays (indices of real rows)."""
+    size = size if isinstance(size, Bucket) else Bucket(size, size)
+    t, s = b.ids.numel(), b.query_start.numel() - 1
+    if t > size.tokens or s > size.seqs:
+        raise ValueError(f"{t} positions over {s} sub-requests do not fit {size}")
+
+    def grow(x: torch.Tensor, n: int, value: int) -> torch.Tensor:
+        return torch.cat([x, x.new_full((n - x.shape[0], *x.shape[1:]), value)])
 
     return Batch(
-        ids=grow(b.ids, 0),
-        positions=grow(b.positions, 0),
-        slots=grow(b.slots, -1),
+        ids=grow(b.ids, size.tokens, 0),
+        positions=grow(b.positions, size.tokens, 0),
+        slots=grow(b.slots, size.tokens, -1),
         rows=b.rows,
-        query_start=grow(b.query_start, n),
-        query_pos=grow(b.query_pos, 0),
-        tables=grow(b.tables, 0),
+        query_start=grow(b.query_start, size.seqs + 1, t),
+        query_pos=grow(b.query_pos, size.seqs, 0),
+        tables=grow(b.tables, size.seqs, 0),
     )
 
 
 class _Buffers:
-    """The fixed layout of the step's inputs for buckets up to `top` rows and tables of
-    `width` columns: int64 [ids | positions | slots | rows], int32 [query_start |
-    query_pos | tables], each bucket reading a prefix of every region."""
+    """The fixed layout of the step's inputs for buckets up to `top` (tokens, sub-requests)
+    and tables of `width` columns: int64 [ids | positions | slots | rows], int32
+    [query_start | query_pos | tables], each bucket reading a prefix of every region."""
 
-    def __init__(self, top: int, width: int, device: torch.device, pinned: bool) -> None:
+    def __init__(self, top: Bucket, width: int, device: torch.device, pinned: bool) -> None:
         self.top, self.width = top, width
-        self.longs = torch.zeros(4 * top, dtype=torch.int64, device=device, pin_memory=pinned)
+        t, s = top.tokens, top.seqs
+        self.longs = torch.zeros(3 * t + s, dtype=torch.int64, device=device, pin_memory=pinned)
         self.ints = torch.zeros(
-            2 * top + 1 + top * width, dtype=torch.int32, device=device, pin_memory=pinned
+            2 * s + 1 + s * width, dtype=torch.int32, device=device, pin_memory=pinned
         )
         self.done: torch.cuda.Event | None = None  # the last copy out of it (staging only)
 
-    def view(self, size: int, n_rows: int) -> Batch:
-        t, w, L, i = self.top, self.width, self.longs, self.ints
+    def view(self, size: Bucket) -> Batch:
+        """The bucket's inputs; `rows` holds one row per sub-request (the real ones first)."""
+        t, s, w, L, i = self.top.tokens, self.top.seqs, self.width, self.longs, self.ints
         return Batch(
-            ids=L[:size],
-            positions=L[t : t + size],
-            slots=L[2 * t : 2 * t + size],
-            rows=L[3 * t : 3 * t + n_rows],
-            query_start=i[: size + 1],
-            query_pos=i[t + 1 : t + 1 + size],
-            tables=i[2 * t + 1 : 2 * t + 1 + size * w].view(size, w),
+            ids=L[: size.tokens],
+            positions=L[t : t + size.tokens],
+            slots=L[2 * t : 2 * t + size.tokens],
+            rows=L[3 * t : 3 * t + size.seqs],
+            query_start=i[: size.seqs + 1],
+            query_pos=i[s + 1 : s + 1 + size.seqs],
+            tables=i[2 * s + 1 : 2 * s + 1 + size.seqs * w].view(size.seqs, w),
         )
 
-    def ints_used(self, size: int) -> int:
-        return 2 * self.top + 1 + size * self.width
+    def ints_used(self, size: Bucket) -> int:
+        return 2 * self.top.seqs + 1 + size.seqs * self.width
 
 
-class DecodeGraphs:
-    """The captured decode forwards of one runner (its model, pool and backend)."""
+class StepGraphs:
+    """The captured step forwards of one runner (its model, pool and backend)."""
 
     def __init__(
         self,
         model,
         pool,
         backend: str | None,
-        sizes: list[int],
+        sizes: list[Bucket],
         width: int,
         vocab: int,
         capture: bool = True,
@@ -127,18 +174,18 @@ class DecodeGraphs:
         self.capture_graphs = capture
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        top = self.sizes[-1]
+        top = Bucket(max(b.tokens for b in sizes), max(b.seqs for b in sizes))
         pinned = self.device.type == "cuda"
         self.dev = _Buffers(top, width, self.device, pinned=False)
         self.staging = [_Buffers(top, width, torch.device("cpu"), pinned) for _ in range(2)]
         self._turn = 0
-        self.all_rows = torch.arange(top, device=self.device)  # the graph computes every row
-        self.logits = torch.empty((top, vocab), dtype=torch.float32, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits = torch.empty((top.seqs, vocab), dtype=torch.float32, device=self.device)
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps run through the buckets (tests, metrics)
+        self.mixed_replays = 0  # of them, steps with a prompt piece
 
     def fits(self, x: StepInputs, plan: CopyPlan) -> bool:
-        return is_decode_only(x, plan) and len(x.starts) <= self.sizes[-1]
+        return graphable(x, plan) and bucket_for(len(x.ids), len(x.starts), self.sizes) is not None
 
     # ---- capture ----------------------------------------------------------------------------
 
@@ -165,45 +212,49 @@ class DecodeGraphs:
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, size: int) -> None:
+    def _forward(self, size: Bucket) -> None:
         """The bucket's forward over the device buffers, into the static logits."""
-        b = self.dev.view(size, 0)
+        b = self.dev.view(size)
         out = self.model(
             b.ids,
             b.positions,
             self.pool.layers,
             b.meta,
             b.slots,
-            self.all_rows[:size],
-            before_attention=None,  # no swap-in in a decode graph step
+            b.rows,
+            before_attention=None,  # no swap-in in a graph step
             backend=self.backend,
         )
-        self.logits[:size].copy_(out)
+        self.logits[: size.seqs].copy_(out)
 
     # ---- a step -----------------------------------------------------------------------------
 
     def run(self, b: Batch) -> torch.Tensor:
-        """The logits of `b.rows` for a decode-only batch built at this width."""
-        n = b.ids.numel()
-        size = bucket_of(n, self.sizes)
+        """The logits of `b.rows` for a batch built at this width."""
+        t, s = b.ids.numel(), b.query_start.numel() - 1
+        size = bucket_for(t, s, self.sizes)
         if size is None:
-            raise ValueError(f"no captured bucket holds {n} rows")
+            raise ValueError(f"no captured bucket holds {t} positions over {s} sub-requests")
         self._fill(pad(b, size), size)
         if self.capture_graphs:
             self.graphs[size].replay()
         else:
             self._forward(size)
         self.replays += 1
-        return self.logits.index_select(0, self.dev.view(size, b.rows.numel()).rows)
+        self.mixed_replays += t > s
+        return self.logits[: b.rows.numel()]
 
-    def _fill(self, b: Batch, size: int) -> None:
-        """The padded batch into staging, then two copies into the device buffers."""
+    def _fill(self, b: Batch, size: Bucket) -> None:
+        """The padded batch into staging (its rows padded with row 0), then two copies into
+        the device buffers."""
         self._turn ^= 1
         stage = self.staging[self._turn]
         if stage.done is not None:
             stage.done.synchronize()  # its previous copy has left it
-        view = stage.view(size, b.rows.numel())
-        for dst, src in zip(view.longs() + view.ints(), b.longs() + b.ints(), strict=True):
+        view = stage.view(size)
+        rows = torch.cat([b.rows, b.rows.new_zeros(size.seqs - b.rows.numel())])
+        srcs = [b.ids, b.positions, b.slots, rows] + b.ints()
+        for dst, src in zip(view.longs() + view.ints(), srcs, strict=True):
             dst.copy_(src)
         cuda = self.device.type == "cuda"
         self.dev.longs.copy_(stage.longs, non_blocking=cuda)

@@ -6,7 +6,7 @@ import torch
 
 from engine.batch import Batch, StepInputs, Uploader, build
 from engine.copies import CopyPlan
-from engine.graphs import DecodeGraphs
+from engine.graphs import StepGraphs
 from engine.guide import Guides, plan_masks
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward
@@ -26,7 +26,7 @@ class Runner:
         self.device = pool.device
         self.sampler = Sampler(self.device)
         self.upload = Uploader(self.device)
-        self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
+        self.graphs: StepGraphs | None = None  # captured steps (CUDA, triton)
         self.compiled: CompiledForward | None = None  # the compiled CPU forward
         self.guides: Guides | None = None  # constrained decoding (the engine sets it)
         self.overlap_masks = True  # fill a step's masks in a thread during the forward

@@ -71,9 +71,12 @@ class EngineConfig:
     # on CUDA), the sharded layers with their collectives, the step messages, ParallelPool.
     # For testing and measuring that path where there is one GPU; off: one plain process.
     force_tensor_parallel: bool = False
-    # Decode-only steps replay CUDA graphs captured per batch-size bucket (engine/graphs.py);
-    # effective on CUDA with the triton backend and one rank only
+    # Steps without a swap-in replay CUDA graphs captured per bucket of positions and turns
+    # (engine/graphs.py): decode steps up to 256 turns, and mixed prompt and decode steps up to
+    # `cuda_graph_tokens` positions (0: decode steps only); effective on CUDA with the triton
+    # backend and one rank only
     cuda_graphs: bool = True
+    cuda_graph_tokens: int = 512
     # pensieve mode: a third tier of files under this directory (None: off). Chunks the CPU
     # tier drops are written there behind the step loop and read back instead of recomputed
     # where that is cheaper, also after a restart and on another replica sharing the directory
@@ -105,6 +108,10 @@ class EngineConfig:
             raise ValueError("max_batch_tokens must be positive")
         if self.max_running < 1 or self.max_waiting < 1:
             raise ValueError("max_running and max_waiting must be positive")
+        if self.cuda_graph_tokens < 0:
+            raise ValueError(
+                f"cuda_graph_tokens must not be negative, got {self.cuda_graph_tokens}"
+            )
         if self.gpu_cache_chunks is not None and self.gpu_cache_chunks < 1:
             raise ValueError("gpu_cache_chunks must be positive")
         if self.cpu_cache_chunks is not None and self.cpu_cache_chunks < 0:

@@ -11,7 +11,7 @@ from engine.backends.base import Backend
 from engine.cache.policy import CostModel
 from engine.cache.profile import load_or_profile
 from engine.disk import DiskTier, namespace
-from engine.graphs import DecodeGraphs, bucket_sizes
+from engine.graphs import StepGraphs, buckets
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward, usable
 from engine.model.loader import Loaded, cache_root, load
@@ -106,7 +106,7 @@ class Local(Backend):
 
     @property
     def graphs_enabled(self) -> bool:
-        """Decode steps from CUDA graphs: asked for, on CUDA, with the triton backend."""
+        """Steps from CUDA graphs: asked for, on CUDA, with the triton backend."""
         return self.config.cuda_graphs and self.gpu and self.attention == "triton"
 
     def finish(self, runner: Runner, pool: KVPool, max_context: int, gpu_blocks: int) -> None:
@@ -115,11 +115,14 @@ class Local(Backend):
         if c.compile_cpu:
             self.compile_cpu(runner, pool)
         if self.graphs_enabled:
-            runner.graphs = DecodeGraphs(
+            runner.graphs = StepGraphs(
                 self.model,
                 pool,
                 self.attention,
-                bucket_sizes(min(c.max_running, c.max_batch_tokens)),
+                buckets(
+                    min(c.max_running, c.max_batch_tokens),
+                    min(c.cuda_graph_tokens, c.max_batch_tokens),
+                ),
                 width=min(-(-max_context // c.chunk_size), gpu_blocks),
                 vocab=self.args.vocab_size,
             )

@@ -125,10 +125,12 @@ def test_cuda_graphs_equal_eager_and_transformers(model, kv_dtype):
     graphed = Engine(EngineConfig(**kw))
     eager = Engine(EngineConfig(**kw, cuda_graphs=False))
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
-    assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    sizes = sorted(graphed.runner.graphs.graphs)
+    assert [b.tokens for b in sizes] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert [b.seqs for b in sizes] == [1, 2, 4, 8, 16] + [16] * 5
     got, want = run_turns(graphed), run_turns(eager)
     assert got == want
-    assert graphed.runner.graphs.replays > 0
+    assert graphed.runner.graphs.replays > 0 and graphed.runner.graphs.mixed_replays > 0
     counters = graphed.snapshot().counters
     assert counters.swapped_in_tokens > 0 or counters.recomputed_tokens > 0
     hot = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3)

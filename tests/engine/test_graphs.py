@@ -1,5 +1,6 @@
-"""Decode graphs on the CPU: buckets, padding, and the padded buffers through the engine
-(everything but the capture itself, which `tests/engine/test_gpu_engine.py` checks on a GPU)."""
+"""Step graphs on the CPU: buckets, padding (decode and mixed steps), and the padded buffers
+through the engine (everything but the capture itself, which `tests/engine/test_gpu_engine.py`
+checks on a GPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.batch import StepInputs, build
 from engine.copies import CopyPlan
-from engine.graphs import DecodeGraphs, bucket_of, bucket_sizes, is_decode_only, pad
+from engine.graphs import (
+    Bucket,
+    StepGraphs,
+    bucket_for,
+    bucket_of,
+    bucket_sizes,
+    buckets,
+    graphable,
+    is_decode_only,
+    pad,
+)
 from kernels import paged_attention, write_kv
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -26,6 +37,17 @@ def test_buckets():
     assert [bucket_of(n, sizes) for n in (1, 2, 3, 9, 64, 65)] == [1, 2, 4, 16, 64, None]
 
 
+def test_mixed_buckets_double_past_the_decode_ones():
+    assert buckets(4, 0) == [Bucket(1, 1), Bucket(2, 2), Bucket(4, 4)]
+    sizes = buckets(4, 20)
+    assert sizes[3:] == [Bucket(8, 4), Bucket(16, 4), Bucket(32, 4)]
+    assert bucket_for(3, 3, sizes) == Bucket(4, 4)  # decode
+    assert bucket_for(3, 1, sizes) == Bucket(4, 4)  # a 3-token prompt fits a decode bucket
+    assert bucket_for(9, 2, sizes) == Bucket(16, 4)
+    assert bucket_for(9, 5, sizes) is None  # more turns than any bucket holds
+    assert bucket_for(33, 1, sizes) is None
+
+
 def test_decode_only():
     x = StepInputs(ids=[1, 2], starts=[3, 9], ends=[4, 10], tables=[[0], [1, 2, 3]], sample=[1])
     assert is_decode_only(x, CopyPlan())
@@ -35,6 +57,8 @@ def test_decode_only():
         StepInputs(ids=[1, 2], starts=[0], ends=[2], tables=[[0]]), CopyPlan()
     )
     assert not is_decode_only(StepInputs(), CopyPlan())
+    prompt = StepInputs(ids=[1, 2], starts=[0], ends=[2], tables=[[0]])
+    assert graphable(prompt, CopyPlan()) and not graphable(prompt, CopyPlan(load=[([], 0)]))
 
 
 def decode_step() -> StepInputs:
@@ -58,10 +82,37 @@ def test_pad_makes_inert_rows():
     assert b.rows.tolist() == [0, 2]
     with pytest.raises(ValueError):
         pad(build(decode_step(), CS), 2)
+    with pytest.raises(ValueError):  # 5 positions in a bucket of 4
+        pad(build(StepInputs(ids=[1] * 5, starts=[0], ends=[5], tables=[[0, 1]]), CS), 4)
+
+
+def mixed_step() -> StepInputs:
+    """A 3-token prompt piece between two decodes."""
+    return StepInputs(
+        ids=[11, 21, 22, 23, 13],
+        starts=[5, 2, 9],
+        ends=[6, 5, 10],
+        tables=[[3, 1], [2], [0, 4, 5]],
+        sample=[0, 1, 2],
+    )
+
+
+def test_pad_makes_inert_positions_and_turns_of_a_mixed_step():
+    b = pad(build(mixed_step(), CS, width=6), Bucket(8, 4))
+    assert b.ids.tolist() == [11, 21, 22, 23, 13, 0, 0, 0]
+    assert b.positions.tolist() == [5, 2, 3, 4, 9, 0, 0, 0]
+    assert b.slots.tolist()[5:] == [-1] * 3
+    assert b.query_start.tolist() == [0, 1, 4, 5, 5]  # the padded turn: q_len 0
+    assert b.query_pos.tolist() == [5, 2, 9, 0]
+    assert b.tables.shape == (4, 6) and b.tables[3].eq(0).all()
+    assert b.rows.tolist() == [0, 3, 4]
     with pytest.raises(ValueError):
-        pad(build(StepInputs(ids=[1, 2], starts=[0], ends=[2], tables=[[0]]), CS), 4)
+        pad(build(mixed_step(), CS), Bucket(4, 4))  # 5 positions
+    with pytest.raises(ValueError):
+        pad(build(mixed_step(), CS), Bucket(8, 2))  # 3 turns
 
 
+@pytest.mark.parametrize("step", ["decode", "mixed"])
 @pytest.mark.parametrize(
     "backend",
     [
@@ -71,26 +122,28 @@ def test_pad_makes_inert_rows():
         ),
     ],
 )
-def test_padded_rows_write_nothing_and_leave_real_rows_alone(backend):
+def test_padded_rows_write_nothing_and_leave_real_rows_alone(step, backend):
     g = torch.Generator().manual_seed(0)
     blocks, heads, kv_heads, dim = 6, 4, 2, 16
     k_cache = torch.randn(blocks, CS, kv_heads, dim, generator=g)
     v_cache = torch.randn(blocks, CS, kv_heads, dim, generator=g)
-    b = build(decode_step(), CS)
-    padded = pad(build(decode_step(), CS, width=8), 8)
+    x = decode_step() if step == "decode" else mixed_step()
+    b = build(x, CS)
+    padded = pad(build(x, CS, width=8), 8 if step == "decode" else Bucket(8, 4))
+    n = b.ids.numel()
     q = torch.randn(8, heads, dim, generator=g)
     k = torch.randn(8, kv_heads, dim, generator=g)
     v = torch.randn(8, kv_heads, dim, generator=g)
 
     kc, vc = k_cache.clone(), v_cache.clone()
-    write_kv(kc, vc, k[:3], v[:3], b.slots, backend=backend)
-    want = paged_attention(q[:3], kc, vc, b.meta, 0.25, backend=backend)
+    write_kv(kc, vc, k[:n], v[:n], b.slots, backend=backend)
+    want = paged_attention(q[:n], kc, vc, b.meta, 0.25, backend=backend)
 
     kp, vp = k_cache.clone(), v_cache.clone()
     write_kv(kp, vp, k, v, padded.slots, backend=backend)
     got = paged_attention(q, kp, vp, padded.meta, 0.25, backend=backend)
     assert torch.equal(kp, kc) and torch.equal(vp, vc)  # padded rows wrote nothing
-    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:n], want, rtol=1e-5, atol=1e-5)
 
 
 PROMPTS = [list(range(10, 10 + n)) for n in (5, 37, 64, 21, 9)]
@@ -118,18 +171,20 @@ def make(**kw) -> Engine:
     )
 
 
-def test_engine_with_padded_decode_buffers_equals_eager():
+@pytest.mark.parametrize("mixed_tokens", [0, 256])
+def test_engine_with_padded_buffers_equals_eager(mixed_tokens):
     """The bucket buffers (capture off) through the engine: the same tokens as without them,
-    across turns with swap-outs and swap-ins (those steps run eagerly)."""
+    across turns with swap-outs and swap-ins (those steps run eagerly); with mixed buckets,
+    the prompt steps run through them too."""
     eager = run_turns(make())
     engine = make()
     assert engine.runner.graphs is None  # graphs are CUDA-only
     r = engine.runner
-    r.graphs = DecodeGraphs(
+    r.graphs = StepGraphs(
         r.model,
         r.pool,
         r.backend,
-        bucket_sizes(8),
+        buckets(8, mixed_tokens),
         width=16,
         vocab=engine.args.vocab_size,
         capture=False,
@@ -137,5 +192,6 @@ def test_engine_with_padded_decode_buffers_equals_eager():
     r.graphs.capture()  # warm-up only: an all-padding batch writes no KV
     assert run_turns(engine) == eager
     assert r.graphs.replays > 0
+    assert (r.graphs.mixed_replays > 0) == (mixed_tokens > 0)
     counters = engine.snapshot().counters
     assert counters.swapped_in_tokens > 0 or counters.recomputed_tokens > 0
