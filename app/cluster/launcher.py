@@ -33,6 +33,7 @@ log = logging.getLogger("pensieve.cluster")
 
 START_TIMEOUT_S = 600.0  # a replica loads its model before it answers /healthz
 RESTART_DELAY_S = 2.0
+START_TRIES = 3  # starts of a replica that exits before it is up, before it is left out
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -75,6 +76,7 @@ class Replica:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     down_since: float | None = None
+    tries: int = 0  # starts so far that exited before the replica was up
 
     @property
     def id(self) -> str:
@@ -108,26 +110,61 @@ class Launcher:
     others: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self) -> None:
+        """Start the replicas and wait until each is up. One that exits first is started
+        again (on another free port where its own was taken since it was found free: another
+        process bound it in between), at most `START_TRIES` times; one that still fails, or
+        is not up by the deadline, is left out and the cluster goes on with the others. None
+        up: an error."""
         for r in self.replicas:
             r.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = list(self.replicas)
+        waiting, up = list(self.replicas), []
         while waiting and not self.stopping:
             for r in list(waiting):
                 if r.proc.poll() is not None:
-                    raise RuntimeError(f"replica {r.id} exited {r.proc.returncode} on start")
-                if r.healthy():
+                    if not self._start_again(r):
+                        waiting.remove(r)
+                elif r.healthy():
                     log.info("replica %s is up (pid %d)", r.id, r.proc.pid)
                     waiting.remove(r)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replicas {[r.id for r in waiting]} did not come up")
+                    up.append(r)
+            if waiting and time.monotonic() > deadline:
+                log.error("replicas %s did not come up; going on without them",
+                          [r.id for r in waiting])  # fmt: skip
+                for r in waiting:
+                    r.proc.kill()
+                    r.proc.wait()
+                break
             time.sleep(0.5)
+        if self.stopping:
+            return
+        if not up:
+            raise RuntimeError("no replica came up (see the log above)")
+        self.replicas = [r for r in self.replicas if r in up]
         cfg = self.workdir / "haproxy.cfg"
         backends = [haproxy.Backend(haproxy.backend_name(r.id), f"{r.host}:{r.port}")
                     for r in self.replicas]  # fmt: skip
         cfg.write_text(haproxy.config(backends, self.front))
         haproxy.check(str(cfg))
         self.haproxy = subprocess.Popen(haproxy.command(str(cfg)))
+
+    def _start_again(self, r: Replica) -> bool:
+        """A replica exited before it was up: start it again, on another port where its own
+        is taken now; False once it has had its tries."""
+        r.tries += 1
+        if r.tries >= START_TRIES:
+            log.error("replica %s exited %s on start %d times; the cluster goes on without it",
+                      r.id, r.proc.returncode, r.tries)  # fmt: skip
+            return False
+        if not _port_free(r.host, r.port):
+            old, r.port = r.id, _free_port(r.host)
+            log.warning("replica %s could not bind its port (taken since); starting it as %s",
+                        old, r.id)  # fmt: skip
+        else:
+            log.warning("replica %s exited %s on start; starting it again",
+                        r.id, r.proc.returncode)  # fmt: skip
+        r.start()
+        return True
 
     def supervise(self) -> int:
         """Until stopped: restart replicas that exit; HAProxy exiting ends the cluster."""
@@ -227,7 +264,7 @@ def run(given: dict[str, object], replicas: int, host: str, port: int, log_level
         try:
             launcher.start()
             if not launcher.stopping:
-                ids = ", ".join(f"{r.id} (pid {r.proc.pid})" for r in members)
+                ids = ", ".join(f"{r.id} (pid {r.proc.pid})" for r in launcher.replicas)
                 print(f"pensieve cluster on http://{host}:{port}: replicas {ids}", flush=True)
                 return launcher.supervise()
             return 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import time
 
 import httpx
 import pytest
@@ -13,8 +15,10 @@ import pytest
 from app.cluster import haproxy
 from app.cluster.directory import Directory
 from app.cluster.handoff import FORWARDED, _accept_forwarded, conversation_in
+from app.cluster.launcher import START_TRIES, Launcher, Replica
 from app.cluster.replica import forward_key
 from bench.lib import harness
+from store.migrate import upgrade_async
 from tests import services
 from tests.app_fixtures import ADMIN
 
@@ -133,4 +137,47 @@ def test_pensieve_cluster_starts_replicas_and_haproxy_and_stops_them(tmp_path):
             httpx.get(f"{cluster.url}/healthz")
     finally:
         cluster.kill()
+        services.drop_database(db)
+
+
+def test_a_replica_whose_port_was_taken_starts_on_another_and_a_failing_one_is_left_out(tmp_path):
+    """The race of `pensieve cluster`: a replica's port found free, then bound by another
+    process before the replica binds it. The launcher starts that replica again on another
+    port; a replica that fails every start is left out, and the others go on."""
+    db, url = services.new_database()
+    asyncio.run(upgrade_async(url))  # as `pensieve cluster` does before its replicas start
+    rs = harness.RedisServer().start()
+    host = "127.0.0.1"
+    thief = socket.socket()
+    thief.bind((host, 0))
+    thief.listen()
+    taken = thief.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PENSIEVE_")}
+    env.update(
+        PENSIEVE_DATABASE_URL=url, PENSIEVE_REDIS_URL=rs.url, PENSIEVE_CLUSTER="true",
+        PENSIEVE_ADMIN_TOKEN=ADMIN, PENSIEVE_MODEL="dummy:tiny", PENSIEVE_DEVICE="cpu",
+        PENSIEVE_GPU_CACHE_CHUNKS="16", PENSIEVE_CPU_CACHE_CHUNKS="16",
+    )  # fmt: skip
+    broken = {**env, "PENSIEVE_MAX_BATCH_TOKENS": "0"}  # refused at start, every time
+    moved = Replica(host, taken, env, "warning")
+    failing = Replica(host, harness.free_port(), broken, "warning")
+    front = harness.free_port()
+    launcher = Launcher([moved, failing], f"{host}:{front}", tmp_path)
+    try:
+        launcher.start()
+        assert launcher.replicas == [moved]
+        assert moved.port != taken and moved.tries == 1 and moved.healthy()
+        assert failing.tries == START_TRIES and failing.proc.poll() is not None
+        for _ in range(100):  # HAProxy's first health check
+            try:
+                if httpx.get(f"http://{host}:{front}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert httpx.get(f"http://{host}:{front}/healthz", timeout=1).status_code == 200
+    finally:
+        launcher.stop()
+        thief.close()
+        rs.kill()
         services.drop_database(db)
