@@ -399,17 +399,21 @@ def window_of(s: Settings, k: float) -> tuple[float, float]:
 def preset_for(s: Settings, k: float, oracle_chunks: int | None = None) -> Preset:
     """The engine settings of one scale: tiers / k (the oracle: the same GPU tier, and a
     second tier that holds everything: `bench.lib.presets.Mode` says why)."""
-    per = kv_bytes_per_chunk(s.model, s.dtype)
-    gpu, cpu = _chunks(s.gpu_cache_gb / k, per), _chunks(s.cpu_cache_gb / k, per)
+    cpu = _chunks(s.cpu_cache_gb / k, kv_bytes_per_chunk(s.model, s.dtype))
     if oracle_chunks is not None:
         cpu = max(cpu, oracle_chunks)
+    return _preset(s, "gpu-report", s.gpu_cache_gb / k, cpu)
+
+
+def _preset(s: Settings, name: str, gpu_gb: float, cpu_chunks: int) -> Preset:
+    """The report's engine settings with a GPU tier of `gpu_gb` and `cpu_chunks` behind it."""
     return Preset(
-        name="gpu-report",
+        name=name,
         model=s.model,
         device=s.device,
         dtype=s.dtype,
-        gpu_cache_chunks=gpu,
-        cpu_cache_chunks=cpu,
+        gpu_cache_chunks=_chunks(gpu_gb, kv_bytes_per_chunk(s.model, s.dtype)),
+        cpu_cache_chunks=cpu_chunks,
         max_batch_tokens=s.max_batch_tokens,
         latency_bound=s.bound,
     )
@@ -680,20 +684,10 @@ def steady_preset(s: Settings, mode: str, convs=None, rate: float | None = None)
     """The engine settings of the steady part: the unscaled tiers (the oracle's: the same
     GPU tier, and a second tier that holds every conversation arriving up to its last run's
     end, `steady_oracle_chunks`, as `preset_for` sizes the serve part's oracle)."""
-    per = kv_bytes_per_chunk(s.model, s.dtype)
-    gpu, cpu = _chunks(s.steady_gpu_gb, per), _chunks(s.steady_cpu_gb, per)
+    cpu = _chunks(s.steady_cpu_gb, kv_bytes_per_chunk(s.model, s.dtype))
     if mode == "oracle":
         cpu = max(cpu, steady_oracle_chunks(s, convs, rate))
-    return Preset(
-        name="gpu-report-steady",
-        model=s.model,
-        device=s.device,
-        dtype=s.dtype,
-        gpu_cache_chunks=gpu,
-        cpu_cache_chunks=cpu,
-        max_batch_tokens=s.max_batch_tokens,
-        latency_bound=s.bound,
-    )
+    return _preset(s, "gpu-report-steady", s.steady_gpu_gb, cpu)
 
 
 def steady_oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int:
@@ -748,21 +742,8 @@ async def steady_run(engine, s: Settings, mode: str, state, path: Path, convs) -
     deadline = time.monotonic() + stop + s.steady_drain_s
     driver = EngineDriver(engine, tag, 0.0, deadline)
     records, wall, counters = await measure(engine, driver, plans, tag, stop_s=stop)
-    run = {
-        "mode": mode,
-        "engine_mode": mode,
-        "rate": state.rate,
-        "think_s": state.think_s,
-        "state": path.name,
-        "seeded": len(seeds),
-        "seed_left_out": bad,
-        "seed_s": seed_s,
-        "warmup_s": s.steady_warmup_s,
-        "window_s": s.steady_window_s,
-        "wall_s": wall,
-        "metrics": st.window(records, s.steady_warmup_s, stop, st.going_on(state, convs)),
-        "counters": counters,
-    }
+    run = st.run_row(s, mode, state, path, (len(seeds), bad), seed_s, wall, records, convs)
+    run["counters"] = counters
     _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} seeded {len(seeds)} "
          f"in {seed_s:.1f} s")  # fmt: skip
     return run

@@ -474,16 +474,22 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
             i = next_index(steps, over(run, s.bound))
         runs += got
         start = next_start(s.rates, got, s.bound, start)
-    caps = {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in SERVE_MODES}
+    out = rehearsal(device, s, info, runs, skipped, SERVE_MODES)
+    out["estimated_s"] = t
+    out["all_crossed"] = all(c["crossed"] for c in out["capacity"].values())
+    return out
+
+
+def rehearsal(device: str, s, info: dict, runs: list, skipped: list, modes) -> dict[str, Any]:
+    """A part rehearsed on a simulated device: its settings, workload, runs and each mode's
+    capacity (`crossing`)."""
     return {
         "simulated": label(device),
         "settings": asdict(s),
         "workload": {k: v for k, v in info.items() if k != "parse"},
         "runs": runs,
         "skipped": skipped,
-        "capacity": caps,
-        "estimated_s": t,
-        "all_crossed": all(c["crossed"] for c in caps.values()),
+        "capacity": {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes},
     }
 
 
@@ -599,15 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         return steady_main(args)
 
     if args.gpu_serve:
-        from bench.gpu_report import Settings
-
-        s = Settings()
+        s = report_settings_of(args)
         if args.rates:
             s = replace(s, rates=floats(args.rates))
         if args.conversations:
             s = replace(s, conversations=args.conversations)
-        if args.bound:
-            s = replace(s, bound=args.bound)
         result = serve_part(s, args.device)
         result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
         out = args.out or SIM / f"gpu-serve_{args.device}.json"
@@ -701,14 +703,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def steady_main(args) -> int:
-    """`--steady-states`, `--gpu-steady` and `--gpu-steady --gpu-report` (bench/sim_steady.py)."""
-    from bench.gpu_report import STEADY_MODES, Settings
-    from bench.sim_steady import choose, rehearse
+def report_settings_of(args):
+    """The GPU report's settings, with the command line's latency bound."""
+    from bench.gpu_report import Settings
 
     s = Settings()
-    if args.bound:
-        s = replace(s, bound=args.bound)
+    return replace(s, bound=args.bound) if args.bound else s
+
+
+def steady_main(args) -> int:
+    """`--steady-states`, `--gpu-steady` and `--gpu-steady --gpu-report` (bench/sim_steady.py)."""
+    from bench.gpu_report import STEADY_MODES
+    from bench.sim_steady import choose, rehearse
+
+    s = report_settings_of(args)
     env = {**environment(), "device": label(args.device), "simulated": True}
     if args.gpu_report:
         from bench.sim_steady import twin

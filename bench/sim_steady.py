@@ -234,20 +234,7 @@ def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict
     plans = st.resume(state, convs, stop)
     records, span = replay(engine, plans, tag, 1.0, stop, deadline_s=stop + s.steady_drain_s,
                            queue_limit=True)  # fmt: skip
-    return {
-        "mode": mode,
-        "engine_mode": mode,
-        "rate": state.rate,
-        "think_s": state.think_s,
-        "state": path.name,
-        "seeded": len(seeds),
-        "seed_left_out": bad,
-        "seed_s": seed_s,
-        "warmup_s": s.steady_warmup_s,
-        "window_s": s.steady_window_s,
-        "wall_s": span,
-        "metrics": st.window(records, s.steady_warmup_s, stop, st.going_on(state, convs)),
-    }
+    return st.run_row(s, mode, state, path, (len(seeds), bad), seed_s, span, records, convs)
 
 
 def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
@@ -261,7 +248,7 @@ def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
         steady_preset,
         steady_states,
     )
-    from bench.sim import ENGINE_START_S, RUN_OVERHEAD_S, label
+    from bench.sim import ENGINE_START_S, RUN_OVERHEAD_S, rehearsal
 
     convs, info = load_sample(s)
     folder = steady_folder(s, convs)
@@ -303,21 +290,14 @@ def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
             runs.append(run)
             log(run_line(run) + f"  [seeded {run['seeded']} in {run['seed_s']:.1f} s, "
                 f"ends at ~{t:.0f} s]")  # fmt: skip
-    modes = list(dict.fromkeys(r["mode"] for r in runs))
-    caps = {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes}
-    return {
-        "simulated": label(device),
-        "settings": asdict(s),
-        "workload": {k: v for k, v in info.items() if k != "parse"},
-        "runs": runs,
-        "skipped": skipped,
-        "capacity": caps,
-        "engine_start_s": starts,
-        "estimated_s": t,
-        "fits": t <= s.steady_budget_s,
-        # every mode crossed the bound between its two rates (a capacity, not "at least")
-        "all_crossed": bool(caps) and all(c["capacity_rps"] is not None for c in caps.values()),
-    }
+    out = rehearsal(device, s, info, runs, skipped, dict.fromkeys(r["mode"] for r in runs))
+    caps = out["capacity"]
+    out["engine_start_s"] = starts
+    out["estimated_s"] = t
+    out["fits"] = t <= s.steady_budget_s
+    # every mode crossed the bound between its two rates (a capacity, not "at least")
+    out["all_crossed"] = bool(caps) and all(c["capacity_rps"] is not None for c in caps.values())
+    return out
 
 
 def twin(report: dict, device: str = "h100", log=_log) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from typing import Any
 from bench.lib import workload as wl
 from bench.lib.drivers import turn_stats
 from bench.lib.metrics import cache_use, steady_metrics, window_metrics
+from bench.lib.virtual import wait_next
 
 FORMAT = "pensieve-steady/1"
 COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"]
@@ -321,12 +322,7 @@ def warm_up(
         if step_once():
             stalls = 0
             continue
-        wake = [t for t in (events[0][0] if events else None, engine.next_read_s())
-                if t is not None]  # fmt: skip
-        if wake:
-            clock.advance_to(min(wake))
-        else:
-            engine.wait_for_io()
+        if wait_next(engine, clock, events):
             stalls += 1
             if stalls > 1000:
                 raise RuntimeError(f"{tag}: the engine made no progress")
@@ -507,3 +503,33 @@ def window(
                          **cache_use(first)}  # fmt: skip
     m["went_on"] = {"turns": len(on), **cache_use(on)}
     return m
+
+
+def run_row(
+    s,
+    mode: str,
+    state: State,
+    path: Path,
+    seeded: tuple[int, int],
+    seed_s: float,
+    wall_s: float,
+    records: list[wl.TurnRecord],
+    convs: list[wl.Conversation],
+) -> dict[str, Any]:
+    """One steady run as the report keeps it, real or simulated: its state, the seeding
+    (`seeded`: conversations placed and left out), its window's figures (`window`)."""
+    stop = s.steady_warmup_s + s.steady_window_s
+    return {
+        "mode": mode,
+        "engine_mode": mode,
+        "rate": state.rate,
+        "think_s": state.think_s,
+        "state": path.name,
+        "seeded": seeded[0],
+        "seed_left_out": seeded[1],
+        "seed_s": seed_s,
+        "warmup_s": s.steady_warmup_s,
+        "window_s": s.steady_window_s,
+        "wall_s": wall_s,
+        "metrics": window(records, s.steady_warmup_s, stop, going_on(state, convs)),
+    }

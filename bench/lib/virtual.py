@@ -148,14 +148,20 @@ def replay(
         if clock() > before or ended:
             stalls = 0
             continue
-        # Nothing could run: wait for the next event, or the end of a read (the disk tier's)
-        wake = [t for t in (events[0][0] if events else None, engine.next_read_s())
-                if t is not None]  # fmt: skip
-        if wake:
-            clock.advance_to(min(wake))
-        else:  # only a history read (a worker thread, real time) can unblock it
-            engine.wait_for_io()
+        if wait_next(engine, clock, events):
             stalls += 1
             if stalls > STALLS:
                 raise RuntimeError(f"{tag}: the engine made no progress in {stalls} tries")
     return records, clock() - start
+
+
+def wait_next(engine, clock, events: list) -> bool:
+    """Nothing could run: move the virtual clock to the next event, or the end of a read
+    (the disk tier's); True where only a history read (a worker thread, real time) can
+    unblock it and it was waited for."""
+    wake = [t for t in (events[0][0] if events else None, engine.next_read_s()) if t is not None]
+    if wake:
+        clock.advance_to(min(wake))
+        return False
+    engine.wait_for_io()
+    return True
