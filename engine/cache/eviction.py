@@ -14,7 +14,6 @@ from engine.cache.tiers import Tiers
 from engine.copies import CopyPlan
 from engine.snapshot import EngineCounters
 
-
 # Ahead-of-time swap-out keeps free (or free to reclaim) at most what this many of the
 # busiest recent steps allocate, and at most the threshold's share of the GPU tier: a copy
 # made long before its block is needed is more likely given up (its conversation comes back
