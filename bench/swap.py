@@ -36,6 +36,41 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def scattered_rates(
+    shape, chunk_size: int, device: torch.device, dtype, n: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """GB/s of `n` chunks scattered on both sides (every run one block), GPU -> host ("out")
+    and host -> GPU ("in"), per way: the block-copy kernel (where it copies exactly) and run
+    by run on the copy engine ("dma"); with the host's seconds to issue each swap."""
+    pool = KVPool(shape, n, n, chunk_size, device, dtype)
+    total = n * KVPool.bytes_per_block(shape, chunk_size, dtype)
+    rng = random.Random(0)
+    out_pairs = list(zip(rng.sample(range(n), n), rng.sample(range(n), n), strict=True))
+    in_pairs = [(c, g) for g, c in out_pairs]
+    ways = ["dma"] + (["kernel"] if device.type == "cuda" and kernel_copies_work(device) else [])
+    result: dict[str, dict[str, float]] = {}
+    for way in ways:
+        pool.copy_kernel = way == "kernel"
+        for d, plan in (("out", CopyPlan(swap_out=out_pairs)), ("in", CopyPlan(swap_in=in_pairs))):
+            host: list[float] = []
+
+            def swap(plan: CopyPlan = plan, host: list[float] = host) -> None:
+                t = time.perf_counter()
+                pool.begin_step(plan)
+                pool.swap_in_now()
+                host.append(time.perf_counter() - t)
+                pool.end_step(CopyPlan())
+                sync(device)
+
+            t = timed(swap, device, repeats)
+            result[f"{d}_{way}"] = {
+                "GBps": total / t / 1e9,
+                "seconds": t,
+                "host_s": statistics.median(host),
+            }
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
