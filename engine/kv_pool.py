@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_RUNS = 4  # this many runs or more go through the kernel (where it copies that way)
 LONG_RUN = 8  # fewer runs go through the kernel unless they average this many blocks or more
-RING_SLOTS = 8  # staging slots for the kernel's block ids: two a step, four steps in flight
+RING_SLOTS = 8  # staging slots for the kernel's block ids: up to three a step (out, in, background)
 DIRECTIONS = ("out", "in")  # GPU -> CPU, CPU -> GPU
 SWAP_COPY_ENV = "PENSIEVE_SWAP_COPY"
 

@@ -181,6 +181,8 @@ def count_launches(engine, steps: int) -> tuple[float | None, str]:
     except Exception as e:  # noqa: BLE001 - a profiler failure must not fail the report
         return None, f"profiler failed: {e}"
     n = sum(1 for x in names if x in LAUNCH_CALLS)
+    if not n:  # the profiler recorded no runtime calls: not a count of zero
+        return None, f"no launch calls among {len(names)} profiler events"
     return n / ran, f"{ran} steps under torch.profiler"
 
 
