@@ -93,6 +93,17 @@ class EngineCollector:
         swaps.add_metric(["in"], c.swapped_in_tokens)
         swaps.add_metric(["out"], c.swapped_out_tokens)
         yield swaps
+        ahead = CounterMetricFamily(
+            "pensieve:swap_ahead_chunks",
+            "Chunks copied to the CPU ahead of time (copied), and of them: GPU block reclaimed "
+            "later at no cost (reclaimed), read back by a swap-in (read), copy given up while "
+            "still on the GPU (wasted).",
+            labels=["outcome"],
+        )
+        for outcome in ("copied", "reclaimed", "read", "wasted"):
+            key = "ahead_chunks" if outcome == "copied" else f"ahead_{outcome}_chunks"
+            ahead.add_metric([outcome], getattr(c, key))
+        yield ahead
         yield GaugeMetricFamily(
             "pensieve:kv_cache_shared_chunks",
             "Chunks held by more than one conversation, stored once.",

@@ -1,5 +1,5 @@
 """The first command on a lent GPU: every `-m gpu` test, the swap bench, then the report's
-short parts.
+short parts (mfu, decode, profile).
 
     python -m bench.gpu_check            # make gpu-check: at most ~9 min on an H100
     python -m bench.gpu_check --dry-run  # the same sequence on the CPU with dummy:tiny
@@ -7,7 +7,7 @@ short parts.
 Needs only what a bare GPU machine has (torch, triton, transformers, pytest, numpy; no web
 stack, no data packages). Writes bench/results/gpu-check-<device>.json (the tests' outcome,
 with the device and commit), swap-<device>.json (bench.swap) and, through bench.gpu_report,
-gpu-report-<device>.json with the `mfu` and `decode` parts; `make gpu-report` adds `serve` and `extra` to the same file.
+gpu-report-<device>.json with the `mfu`, `decode` and `profile` parts; `make gpu-report` adds `serve` and `extra` to the same file.
 A dry run writes under the temp dir unless --out-dir is given. Exits non-zero when a test
 fails or a part breaks, and at once when there is no CUDA device (without --dry-run).
 """
@@ -31,6 +31,7 @@ from bench.lib.common import RESULTS, ROOT, environment
 TOTAL_S = 540.0  # the whole command, on an H100 from a bare machine
 TESTS_S = 300.0  # the GPU tests' share; the report's parts get what is left
 SWAP_S = 120.0  # bench.swap (about a minute on an H100: loads the 13B shape, then copies)
+PARTS = ("mfu", "decode", "profile")  # the report's short parts (profile: at most a minute)
 
 
 def _log(*a) -> None:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     # Each part's budget is half of what is left, less the time to build the model.
     extra += ["--budget", f"{max(30.0, left / 2 - 30):.0f}"]
     t_parts = time.monotonic()
-    parts_rc = run_report("mfu,decode", extra, max(60.0, left), env)
+    parts_rc = run_report(",".join(PARTS), extra, max(60.0, left), env)
 
     result = {
         "benchmark": "gpu_check",
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "dry_run": args.dry_run,
         "tests": tests,
         "report": {
-            "parts": ["mfu", "decode"],
+            "parts": list(PARTS),
             "file": report.name,
             "returncode": parts_rc,
             "elapsed_s": time.monotonic() - t_parts,
@@ -180,7 +181,8 @@ def summary(result: dict[str, Any]) -> str:
     ]
     lines += [f"  FAILED {f['test']}: {f['message']}" for f in t.get("failures", [])]
     state = "ok" if r["returncode"] == 0 else f"exit {r['returncode']}"
-    lines.append(f"  report parts mfu,decode: {state} in {r['elapsed_s']:.0f} s -> {r['file']}")
+    parts = ",".join(r["parts"])
+    lines.append(f"  report parts {parts}: {state} in {r['elapsed_s']:.0f} s -> {r['file']}")
     w = result["swap"]
     state = "ok" if w["returncode"] == 0 else f"exit {w['returncode']}"
     lines.append(f"  swap bench: {state} in {w['elapsed_s']:.0f} s -> {w['file']}")

@@ -14,6 +14,9 @@ without network needs only the tree. Parts run separately merge into the same
 finish within its budget (`--budget`) and records what it skipped.
 
 - mfu: `bench.mfu` at 512, 2k and 8k prompt tokens.
+- profile: per mode at one load, host ms per step, the device's busy share, copy time and
+  its overlap with the forward, launches per step; the copy rates of scattered chunks per
+  direction through the block-copy kernel and the copy engine (about a minute).
 - decode: the step time of decode-only batches (CUDA events, median of repeats) against
   the time to read the weights and the batch's KV once at the HBM bandwidth measured by a
   large device copy.
@@ -54,7 +57,7 @@ from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
 from bench.lib.sweep import measure, over
 
-PARTS = ("mfu", "decode", "serve", "extra", "steady")
+PARTS = ("mfu", "decode", "profile", "serve", "extra", "steady")
 SERVE_MODES = ("stateless", "gpu", "pensieve")  # in this order: each next should serve more
 STEADY_MODES = (*SERVE_MODES, "oracle")
 SAMPLE = SAMPLES / "gpu.json"
@@ -135,6 +138,18 @@ class Settings:
     steady_window_s: float = 45.0  # then counted
     steady_drain_s: float = 15.0  # then turns still running are cut (at their lower bound)
     steady_budget_s: float = 480.0  # the whole part, engine starts included
+    # profile: each mode's steps at one load (multi-turn waves that overflow the GPU tier),
+    # and the copy rates of scattered chunks per direction
+    profile_conversations: int = 32
+    profile_prompt: int = 512  # first turn's prompt tokens
+    profile_followup: int = 128  # each later turn's
+    profile_output: int = 32  # tokens each turn generates
+    profile_turns: int = 3  # the first fills the caches (and warms the kernels): not timed
+    profile_gpu_chunks: int = 384  # ~half of the waves' 864 chunks of context
+    profile_cpu_chunks: int = 1024  # pensieve's second tier holds them all
+    profile_launch_steps: int = 3  # steps of each wave under torch.profiler
+    profile_rate_chunks: int = 64
+    profile_budget_s: float = 60.0  # the whole part, engine starts included
     dry: bool = False  # a CPU dry run: turns cut short, tiny tiers
 
 
@@ -176,6 +191,15 @@ def dry_settings(model: str) -> Settings:
         steady_window_s=2.5,
         steady_drain_s=2.0,
         steady_budget_s=150.0,
+        profile_conversations=6,
+        profile_prompt=48,
+        profile_followup=16,
+        profile_output=4,
+        profile_gpu_chunks=12,
+        profile_cpu_chunks=48,
+        profile_launch_steps=1,
+        profile_rate_chunks=8,
+        profile_budget_s=90.0,
         dry=True,
     )
 
@@ -369,6 +393,107 @@ def _decode_line(r: dict[str, Any]) -> str:
     if rows is not None and rows < r["batch"]:
         line += f" (ONLY {rows:.1f} rows a step: not the batch asked for)"
     return line
+
+
+# ---------------------------------------------------------------- profile
+
+
+def part_profile(s: Settings, budget: float) -> dict[str, Any]:
+    """Where a step's time goes, per mode at one load (`bench/lib/step_profile.py`): waves of
+    one turn per conversation, the first untimed, over a GPU tier about half their context
+    (pensieve swaps, gpu-only recomputes what it dropped, stateless recomputes everything);
+    then the copy rates of scattered chunks per direction and way (`bench.swap`)."""
+    import gc
+
+    import torch
+
+    from bench.lib.step_profile import measure_steps, summarize
+    from bench.swap import scattered_rates
+    from engine import Engine, EngineConfig, SamplingParams, Turn
+    from engine.model.loader import model_args
+
+    device = torch.device(s.device)
+    dtype = getattr(torch, s.dtype)
+    rates = scattered_rates(
+        model_args(s.model), 32, device, dtype, s.profile_rate_chunks, repeats=3
+    )
+    for key, r in rates.items():
+        _log(f"scattered {key:<10} {r['GBps']:7.2f} GB/s, host {r['host_s'] * 1e3:.2f} ms")
+    modes: dict[str, Any] = {}
+    skipped: list[str] = []
+    last_s = 0.0
+    for mode in SERVE_MODES:
+        if time.monotonic() + last_s > budget:
+            skipped.append(f"{mode}: part budget spent")
+            continue
+        t0 = time.monotonic()
+        engine = Engine(
+            EngineConfig(
+                model=s.model,
+                device=s.device,
+                dtype=s.dtype,
+                cache_mode=mode,
+                gpu_cache_chunks=s.profile_gpu_chunks,
+                cpu_cache_chunks=s.profile_cpu_chunks if mode == "pensieve" else 0,
+                max_batch_tokens=s.max_batch_tokens,
+                max_running=s.profile_conversations,
+            )
+        )
+        try:
+            modes[mode] = _profile_mode(engine, s, measure_steps, summarize, Turn, SamplingParams)
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        last_s = time.monotonic() - t0
+        modes[mode]["elapsed_s"] = last_s
+        _log(_profile_line(mode, modes[mode]))
+    return {"modes": modes, "scattered_rates": rates, "skipped": skipped}
+
+
+def _profile_mode(engine, s: Settings, measure_steps, summarize, Turn, SamplingParams) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = engine.args.vocab_size
+    sp = SamplingParams(max_tokens=s.profile_output, ignore_eos=True)
+    profiles = []
+    for t in range(s.profile_turns):
+        n = s.profile_prompt if t == 0 else s.profile_followup
+        for c in range(s.profile_conversations):
+            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+            engine.submit(Turn(f"p{c}", ids, sp))
+        if t == 0:  # fills the caches, warms the kernels: not timed
+            while engine.has_work():
+                engine.step()
+            continue
+        p = measure_steps(engine, steps=1_000_000, profiled_steps=s.profile_launch_steps)
+        if p is not None:
+            profiles.append(p)
+        while engine.has_work():
+            engine.step()
+    row = summarize(profiles) if profiles else {"steps": 0}
+    c = engine.snapshot().counters
+    keys = ("swapped_in_tokens", "swapped_out_tokens", "recomputed_tokens", "dropped_tokens",
+            "ahead_chunks", "ahead_reclaimed_chunks", "ahead_read_chunks", "ahead_wasted_chunks")  # fmt: skip
+    row["counters"] = {k: getattr(c, k) for k in keys}
+    return row
+
+
+def _profile_line(mode: str, r: dict[str, Any]) -> str:
+    def f(key: str, fmt: str) -> str:
+        v = r.get(key)
+        return "-" if v is None else fmt % v
+
+    return (
+        f"profile {mode:<10} host {f('host_ms_per_step', '%.2f')} of "
+        f"{f('wall_ms_per_step', '%.2f')} ms/step, device busy "
+        f"{f('device_busy_share', '%.2f')}, copies {f('copy_ms_per_step', '%.2f')} ms/step "
+        f"({f('copy_overlap_share', '%.2f')} overlapped), launches/step "
+        f"{f('launches_per_step', '%.0f')}"
+    )
 
 
 # ---------------------------------------------------------------- serve
@@ -854,6 +979,12 @@ def summary(report: dict[str, Any]) -> str:
     if dec:
         lines.append(f"  HBM copy {dec['hbm']['bytes_per_s'] / 1e9:.0f} GB/s")
         lines += ["  " + _decode_line(r) for r in dec["points"]]
+    prof = report.get("profile")
+    if prof:
+        lines += ["  " + _profile_line(m, r) for m, r in prof["modes"].items()]
+        for key, r in prof["scattered_rates"].items():
+            lines.append(f"  profile scattered {key:<10} {r['GBps']:.2f} GB/s")
+        lines += [f"  profile skipped: {x}" for x in prof["skipped"]]
     for part in ("serve", "extra", "steady"):
         res = report.get(part)
         if not res:
@@ -998,12 +1129,16 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         # The steady part's own budget (engine starts included) unless --budget says
         part_budget = s.steady_budget_s if part == "steady" and args.budget is None else s.budget_s
+        if part == "profile":  # short whatever the others get
+            part_budget = min(part_budget, s.profile_budget_s)
         budget = t0 + part_budget
         _log(f"== {part} (budget {part_budget:.0f} s)")
         if part == "mfu":
             res = part_mfu(s, budget)
         elif part == "decode":
             res = part_decode(s, budget)
+        elif part == "profile":
+            res = part_profile(s, budget)
         elif part == "serve":
             res = asyncio.run(part_serve(s, budget, report))
         elif part == "extra":

@@ -5,7 +5,10 @@ how much of the layer-by-layer swap-in hides behind compute.
     python -m bench.swap --model dummy:tiny --device cpu --chunks 16   # plumbing check
 
 Writes bench/results/swap-<device>.json. Times are medians of CUDA events. `scattered`: the
-same chunks as single-block runs, through the block-copy kernel and run by run.
+same chunks as single-block runs, through the block-copy kernel and run by run on the copy
+engine, each direction; `choice` names the faster way per direction, as the setting the pool
+reads (`PENSIEVE_SWAP_COPY`, engine/kv_pool.py), and `host_s` is the host's time to issue
+a swap (what the step loop pays even when the copy itself overlaps).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +25,7 @@ import torch
 from bench.lib.common import RESULTS, device_name, environment, git_commit
 from engine.cache.profile import timed
 from engine.copies import CopyPlan
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, kernel_copies_work
 from engine.model.loader import load
 from engine.model.shapes import DUMMY_SHAPES
 from kernels import AttentionMetadata
@@ -29,6 +34,41 @@ from kernels import AttentionMetadata
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def scattered_rates(
+    shape, chunk_size: int, device: torch.device, dtype, n: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """GB/s of `n` chunks scattered on both sides (every run one block), GPU -> host ("out")
+    and host -> GPU ("in"), per way: the block-copy kernel (where it copies exactly) and run
+    by run on the copy engine ("dma"); with the host's seconds to issue each swap."""
+    pool = KVPool(shape, n, n, chunk_size, device, dtype)
+    total = n * KVPool.bytes_per_block(shape, chunk_size, dtype)
+    rng = random.Random(0)
+    out_pairs = list(zip(rng.sample(range(n), n), rng.sample(range(n), n), strict=True))
+    in_pairs = [(c, g) for g, c in out_pairs]
+    ways = ["dma"] + (["kernel"] if device.type == "cuda" and kernel_copies_work(device) else [])
+    result: dict[str, dict[str, float]] = {}
+    for way in ways:
+        pool.copy_kernel = way == "kernel"
+        for d, plan in (("out", CopyPlan(swap_out=out_pairs)), ("in", CopyPlan(swap_in=in_pairs))):
+            host: list[float] = []
+
+            def swap(plan: CopyPlan = plan, host: list[float] = host) -> None:
+                t = time.perf_counter()
+                pool.begin_step(plan)
+                pool.swap_in_now()
+                host.append(time.perf_counter() - t)
+                pool.end_step(CopyPlan())
+                sync(device)
+
+            t = timed(swap, device, repeats)
+            result[f"{d}_{way}"] = {
+                "GBps": total / t / 1e9,
+                "seconds": t,
+                "host_s": statistics.median(host),
+            }
+    return result
 
 
 def main() -> None:
@@ -91,14 +131,19 @@ def main() -> None:
 
     def measure(out_pairs: list[tuple[int, int]], kernel: bool) -> dict[str, float]:
         pool.copy_kernel = kernel
+        host = {"out": [], "in": []}
         in_pairs = [(c, g) for g, c in out_pairs]
 
         def swap_out() -> None:
+            t = time.perf_counter()
             pool.begin_step(CopyPlan(swap_out=out_pairs))
+            host["out"].append(time.perf_counter() - t)
             sync(device)
 
         def swap_in() -> None:
+            t = time.perf_counter()
             pool.begin_step(CopyPlan(swap_in=in_pairs))
+            host["in"].append(time.perf_counter() - t)
             for layer in range(shape.n_layers):
                 pool.before_attention(layer)
             pool.end_step(CopyPlan())
@@ -107,9 +152,16 @@ def main() -> None:
         t_out = timed(swap_out, device, args.repeats)
         t_in = timed(swap_in, device, args.repeats)
         t_both = timed(lambda: forward(CopyPlan(swap_in=in_pairs)), device, args.repeats)
-        return {"swap_in_s": t_in, "swap_out_s": t_out, "forward_with_swap_in_s": t_both}
+        return {
+            "swap_in_s": t_in,
+            "swap_out_s": t_out,
+            "forward_with_swap_in_s": t_both,
+            "swap_in_host_s": statistics.median(host["in"]),
+            "swap_out_host_s": statistics.median(host["out"]),
+        }
 
-    kernel_ok = pool.copy_kernel
+    # Both ways are measured whatever PENSIEVE_SWAP_COPY chose (where the kernel copies exactly)
+    kernel_ok = device.type == "cuda" and kernel_copies_work(device)
     t_fwd = timed(lambda: forward(CopyPlan()), device, args.repeats)
     runs = measure(contiguous, kernel_ok)  # one run: copied run by run whatever the setting
     t_in, t_out, t_both = runs["swap_in_s"], runs["swap_out_s"], runs["forward_with_swap_in_s"]
@@ -121,6 +173,11 @@ def main() -> None:
         r["swap_out_GBps"] = total / r["swap_out_s"] / 1e9
         r["swap_in_exposed_s"] = max(0.0, r["forward_with_swap_in_s"] - t_fwd)
     pool.copy_kernel = kernel_ok
+    # Per direction, the faster way over the scattered blocks ("dma": run by run)
+    fastest = {
+        d: min(spread, key=lambda way, d=d: spread[way][f"swap_{d}_s"]) for d in ("out", "in")
+    }
+    choice = {d: "kernel" if way == "kernel" else "dma" for d, way in fastest.items()}
     exposed = max(0.0, t_both - t_fwd)
     result = {
         "device": device_name(device),
@@ -143,6 +200,8 @@ def main() -> None:
         "swap_in_hidden_share": 1.0 - min(1.0, exposed / t_in),
         "copy_kernel": kernel_ok,
         "scattered": spread,
+        "choice": choice,
+        "choice_setting": f"PENSIEVE_SWAP_COPY=out={choice['out']},in={choice['in']}",
     }
     print(json.dumps(result, indent=2))
     out = (

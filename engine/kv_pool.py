@@ -3,36 +3,50 @@
 Both tiers are laid out [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; the
 CPU tier is page-locked. A copy plan is coalesced into runs of consecutive blocks on both sides,
 so a run moves as one contiguous transfer per layer and K/V (the pools hand out low block
-ids first, so a conversation's chunks tend to form long runs). On CUDA the copies run on a
-side stream: swap-in is enqueued layer by layer with one event per layer, and attention of
-layer i waits for layer i's event only. On the CPU the same calls copy synchronously.
+ids first, so a conversation's chunks tend to form long runs). On the CPU the same calls
+copy synchronously.
+
+On CUDA every copy runs on a side stream and the host never waits for one: swap-in is
+enqueued layer by layer with one event per layer, and attention of layer i waits for layer
+i's event only. A swap-out (this step's, or an ahead-of-time one still running) delays the
+forward only if the forward writes a GPU block that copy still reads (`PendingReads`);
+otherwise it runs beside the forward.
 
 With an 8-bit KV (`kv_dtype` "fp8" or "int8") each tier holds 8-bit codes in that layout plus
 float16 scales [layers, 2, num_blocks, block_size, kv_heads] (one per token and KV head, see
 `kernels/quant.py`); a block's scales travel with its codes in every copy.
 
 Swapped chunks are mostly scattered (runs of one block), and a copy per run, layer and K/V
-is thousands of small transfers a step. From `KERNEL_RUNS` runs up, a step's copies go
-through one kernel launch per layer (swap-in) or per step (swap-out) that moves every block
-(`kernels/triton_swap.py`, reading and writing the page-locked tier directly); on CUDA only
-where a start-up check shows the kernel copies exactly, else run by run as before.
+is thousands of small transfers a step. Per direction (`PENSIEVE_SWAP_COPY`), a step's
+scattered copies go through one kernel launch per layer (swap-in) or per step (swap-out)
+that moves every block (`kernels/triton_swap.py`, reading and writing the page-locked tier
+directly), or run by run on the copy engine. The kernel is used where a start-up check
+shows it copies exactly, and not for a few long runs (the copy engine's best case). Its
+block ids are filled on the host into page-locked staging slots and uploaded without
+waiting (`StagingRing`: a slot is rewritten only once its upload ran).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
-from engine.copies import CopyPlan
+from engine.copies import CopyPlan, PendingReads, StagingRing
 from engine.model.shapes import ModelArgs
 from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 
 log = logging.getLogger(__name__)
 
-KERNEL_RUNS = 4  # fewer runs go as one copy each: long runs move fastest on the copy engine
+KERNEL_RUNS = 4  # this many runs or more go through the kernel (where it copies that way)
+LONG_RUN = 8  # fewer runs go through the kernel unless they average this many blocks or more
+RING_SLOTS = 8  # staging slots for the kernel's block ids: up to three a step (out, in, background)
+DIRECTIONS = ("out", "in")  # GPU -> CPU, CPU -> GPU
+SWAP_COPY_ENV = "PENSIEVE_SWAP_COPY"
 
 
 class KVPool:
@@ -70,12 +84,17 @@ class KVPool:
                 for i in range(layers)
             ]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # Scattered copies in one launch (tests turn it on for the CPU under the interpreter).
-        self.copy_kernel = self.cuda and kernel_copies_work(self.device)
-        self._layer_events: list | None = None
+        # Per direction: scattered copies through the kernel in one launch, or run by run on
+        # the copy engine (tests turn the kernel on for the CPU under the interpreter).
+        chosen = swap_copies(os.environ.get(SWAP_COPY_ENV))
+        works = self.cuda and "kernel" in chosen.values() and kernel_copies_work(self.device)
+        self.kernel = {d: works and chosen[d] == "kernel" for d in DIRECTIONS}
+        self._ring = StagingRing.of(RING_SLOTS)  # the kernel's block ids, staged on the host
+        self._reads = PendingReads()  # GPU blocks swap-outs in flight still read
+        self._layer_events: list | None = None  # this step's swap-in, one event per layer
+        self._layer_event_pool: list | None = None
         self._pending_swap_in: Moves | None = None
         self._pending_load: list[tuple[list, int]] = []  # this step's loads from the disk tier
-        self._background_done = None
 
     def _host_pool(self, layers: int, blocks: int, parts: list[tuple]) -> list[torch.Tensor]:
         """The CPU tier (one tensor per (shape, dtype) part), page-locked on CUDA so copies run
@@ -142,38 +161,43 @@ class KVPool:
             for (g, _), part in zip(self._tiers, parts, strict=True):
                 g[layer, :, block].copy_(part[layer], non_blocking=self.cuda)
 
-    def begin_step(self, plan: CopyPlan) -> None:
-        """Before the forward: synchronous swap-outs, then the disk tier's loads, then start
-        the swap-in."""
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(compute)  # chunks to copy were written by earlier steps
-            with torch.cuda.stream(self.stream):
-                self._copy_out(plan.swap_out)
-                # Freed GPU blocks may be rewritten by this forward: it waits for the swap-outs
-                # and for the previous step's background copies (long done, usually).
-                if plan.swap_out or self._background_done is not None:
-                    freed = torch.cuda.Event()
-                    freed.record(self.stream)
-                    compute.wait_event(freed)
-                events = None
-                if plan.swap_in or plan.load:  # no events for the usual step without
-                    moves, events = self._moves(plan.swap_in), []
-                    for layer in range(len(self.layers)):
-                        self._copy_in(moves, layer)
-                        self._load(plan.load, layer)
-                        ev = torch.cuda.Event()
-                        ev.record(self.stream)
-                        events.append(ev)
-            self._layer_events = events
-            self._background_done = None
-        else:
+    def begin_step(
+        self, plan: CopyPlan, writes: Callable[[], Collection[int]] | None = None
+    ) -> None:
+        """Before the forward: the swap-outs, then the disk tier's loads and the swap-in
+        layer by layer, all on the copy stream and none waited for on the host.
+
+        `writes`: the GPU blocks this step's forward writes KV into (asked only while a
+        swap-out is in flight). The forward waits for a swap-out (this step's, or an earlier
+        one still running) only if it writes one of the blocks that copy reads; None: not
+        known, so it waits for every swap-out in flight."""
+        if not self.cuda:
             self._copy_out(plan.swap_out)
-            self._pending_swap_in = self._moves(plan.swap_in) if plan.swap_in else None
+            self._pending_swap_in = self._moves(plan.swap_in, "in") if plan.swap_in else None
             self._pending_load = plan.load
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # chunks to copy were written by earlier steps
+        with torch.cuda.stream(self.stream):
+            if plan.swap_out:
+                self._copy_out(plan.swap_out)
+                self._reads.add(_recorded(), (g for g, _ in plan.swap_out))
+            self._reads.retire()
+            if self._reads.batches:
+                for fence in self._reads.blocking(None if writes is None else writes()):
+                    compute.wait_event(fence)  # on the device: the host goes on
+            events = None
+            if plan.swap_in or plan.load:  # no events for the usual step without
+                moves = self._moves(plan.swap_in, "in")
+                events = self._events()
+                for layer, ev in enumerate(events):  # the first layers are ready first
+                    self._copy_in(moves, layer)
+                    self._load(plan.load, layer)
+                    ev.record(self.stream)
+        self._layer_events = events
 
     def before_attention(self, layer: int) -> None:
-        """Hook called by the model before layer `layer` reads its KV."""
+        """Hook called by the model before layer `layer` reads (and writes) its KV."""
         if self.cuda:
             if self._layer_events is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
@@ -189,7 +213,8 @@ class KVPool:
             self.before_attention(layer)
 
     def end_step(self, plan: CopyPlan) -> None:
-        """After the forward: start the ahead-of-time swap-outs in the background."""
+        """After the forward: start the ahead-of-time swap-outs in the background. The next
+        forward waits for them only where it writes a block they read."""
         self._pending_swap_in = None
         self._pending_load = []
         if not plan.background:
@@ -198,8 +223,7 @@ class KVPool:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 self._copy_out(plan.background)
-                self._background_done = torch.cuda.Event()
-                self._background_done.record(self.stream)
+                self._reads.add(_recorded(), (g for g, _ in plan.background))
         else:
             self._copy_out(plan.background)
 
@@ -212,23 +236,57 @@ class KVPool:
             return False
         return True
 
+    def _events(self) -> list:
+        """One event per layer, made once: recording one again is safe, as a stream that
+        waited on it waits on the record that was current when it asked."""
+        if self._layer_event_pool is None:
+            self._layer_event_pool = [torch.cuda.Event() for _ in self.layers]
+        return self._layer_event_pool
+
     # ---- copies ----------------------------------------------------------------------------
 
-    def _moves(self, pairs: list[tuple[int, int]]) -> Moves:
-        """(src, dst) block pairs as runs, and as id tensors where the kernel will copy them."""
+    @property
+    def copy_kernel(self) -> bool:
+        """Scattered copies go through the block-copy kernel in some direction."""
+        return any(self.kernel.values())
+
+    @copy_kernel.setter
+    def copy_kernel(self, on: bool) -> None:
+        self.kernel = dict.fromkeys(DIRECTIONS, on)
+
+    def _moves(self, pairs: list[tuple[int, int]], direction: str) -> Moves:
+        """(src, dst) block pairs as runs, and as id tensors where the kernel will copy them:
+        where this direction copies through the kernel, unless the runs are few and long
+        (the copy engine moves those fastest, in a few transfers)."""
         moves = Moves(runs(pairs))
-        if self.copy_kernel and len(moves.runs) >= KERNEL_RUNS:
-            blocks = [(s + i, d + i) for s, d, n in moves.runs for i in range(n)]
-            src, dst = zip(*blocks, strict=True)
-            moves.ids = tuple(
-                torch.tensor(x, dtype=torch.int64, device=self.device) for x in (src, dst)
-            )
+        n = len(moves.runs)
+        blocks = sum(r[2] for r in moves.runs)
+        if self.kernel[direction] and n and (n >= KERNEL_RUNS or blocks < LONG_RUN * n):
+            moves.ids = self._ids(moves.runs, blocks)
         return moves
+
+    def _ids(self, moves: list[tuple[int, int, int]], n: int) -> tuple[torch.Tensor, ...]:
+        """Source and destination block ids of every block of the runs, for the kernel: filled
+        on the host into a staging slot, uploaded without waiting (on the copy stream, before
+        the kernel that reads them)."""
+        slot, grow = self._ring.take(n)
+        if grow is not None:
+            host = torch.empty((2, grow), dtype=torch.int64, pin_memory=self.cuda)
+            dev = torch.empty_like(host, device=self.device) if self.cuda else host
+            slot.buffer, slot.capacity = (host, dev), grow
+        host, dev = slot.buffer
+        ids = [[s + i for s, _, k in moves for i in range(k)],
+               [d + i for _, d, k in moves for i in range(k)]]  # fmt: skip
+        host[:, :n] = torch.tensor(ids, dtype=torch.int64)  # host memory only
+        if self.cuda:
+            dev[:, :n].copy_(host[:, :n], non_blocking=True)
+            slot.fence = _recorded()  # the slot is rewritten only once this upload ran
+        return dev[0, :n], dev[1, :n]
 
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        moves = self._moves(pairs)
+        moves = self._moves(pairs, "out")
         if moves.ids is not None:
             for g, c in self._tiers:
                 _copy_blocks(g, c, *moves.ids, range(g.shape[0]))
@@ -262,6 +320,32 @@ class Moves:
 
     runs: list[tuple[int, int, int]]
     ids: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _recorded():
+    """A new event recorded on the current stream."""
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def swap_copies(text: str | None) -> dict[str, str]:
+    """How each direction copies scattered blocks, from `PENSIEVE_SWAP_COPY`: "kernel" or
+    "dma" for both, or per direction, e.g. "out=dma,in=kernel". Default: the kernel both
+    ways (the only one measured in serving so far, on the H100 at 4e07f94; `bench.swap`
+    measures both per direction)."""
+    out = dict.fromkeys(DIRECTIONS, "kernel")
+    for part in (text or "").replace(" ", "").split(","):
+        if not part:
+            continue
+        key, _, val = part.rpartition("=")
+        keys = [key] if key else list(DIRECTIONS)
+        if val not in ("kernel", "dma") or any(k not in DIRECTIONS for k in keys):
+            raise ValueError(
+                f"{SWAP_COPY_ENV}={text!r}: want kernel, dma, or e.g. out=dma,in=kernel"
+            )
+        out.update(dict.fromkeys(keys, val))
+    return out
 
 
 def _copy_blocks(*args) -> None:

@@ -297,8 +297,8 @@ class ParallelPool(KVPool):
     def cpu_blocks(self) -> int:
         return self.usable_cpu_blocks
 
-    def begin_step(self, plan: CopyPlan) -> None:
-        super().begin_step(plan)
+    def begin_step(self, plan: CopyPlan, writes=None) -> None:
+        super().begin_step(plan, writes)
         if plan.swap_out or plan.swap_in:
             self._queue("begin", plan)
 

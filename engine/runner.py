@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch, StepInputs, Uploader, build
-from engine.copies import CopyPlan
+from engine.copies import CopyPlan, written_blocks
 from engine.graphs import StepGraphs
 from engine.guide import Guides, plan_masks
 from engine.kv_pool import KVPool
@@ -87,5 +87,7 @@ class Runner:
 
     def begin(self, x: StepInputs, plan: CopyPlan) -> None:
         """Before the forward: the step's copies (a tensor-parallel runner also sends the step
-        to the other ranks here)."""
-        self.pool.begin_step(plan)
+        to the other ranks here). The pool learns which blocks the forward writes, so it
+        waits only for the swap-outs that read one of them."""
+        cs = self.chunk_size
+        self.pool.begin_step(plan, lambda: written_blocks(x.tables, x.starts, x.ends, cs))

@@ -34,6 +34,14 @@ class EngineCounters:
     prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
     disk_tokens: int = 0  # context read back from the disk tier instead of recomputed
     spilled_tokens: int = 0  # dropped from memory and queued for the disk tier
+    # Chunks copied to the CPU ahead of time (in the background), and what became of them:
+    # GPU block reclaimed later with no copy then (the copy spared a synchronous swap-out
+    # or a drop), read back by a swap-in (after a reclaim), or the copy given up while the
+    # chunk was still on the GPU (written again, its CPU block taken, freed): wasted.
+    ahead_chunks: int = 0
+    ahead_reclaimed_chunks: int = 0
+    ahead_read_chunks: int = 0
+    ahead_wasted_chunks: int = 0
     running: int = 0
     waiting: int = 0
 

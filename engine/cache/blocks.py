@@ -8,6 +8,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._is_free = [True] * num_blocks
+        self.allocations = 0  # blocks handed out since the start
 
     @property
     def num_free(self) -> int:
@@ -20,6 +21,7 @@ class BlockPool:
     def allocate(self) -> int:
         block = self._free.pop()
         self._is_free[block] = False
+        self.allocations += 1
         return block
 
     def release(self, block: int) -> None:

@@ -33,6 +33,7 @@ class Chunk:
     parent: Chunk | None = None
     pins: int = 0  # holders running a turn: it stays on the GPU while this is not 0
     prefetched: bool = False  # brought back to the GPU by a prefetch, not yet used by a turn
+    ahead: bool = False  # its CPU copy was made ahead of time and has not been read back
 
     @property
     def shared(self) -> bool:

@@ -4,6 +4,8 @@ lowest-value CPU chunks), and the ahead-of-time swap-out."""
 
 from __future__ import annotations
 
+import math
+
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.order import Candidate, EvictionOrder
 from engine.cache.sharing import Sharing
@@ -11,6 +13,13 @@ from engine.cache.spills import Spills
 from engine.cache.tiers import Tiers
 from engine.copies import CopyPlan
 from engine.snapshot import EngineCounters
+
+# Ahead-of-time swap-out keeps free (or free to reclaim) at most what this many of the
+# busiest recent steps allocate, and at most the threshold's share of the GPU tier: a copy
+# made long before its block is needed is more likely given up (its conversation comes back
+# and writes it, or runs and pins it) than used.
+AHEAD_STEPS = 8
+PEAK_DECAY = 0.99  # per step: the busiest step of the last few hundred, roughly
 
 
 def chunk_tokens(t: Candidate, i: int, chunk_size: int) -> int:
@@ -35,6 +44,8 @@ class Evictor:
         self.swap_out_threshold = swap_out_threshold
         self.tiers, self.order, self.sharing, self.spills = tiers, order, sharing, spills
         self.counters = counters
+        self._allocated = tiers.gpu.allocations  # GPU blocks handed out up to the last step
+        self.peak: float | None = None  # blocks the busiest recent step allocated (decaying)
 
     def make_room_gpu(self, n: int, copies: CopyPlan, cpu_below=None) -> bool:
         """Free GPU blocks until `n` are free; False if the candidates ran out."""
@@ -131,14 +142,20 @@ class Evictor:
         return cpu.allocate()
 
     def swap_out_ahead(self, busy: bool = False) -> CopyPlan:
-        """When free GPU blocks fall under the threshold, copy the lowest-value chunks to the
-        CPU in the background, keeping their GPU blocks until they are reallocated.
+        """When free GPU blocks fall under the target, copy the lowest-value chunks to the
+        CPU in the background, keeping their GPU blocks until they are reallocated. The
+        target: the threshold's share of the GPU tier, or what `AHEAD_STEPS` of the busiest
+        recent steps allocate if less (called once a step, it measures that too).
         Does nothing while a swap-in is in flight (`busy`): swap-in has priority."""
         copies = CopyPlan()
         gpu, cpu = self.tiers.gpu, self.tiers.cpu
+        step, self._allocated = gpu.allocations - self._allocated, gpu.allocations
+        self.peak = step if self.peak is None else max(step, self.peak * PEAK_DECAY)
         if busy or cpu.num_blocks == 0:
             return copies
-        want = int(self.swap_out_threshold * gpu.num_blocks)
+        want = min(
+            int(self.swap_out_threshold * gpu.num_blocks), math.ceil(AHEAD_STEPS * self.peak)
+        )
         short = want - gpu.num_free - self.tiers.reclaimable
         if short <= 0:
             return copies
@@ -154,7 +171,7 @@ class Evictor:
             if chunk.gpu is None or chunk.cpu is not None:  # let go while making room
                 cpu.release(block)
                 continue
-            self.tiers.set_cpu(t, chunk, block)  # type: ignore[arg-type]
+            self.tiers.set_cpu(t, chunk, block, ahead=True)  # type: ignore[arg-type]
             self.order.cpu.push(t)  # the copy may now be its cheapest CPU block
             copies.background.append((chunk.gpu, block))
             self.counters.swapped_out_tokens += chunk_tokens(t, i, self.chunk_size)

@@ -75,7 +75,8 @@ class KVCacheManager:
         # The parts, each holding the shared state it needs (the dicts, pools and counters
         # above are these same objects, never rebound).
         self.order = EvictionOrder(self.tables, self.shared, policy, now, reorder_s)
-        self.tiers = Tiers(gpu_blocks, cpu_blocks if mode == CacheMode.PENSIEVE else 0, self.order)
+        cpu_blocks = cpu_blocks if mode == CacheMode.PENSIEVE else 0
+        self.tiers = Tiers(gpu_blocks, cpu_blocks, self.order, self.counters)
         self.gpu, self.cpu = self.tiers.gpu, self.tiers.cpu
         self.spills = Spills(chunk_size, self.counters)
         self.sharing = Sharing(
@@ -426,7 +427,7 @@ class KVCacheManager:
 
     def swap_out_ahead(self, busy: bool = False) -> CopyPlan:
         """Copy the lowest-value chunks to the CPU in the background when free GPU blocks
-        fall under the threshold (`Evictor.swap_out_ahead`)."""
+        fall under the target (`Evictor.swap_out_ahead`)."""
         return self.evictor.swap_out_ahead(busy)
 
     def take_spills(self) -> list[Spill]:

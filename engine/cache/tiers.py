@@ -12,10 +12,18 @@ from collections.abc import Iterable
 from engine.cache.blocks import BlockPool
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.order import EvictionOrder
+from engine.snapshot import EngineCounters
 
 
 class Tiers:
-    def __init__(self, gpu_blocks: int, cpu_blocks: int, order: EvictionOrder) -> None:
+    def __init__(
+        self,
+        gpu_blocks: int,
+        cpu_blocks: int,
+        order: EvictionOrder,
+        counters: EngineCounters | None = None,
+    ) -> None:
+        self.counters = EngineCounters() if counters is None else counters  # the ahead_* fates
         self.gpu = BlockPool(gpu_blocks)
         self.cpu = BlockPool(cpu_blocks)
         self.order = order  # told when a chunk is unpinned: a candidate again
@@ -75,20 +83,33 @@ class Tiers:
             self.reclaimable += backed
 
     def set_gpu(self, t: ChunkTable | None, c: Chunk) -> None:
+        if c.ahead:  # back on the GPU from the copy made ahead of time: it was needed
+            self.counters.ahead_read_chunks += 1
+            c.ahead = False
         c.gpu = self.gpu.allocate()
         self._count(t, c, 1, c.cpu is not None)
 
     def clear_gpu(self, t: ChunkTable | None, c: Chunk) -> None:
+        if c.ahead and c.cpu is not None:  # reclaimed at no cost thanks to that copy
+            self.counters.ahead_reclaimed_chunks += 1
         self.gpu.release(c.gpu)  # type: ignore[arg-type]
         c.gpu = None
         c.prefetched = False
         self._count(t, c, -1, -(c.cpu is not None))
 
-    def set_cpu(self, t: ChunkTable | None, c: Chunk, block: int) -> None:
+    def set_cpu(self, t: ChunkTable | None, c: Chunk, block: int, ahead: bool = False) -> None:
+        """`ahead`: a copy made ahead of time (counted, and its fate counted later)."""
         c.cpu = block
+        if ahead:
+            c.ahead = True
+            self.counters.ahead_chunks += 1
         self._count(t, c, 0, c.gpu is not None)
 
     def clear_cpu(self, t: ChunkTable | None, c: Chunk, stale: bool = False) -> None:
+        if c.ahead:
+            if c.gpu is not None:  # given up before its GPU block was ever reclaimed
+                self.counters.ahead_wasted_chunks += 1
+            c.ahead = False
         if stale:
             self.stale.append(c.cpu)  # type: ignore[arg-type]
         else:
@@ -97,11 +118,12 @@ class Tiers:
         self._count(t, c, 0, -(c.gpu is not None))
 
     def clear(self, t: ChunkTable | None, c: Chunk) -> None:
-        """Free both of the chunk's blocks (it is dropped)."""
-        if c.gpu is not None:
-            self.clear_gpu(t, c)
+        """Free both of the chunk's blocks (it is dropped). The CPU copy first: one made
+        ahead of time and freed with its GPU block was never of use."""
         if c.cpu is not None:
             self.clear_cpu(t, c)
+        if c.gpu is not None:
+            self.clear_gpu(t, c)
 
     # ---- invariants ------------------------------------------------------------------------
 

@@ -267,6 +267,8 @@ async def test_health_and_metrics(server, token):
         "pensieve:shared_tokens_total",
         "pensieve:kv_cache_shared_chunks",
         "pensieve:kv_cache_shared_saved_blocks",
+        'pensieve:swap_ahead_chunks_total{outcome="copied"}',
+        'pensieve:swap_ahead_chunks_total{outcome="wasted"}',
         "pensieve:time_to_first_token_seconds_bucket",
         "pensieve:e2e_request_latency_seconds_count",
     ):

@@ -45,6 +45,7 @@ import engine, kernels, torch, transformers  # noqa: F401
 # The GPU entry points (bench.soak and bench.cluster drive a server: not among them).
 import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
 import bench.fused, bench.swap, bench.tp, bench.step_prep, bench.cache_step  # noqa: F401
+import bench.lib.step_profile  # noqa: F401
 import bench.sim, bench.sim_steady, bench.lib.steady, engine.backends.simulated  # noqa: F401
 import engine.calibrate, engine.seed  # noqa: F401
 try:
@@ -97,7 +98,14 @@ def test_gpu_check_dry_run_on_the_bare_machine(tmp_path) -> None:
     assert tests["skipped"] > 0  # every GPU test, reached and skipped on the CPU
     report = json.loads((tmp_path / check["report"]["file"]).read_text())
     assert report["mfu"]["prefill"] and report["decode"]["points"]
-    assert "report parts mfu,decode: ok" in p.stdout
+    modes = report["profile"]["modes"]
+    assert set(modes) == {"stateless", "gpu", "pensieve"} and not report["profile"]["skipped"]
+    for m, row in modes.items():
+        assert row["steps"] > 0 and 0 < row["host_ms_per_step"] <= row["wall_ms_per_step"], m
+    assert modes["pensieve"]["counters"]["swapped_in_tokens"] > 0
+    assert modes["gpu"]["counters"]["recomputed_tokens"] > 0
+    assert set(report["profile"]["scattered_rates"]) >= {"out_dma", "in_dma"}
+    assert "report parts mfu,decode,profile: ok" in p.stdout
 
 
 @pytest.mark.parametrize("preset", ["gpu", "gpu-llama3"])

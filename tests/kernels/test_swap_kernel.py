@@ -14,6 +14,9 @@ import torch
 import engine.kv_pool as kv_pool
 import kernels.triton_swap as triton_swap
 from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.copies import CopyPlan
+from engine.kv_pool import KVPool
+from engine.model.shapes import DUMMY_SHAPES
 from tests.engine.test_engine_equality import prompts, ticks
 from tests.kernels.test_kernels import INTERPRET, gpu, needs_cuda, needs_triton_cpu
 
@@ -133,3 +136,34 @@ def test_gpu_pool_uses_the_kernel():
         assert e.pool.copy_kernel and not INTERPRET
     finally:
         e.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("way_out", ["kernel", "dma"])
+@pytest.mark.parametrize("way_in", ["kernel", "dma"])
+def test_gpu_pool_swaps_scattered_blocks_each_way(way_out, way_in):
+    # Out (this step's and in the background), then back into other blocks, on the copy
+    # stream with no host wait: bit for bit, whichever way each direction copies.
+    pool = KVPool(DUMMY_SHAPES["tiny"], 32, 32, 32, "cuda", torch.bfloat16)
+    pool.kernel = {"out": way_out == "kernel", "in": way_in == "kernel"}
+    pool.gpu.normal_()
+    original = pool.gpu.clone()
+    rng = random.Random(way_out + way_in)
+    src, cpu, dst = (
+        rng.sample(range(16), 12),
+        rng.sample(range(32), 12),
+        rng.sample(range(16, 32), 12),
+    )
+    pool.begin_step(
+        CopyPlan(swap_out=list(zip(src[:6], cpu[:6], strict=True))), writes=lambda: set()
+    )
+    pool.end_step(CopyPlan(background=list(zip(src[6:], cpu[6:], strict=True))))
+    # this forward writes blocks both swap-outs read: it must wait for them, on the device
+    pool.begin_step(
+        CopyPlan(swap_in=list(zip(cpu, dst, strict=True))), writes=lambda: {src[0], src[-1]}
+    )
+    pool.gpu[:, :, src] = 0  # as that forward would, on the compute stream
+    pool.swap_in_now()
+    torch.cuda.synchronize()
+    assert torch.equal(pool.gpu[:, :, dst], original[:, :, src])

@@ -138,6 +138,40 @@ def test_ahead_of_time_swap_out_under_threshold():
     m.check()
 
 
+def test_copies_made_ahead_are_counted_by_what_became_of_them():
+    m, clock, now = manager(gpu=10, cpu=12, swap_out_threshold=0.6)
+    turn(m, clock, "a", 32, when=900.0)  # 8 of 10 blocks used
+    assert len(m.swap_out_ahead().background) == 4  # a's chunks 0-3, copied ahead
+    c = m.counters
+    assert (c.ahead_chunks, c.ahead_reclaimed_chunks, c.ahead_wasted_chunks) == (4, 0, 0)
+    turn(m, clock, "b", 16, when=1000.0)  # 2 free blocks, 2 reclaimed: no swap-out, no drop
+    assert m.table("a").tiers()[:3] == ["cpu", "cpu", "gpu"]
+    assert not m.table("b").chunks[0].ahead
+    assert c.ahead_reclaimed_chunks == 2 and c.swapped_out_tokens == 16
+    now.t = 1100.0
+    turn(m, clock, "a", 36, when=1100.0)  # a comes back: chunks 0-1 read back, 2-3 were
+    # still on the GPU (their copies stay, unused so far)
+    assert c.ahead_read_chunks == 2 and c.ahead_wasted_chunks == 0
+    m.forget("b")
+    m.forget("a")  # chunks 2-3 freed with their copies: never of use
+    assert (c.ahead_chunks, c.ahead_reclaimed_chunks, c.ahead_read_chunks) == (4, 2, 2)
+    assert c.ahead_wasted_chunks == 2
+    m.check()
+
+
+def test_ahead_copies_keep_free_only_what_recent_steps_allocate():
+    m, clock, now = manager(gpu=64, cpu=64, swap_out_threshold=0.5)
+    turn(m, clock, "big", 64 * CS, when=990.0)  # the GPU tier is full
+    for _ in range(500):  # steps that allocate nothing, for a while (measured, no copies)
+        m.begin_step()
+        assert not m.swap_out_ahead(busy=True)
+    assert m.evictor.peak < 1
+    plan = m.swap_out_ahead()
+    # what 8 such steps allocate, not half the tier (32) as the threshold alone would ask
+    assert 0 < len(plan.background) <= 8 and m.reclaimable() == len(plan.background)
+    m.check()
+
+
 def test_swap_out_waits_for_swap_in():
     m, clock, now = manager(gpu=8, cpu=8)
     turn(m, clock, "a", 32, when=900.0)
