@@ -15,7 +15,9 @@ Swapped chunks are mostly scattered (runs of one block), and a copy per run, lay
 is thousands of small transfers a step. From `KERNEL_RUNS` runs up, a step's copies go
 through one kernel launch per layer (swap-in) or per step (swap-out) that moves every block
 (`kernels/triton_swap.py`, reading and writing the page-locked tier directly); on CUDA only
-where a start-up check shows the kernel copies exactly, else run by run as before.
+where a start-up check shows the kernel copies exactly, else run by run as before. On the
+CPU the same many runs go as one gather and one scatter of blocks per layer (or per step),
+not one Python-issued copy per run, layer and K/V.
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ class KVPool:
     def _moves(self, pairs: list[tuple[int, int]]) -> Moves:
         """(src, dst) block pairs as runs, and as id tensors where the kernel will copy them."""
         moves = Moves(runs(pairs))
-        if self.copy_kernel and len(moves.runs) >= KERNEL_RUNS:
+        if (self.copy_kernel or not self.cuda) and len(moves.runs) >= KERNEL_RUNS:
             blocks = [(s + i, d + i) for s, d, n in moves.runs for i in range(n)]
             src, dst = zip(*blocks, strict=True)
             moves.ids = tuple(
@@ -225,13 +227,23 @@ class KVPool:
             )
         return moves
 
+    def _copy_ids(self, src: torch.Tensor, dst: torch.Tensor, moves: Moves, layers: range) -> None:
+        """Every block of `moves` (its ids) in `layers`: the kernel, or on the CPU a gather
+        and a scatter (the destinations are distinct: `runs` keeps the latest copy of each)."""
+        if self.copy_kernel:
+            _copy_blocks(src, dst, *moves.ids, layers)
+            return
+        part = slice(layers.start, layers.stop)
+        src_ids, dst_ids = moves.ids  # type: ignore[misc]
+        dst[part].index_copy_(2, dst_ids, src[part].index_select(2, src_ids))
+
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
         moves = self._moves(pairs)
         if moves.ids is not None:
             for g, c in self._tiers:
-                _copy_blocks(g, c, *moves.ids, range(g.shape[0]))
+                self._copy_ids(g, c, moves, range(g.shape[0]))
             return
         for gpu, cpu, n in moves.runs:
             for layer in range(self.gpu.shape[0]):
@@ -245,7 +257,7 @@ class KVPool:
         """One layer of a swap-in (its runs and ids worked out once per step)."""
         if moves.ids is not None:
             for g, c in self._tiers:
-                _copy_blocks(c, g, *moves.ids, range(layer, layer + 1))
+                self._copy_ids(c, g, moves, range(layer, layer + 1))
             return
         for cpu, gpu, n in moves.runs:
             for g, c in self._tiers:
@@ -258,7 +270,8 @@ class KVPool:
 @dataclass
 class Moves:
     """A step's copies in one direction: (src, dst, length) runs, and the source and
-    destination block ids (int64 tensors on the device) when the kernel copies them."""
+    destination block ids (int64 tensors on the device) when they go all at once (the
+    kernel, or the CPU's gather and scatter)."""
 
     runs: list[tuple[int, int, int]]
     ids: tuple[torch.Tensor, torch.Tensor] | None = None
