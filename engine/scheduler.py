@@ -227,7 +227,7 @@ class Scheduler:
 
     def _room(self, req: Request, upto: int, plan: StepPlan) -> bool:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
-        while (copies := self.cache.grow(req.table, req.state.kv_len, upto)) is None:
+        while self.cache.grow(req.table, req.state.kv_len, upto, plan.before) is None:
             alive = [r for r in self.running if r.status == Status.RUNNING]
             if alive == [req] and not req.prefetch:  # it alone fills the GPU tier: it
                 # cannot grow any further (a prefetch never grows: it is suspended below)
@@ -237,7 +237,6 @@ class Scheduler:
             self._suspend(victim, plan)
             if victim is req:
                 return False
-        plan.before.extend(copies)
         return True
 
     def _discard_partial_recompute(self, req: Request) -> None:
