@@ -23,7 +23,9 @@ this run only:
 - sample: the sampler, with the tokens' trip to the host;
 - bookkeeping: the rest of the step (accepting tokens, ending turns, history reads).
 
-`measure(Load(...), device)` is the same run as a function (a GPU profile reuses it).
+After the steps: `Engine.submit`'s time (median), and the snapshot's, whole and the half
+taken under the engine's lock (`Engine.capture`). `measure(Load(...), device)` is the same
+run as a function (a GPU profile reuses it).
 Results: bench/results/host-step-<device>.json and .png.
 """
 
@@ -241,10 +243,13 @@ def measure(
                 steps_ms.append(dt * 1e3)
                 split.append(phases.split(totals, dt))
         pieces = phases.pieces[-load.steps :]
-        snapshot_ms = []
+        snapshot_ms, capture_ms = [], []
         for _ in range(5):
             t0 = time.perf_counter()
-            engine.snapshot()
+            capture = engine.capture()  # the half under the engine's lock
+            t1 = time.perf_counter()
+            capture.build()
+            capture_ms.append((t1 - t0) * 1e3)
             snapshot_ms.append((time.perf_counter() - t0) * 1e3)
         if prof is not None:
             profile(prof)
@@ -270,6 +275,7 @@ def measure(
             },
             "submit_ms": round(statistics.median(submit_ms), 3) if submit_ms else None,
             "snapshot_ms": round(statistics.median(snapshot_ms), 3),
+            "snapshot_capture_ms": round(statistics.median(capture_ms), 3),
             "seed_s": round(seed_s, 3),
             "held": len(engine.cache.tables),
             "counters": asdict(engine.counters),
@@ -341,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
-    brief = {k: result[k] for k in ("host_ms", "phases_ms", "per_step", "snapshot_ms")}
+    keys = ("host_ms", "phases_ms", "per_step", "snapshot_ms", "snapshot_capture_ms")
+    brief = {k: result[k] for k in keys}
     print(json.dumps(brief, indent=2))
     print(f"wrote {out}", file=sys.stderr)
     return 0
