@@ -508,7 +508,8 @@ class KVCacheManager:
         del t.chunks[keep:]
 
     def _extend(self, t: ChunkTable, upto: int) -> None:
-        while len(t.chunks) < self.n_chunks(upto):
+        n = self.n_chunks(upto)
+        while len(t.chunks) < n:
             chunk = Chunk()
             t.chunks.append(chunk)
             self.tiers.set_gpu(t, chunk)
