@@ -13,8 +13,9 @@ then turns of `--prompt` new tokens and `--decodes` + 1 reply tokens (ignore_eos
 one a step, while `--decodes` + 1 are in flight, each at an idle conversation: after the
 ramp every step holds `--decodes` decodes and one new prompt, and one turn ends as one
 arrives. What is timed is the wall time of `Engine.step` (median and p90 over `--steps`
-steps after `--warmup`), split by phase with timers put around the engine's parts for
-this run only:
+steps after `--warmup`), with the step thread's CPU time beside it (`host_cpu_ms`: the
+wall time less the waits for a core on a shared machine), split by phase with timers put
+around the engine's parts for this run only:
 
 - schedule: `Scheduler.schedule` (admission, growth, eviction, ahead-of-time swap-out plan);
 - build: the runner's lists, block tables and tensors, and their upload;
@@ -217,7 +218,7 @@ def measure(
         sampling = SamplingParams(max_tokens=load.decodes + 1, ignore_eos=True)
         phases = Phases()
         phases.attach(engine)
-        steps_ms, submit_ms, split = [], [], []
+        steps_ms, cpu_ms, submit_ms, split = [], [], [], []
         prof = cProfile.Profile() if profile is not None else None
         for n in range(load.warmup + load.steps):
             measured = n >= load.warmup
@@ -231,9 +232,9 @@ def measure(
             totals = dict(phases.s)
             if prof is not None and measured:
                 prof.enable()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             ended = engine.step()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             if prof is not None and measured:
                 prof.disable()
             for req in ended:
@@ -241,6 +242,7 @@ def measure(
                 idle.append(req.state.id)
             if measured:
                 steps_ms.append(dt * 1e3)
+                cpu_ms.append(dc * 1e3)
                 split.append(phases.split(totals, dt))
         pieces = phases.pieces[-load.steps :]
         snapshot_ms, capture_ms = [], []
@@ -261,6 +263,12 @@ def measure(
                 "median": round(statistics.median(steps_ms), 3),
                 "p90": round(_pct(steps_ms, 0.9), 3),
                 "mean": round(statistics.fmean(steps_ms), 3),
+            },
+            # the step thread's CPU time: what a machine shared with other work adds to the
+            # wall time (waiting for a core) left out
+            "host_cpu_ms": {
+                "median": round(statistics.median(cpu_ms), 3),
+                "p90": round(_pct(cpu_ms, 0.9), 3),
             },
             "phases_ms": {
                 k: {
@@ -347,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
-    keys = ("host_ms", "phases_ms", "per_step", "snapshot_ms", "snapshot_capture_ms")
+    keys = ("host_ms", "host_cpu_ms", "phases_ms", "per_step", "snapshot_ms", "snapshot_capture_ms")
     brief = {k: result[k] for k in keys}
     print(json.dumps(brief, indent=2))
     print(f"wrote {out}", file=sys.stderr)

@@ -25,6 +25,7 @@ def test_host_step_runs_tiny_and_its_figures_add_up(tmp_path) -> None:
     h = r["host_ms"]
     assert 0 < min(r["steps_ms"]) <= h["median"] <= h["p90"] <= max(r["steps_ms"])
     assert h["mean"] == pytest.approx(sum(r["steps_ms"]) / 12, rel=1e-2)
+    assert 0 < r["host_cpu_ms"]["median"] <= r["host_cpu_ms"]["p90"]
     phases = r["phases_ms"]
     assert set(phases) == set(host_step.PHASES)
     # every phase took time, and the phases' means make up the step's
