@@ -1,4 +1,11 @@
-"""The asyncio front of the engine: the step loop runs in its own thread, tokens stream back."""
+"""The asyncio front of the engine: the step loop runs in its own thread, tokens stream back.
+
+The loop thread hands its results to the event loop once a step: the step's tokens of every
+turn, then the turns that ended, in one `call_soon_threadsafe` (not one per token: each is
+a wake-up of the event loop). Every 0.2 s it captures the facts of a snapshot under the
+engine's lock (`Engine.capture`, O(1) a conversation); the snapshot itself is built from
+them on the event loop, and only when something asks for it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from engine.drain import DrainRate
 from engine.engine import Engine
 from engine.persistence import ActivityClock, TokenHistory
 from engine.request import Request
-from engine.snapshot import EngineSnapshot
+from engine.snapshot import Capture, EngineSnapshot
 from engine.types import EngineConfig, Turn, TurnResult
 
 log = logging.getLogger(__name__)
@@ -77,8 +84,10 @@ class AsyncEngine:
         self.drain = DrainRate()  # how fast turns end: the wait a refused turn is told
         self._crashed: BaseException | None = None
         self._written_at = -1  # the step count when idle write-back last found nothing to do
-        self._snapshot: EngineSnapshot | None = None
-        self._snapshot_at = 0.0
+        self._capture: Capture | None = None  # the latest, written by the loop thread
+        self._captured_at = 0.0
+        self._built: tuple[Capture, EngineSnapshot] | None = None  # built from it, when asked
+        self._tokens: list[tuple[TurnStream, int]] = []  # this step's, for the event loop
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -86,7 +95,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self.engine is None:
             self.engine = await asyncio.to_thread(Engine, self.config, self._history, self._clock)
-        self._snapshot = self.engine.snapshot()
+        self._capture = self.engine.capture()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -185,9 +194,12 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """Residency as of at most a fraction of a second ago (never waits for a step)."""
-        if self._snapshot is None:
+        capture, built = self._capture, self._built
+        if capture is None:
             raise RuntimeError("the engine is not started")
-        return self._snapshot
+        if built is None or built[0] is not capture:
+            built = self._built = (capture, capture.build())
+        return built[1]
 
     def metrics(self) -> dict:
         return asdict(self.snapshot().counters)
@@ -225,8 +237,7 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     ended = engine.fail_all(e)
                 self._running = engine.scheduler.running_turns()
-                for req in ended:
-                    self._finish(req)
+                self._publish(ended)
                 if not ended and not engine.scheduler.counts()[0]:
                     engine.wait_for_io()
             else:
@@ -253,8 +264,7 @@ class AsyncEngine:
     def _fail_everything(self, error: Exception) -> None:
         """After the loop died: fail the engine's turns and those still in the inbox."""
         try:
-            for req in self.engine.fail_all(error):
-                self._finish(req)
+            self._publish(self.engine.fail_all(error))
         except BaseException:
             log.exception("could not fail the turns in flight")
         while True:
@@ -310,8 +320,8 @@ class AsyncEngine:
                     self._call(_resolve, fut, None, e)
 
     def _submit(self, stream: TurnStream) -> None:
-        def on_token(token: int) -> None:
-            self._call(stream._queue.put_nowait, token)
+        def on_token(token: int) -> None:  # on the loop thread, during a step
+            self._tokens.append((stream, token))
 
         try:
             req = self.engine.submit(stream.turn, on_token=on_token, accepted=True)
@@ -321,13 +331,26 @@ class AsyncEngine:
         req.handle = stream
         stream.request = req
 
-    def _finish(self, req: Request) -> None:
-        self.drain.ended(time.monotonic())
-        stream: TurnStream | None = req.handle
-        if stream is None:
-            return
-        error = req.error
-        self._call(self._end, stream, None if error else req.result(), error)
+    def _publish(self, ended: list[Request]) -> None:
+        """Hand the step's tokens, then its ended turns, to the event loop in one call."""
+        tokens, self._tokens = self._tokens, []
+        ends = []
+        now = time.monotonic()
+        for req in ended:
+            self.drain.ended(now)
+            stream: TurnStream | None = req.handle
+            if stream is not None:
+                error = req.error
+                ends.append((stream, None if error else req.result(), error))
+        if tokens or ends:
+            self._call(self._deliver, tokens, ends)
+
+    def _deliver(self, tokens: list[tuple[TurnStream, int]], ends: list[tuple]) -> None:
+        # On the event loop: every token before its turn's end.
+        for stream, token in tokens:
+            stream._queue.put_nowait(token)
+        for end in ends:
+            self._end(*end)
 
     def _end(
         self, stream: TurnStream, result: TurnResult | None, error: BaseException | None
@@ -339,9 +362,9 @@ class AsyncEngine:
 
     def _refresh_snapshot(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._snapshot_at >= SNAPSHOT_EVERY_S:
-            self._snapshot = self.engine.snapshot()
-            self._snapshot_at = now
+        if force or now - self._captured_at >= SNAPSHOT_EVERY_S:
+            self._capture = self.engine.capture()
+            self._captured_at = now
 
 
 def _resolve(fut: asyncio.Future, value, error) -> None:

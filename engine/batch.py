@@ -5,6 +5,7 @@ and uploaded in two copies from page-locked staging on CUDA."""
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ class StepInputs:
     ids: list[int] = field(default_factory=list)  # every piece's tokens, piece after piece
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[Sequence[int]] = field(default_factory=list)  # int lists or int32 arrays
     sample: list[int] = field(default_factory=list)  # indices of the sampling pieces
 
 

@@ -22,9 +22,10 @@ from engine.sampler import make_generator
 from engine.scheduler import Scheduler
 from engine.seed import Seed, plant
 from engine.snapshot import (
-    ConversationInfo,
+    Capture,
     EngineCounters,
     EngineSnapshot,
+    Held,
     PoolUsage,
     SharingUsage,
 )
@@ -415,27 +416,40 @@ class Engine:
     # ---- inspection --------------------------------------------------------------------------
 
     def snapshot(self) -> EngineSnapshot:
+        return self.capture().build()
+
+    def capture(self) -> Capture:
+        """The facts of a snapshot, read under the lock in O(1) a conversation (`Held`);
+        `build()` spells them out without it."""
         with self.lock:
             now = self.now()
-            c = self.cache
+            c, streams, last_active = self.cache, self.streams, self.clock.last_active
             running, waiting = self.scheduler.counts()
-            convs = []
-            on_disk = self.disk.keys() if self.disk is not None else set()  # dropped: "disk"
-            for table in c.held():
-                last = self.clock.last_active(table.id)
-                state = self.streams.get(table.id)
-                convs.append(
-                    ConversationInfo(
-                        id=table.id,
-                        tokens=0 if state is None else state.length,
-                        chunks=tuple(table.tiers(state.hashes if state else [], on_disk)),
-                        holders=tuple(c.holders(table)),
-                        running=table.pinned,
-                        idle_s=None if last is None else max(0.0, now - last),
-                        retention=c.lowest_value(table, now),
-                    )
+            on_disk = self.disk.keys() if self.disk is not None else None  # dropped: "disk"
+            held = []
+            for t in c.tables.values():
+                state = streams.get(t.id)
+                d, s, o = t.n_dropped, t.n_shared, t.n_off_gpu
+                shared = tuple((x.tier, len(x.holders)) for x in t.chunks[d:s]) if s > d else ()
+                disk: tuple[int, ...] = ()
+                if on_disk and state is not None:
+                    hashes = state.hashes
+                    disk = tuple(j for j in range(min(d, len(hashes))) if hashes[j] in on_disk)
+                held.append(
+                    Held(
+                        t.id,
+                        0 if state is None else state.length,
+                        d,
+                        shared,
+                        o - s,
+                        len(t.chunks) - o,
+                        disk,
+                        t.pinned,
+                        last_active(t.id),
+                        c.lowest_value(t, now),
+                    )  # fmt: skip
                 )
-            return EngineSnapshot(
+            head = EngineSnapshot(
                 device=str(self.device),
                 model=self.config.model,
                 chunk_size=c.chunk_size,
@@ -444,11 +458,12 @@ class Engine:
                 gpu=PoolUsage(*c.usage("gpu")),
                 cpu=PoolUsage(*c.usage("cpu")),
                 counters=replace(self.counters, running=running, waiting=waiting),
-                conversations=tuple(convs),
+                conversations=(),
                 context_limit=self.context_limit,
                 sharing=SharingUsage(*c.sharing_usage()),
                 disk=None if self.writes is None else self.writes.usage(),
             )
+            return Capture(now, head, tuple(held))
 
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle

@@ -23,7 +23,9 @@ that moves every block (`kernels/triton_swap.py`, reading and writing the page-l
 directly), or run by run on the copy engine. The kernel is used where a start-up check
 shows it copies exactly, and not for a few long runs (the copy engine's best case). Its
 block ids are filled on the host into page-locked staging slots and uploaded without
-waiting (`StagingRing`: a slot is rewritten only once its upload ran).
+waiting (`StagingRing`: a slot is rewritten only once its upload ran). On the CPU the same
+many runs go as one gather and one scatter of blocks per layer (or per step), not one
+Python-issued copy per run, layer and K/V.
 """
 
 from __future__ import annotations
@@ -261,7 +263,8 @@ class KVPool:
         moves = Moves(runs(pairs))
         n = len(moves.runs)
         blocks = sum(r[2] for r in moves.runs)
-        if self.kernel[direction] and n and (n >= KERNEL_RUNS or blocks < LONG_RUN * n):
+        kernel = self.kernel[direction] and n and (n >= KERNEL_RUNS or blocks < LONG_RUN * n)
+        if kernel or (not self.cuda and n >= KERNEL_RUNS):  # the CPU: a gather and a scatter
             moves.ids = self._ids(moves.runs, blocks)
         return moves
 
@@ -283,13 +286,23 @@ class KVPool:
             slot.fence = _recorded()  # the slot is rewritten only once this upload ran
         return dev[0, :n], dev[1, :n]
 
+    def _copy_ids(self, src: torch.Tensor, dst: torch.Tensor, moves: Moves, layers: range) -> None:
+        """Every block of `moves` (its ids) in `layers`: the kernel, or on the CPU a gather
+        and a scatter (the destinations are distinct: `runs` keeps the latest copy of each)."""
+        if self.copy_kernel:
+            _copy_blocks(src, dst, *moves.ids, layers)
+            return
+        part = slice(layers.start, layers.stop)
+        src_ids, dst_ids = moves.ids  # type: ignore[misc]
+        dst[part].index_copy_(2, dst_ids, src[part].index_select(2, src_ids))
+
     def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
         moves = self._moves(pairs, "out")
         if moves.ids is not None:
             for g, c in self._tiers:
-                _copy_blocks(g, c, *moves.ids, range(g.shape[0]))
+                self._copy_ids(g, c, moves, range(g.shape[0]))
             return
         for gpu, cpu, n in moves.runs:
             for layer in range(self.gpu.shape[0]):
@@ -303,7 +316,7 @@ class KVPool:
         """One layer of a swap-in (its runs and ids worked out once per step)."""
         if moves.ids is not None:
             for g, c in self._tiers:
-                _copy_blocks(c, g, *moves.ids, range(layer, layer + 1))
+                self._copy_ids(c, g, moves, range(layer, layer + 1))
             return
         for cpu, gpu, n in moves.runs:
             for g, c in self._tiers:
@@ -316,7 +329,8 @@ class KVPool:
 @dataclass
 class Moves:
     """A step's copies in one direction: (src, dst, length) runs, and the source and
-    destination block ids (int64 tensors on the device) when the kernel copies them."""
+    destination block ids (int64 tensors on the device) when they go all at once (the
+    kernel, or the CPU's gather and scatter)."""
 
     runs: list[tuple[int, int, int]]
     ids: tuple[torch.Tensor, torch.Tensor] | None = None

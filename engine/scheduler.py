@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from operator import attrgetter
 
 from engine.cache.manager import KVCacheManager
 from engine.copies import CopyPlan
@@ -48,7 +49,7 @@ class Fetch(StrEnum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(slots=True)  # dozens a step
 class Piece:
     """One sub-request of a step: positions [start, end) of a turn's conversation."""
 
@@ -181,7 +182,7 @@ class Scheduler:
 
     def _continue(self, reqs: list[Request], budget: int, plan: StepPlan, prefill: bool) -> int:
         """Schedule running turns' pending tokens, the earliest-arrived first."""
-        for req in sorted(reqs, key=lambda r: r.seq):
+        for req in sorted(reqs, key=attrgetter("seq")):
             if budget <= 0:
                 break
             if req.status != Status.RUNNING:  # suspended earlier in this step
@@ -227,7 +228,7 @@ class Scheduler:
 
     def _room(self, req: Request, upto: int, plan: StepPlan) -> bool:
         """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
-        while (copies := self.cache.grow(req.table, req.state.kv_len, upto)) is None:
+        while self.cache.grow(req.table, req.state.kv_len, upto, plan.before) is None:
             alive = [r for r in self.running if r.status == Status.RUNNING]
             if alive == [req] and not req.prefetch:  # it alone fills the GPU tier: it
                 # cannot grow any further (a prefetch never grows: it is suspended below)
@@ -237,7 +238,6 @@ class Scheduler:
             self._suspend(victim, plan)
             if victim is req:
                 return False
-        plan.before.extend(copies)
         return True
 
     def _discard_partial_recompute(self, req: Request) -> None:

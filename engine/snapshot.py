@@ -1,10 +1,18 @@
 """What the engine shows of itself: a typed, immutable snapshot of pools, counters and
-conversations. `to_dict` gives the JSON shape the admin API serves."""
+conversations. `to_dict` gives the JSON shape the admin API serves.
+
+A snapshot is made in two halves. `Engine.capture` reads the facts under the engine's
+lock: each conversation's table as counts of its layout [dropped | shared | CPU | GPU]
+(`Held`, O(1) a conversation but for a shared run or a disk tier), never a tier per chunk.
+`Capture.build` spells them out into the snapshot without the lock, where and when it is
+wanted: the async front captures every 0.2 s on its step loop and builds on the event loop
+only when a page or a scrape asks (`engine/async_engine.py`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -104,3 +112,48 @@ class EngineSnapshot:
                 for c in self.conversations
             ],
         }
+
+
+class Held(NamedTuple):
+    """One conversation as `Engine.capture` reads it: its table's layout in counts."""
+
+    id: str
+    tokens: int  # tokens in its stream
+    dropped: int  # leading chunks that hold nothing
+    shared: tuple[tuple[str, int], ...]  # the shared run after them: (tier, holders) each
+    cpu: int  # then chunks on the CPU tier only
+    gpu: int  # then chunks with a GPU block
+    disk: tuple[int, ...]  # the dropped chunks the disk tier holds
+    running: bool
+    last_active: float | None
+    retention: float | None
+
+    def info(self, now: float) -> ConversationInfo:
+        tiers = ["dropped"] * self.dropped
+        for j in self.disk:
+            tiers[j] = "disk"
+        tiers += [tier for tier, _ in self.shared]
+        tiers += ["cpu"] * self.cpu + ["gpu"] * self.gpu
+        rest = (1,) * (self.cpu + self.gpu)
+        return ConversationInfo(
+            id=self.id,
+            tokens=self.tokens,
+            chunks=tuple(tiers),
+            holders=(1,) * self.dropped + tuple(h for _, h in self.shared) + rest,
+            running=self.running,
+            idle_s=None if self.last_active is None else max(0.0, now - self.last_active),
+            retention=self.retention,
+        )
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What a snapshot is built from: everything but the conversations, and each of them
+    as `Held` at time `now`."""
+
+    now: float
+    head: EngineSnapshot  # its conversations left empty
+    held: tuple[Held, ...]
+
+    def build(self) -> EngineSnapshot:
+        return replace(self.head, conversations=tuple(h.info(self.now) for h in self.held))

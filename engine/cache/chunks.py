@@ -4,6 +4,7 @@ engine only.)"""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 GPU, CPU, DROPPED = "gpu", "cpu", "dropped"
@@ -60,6 +61,9 @@ class ChunkTable:
     pinned: bool = False  # a turn of it is running: none of its chunks may be evicted
     n_gpu: int = 0  # private chunks with a GPU block
     n_backed: int = 0  # private chunks with a GPU block and a CPU copy (reclaimable at no cost)
+    # While pinned, its chunks keep their GPU blocks and only more are added: the block ids
+    # read so far, each once per pin (`Tiers.set_pinned` resets it), not once per step
+    gpu_ids: array | None = field(default=None, repr=False)
 
     def tiers(
         self, hashes: list[bytes] = (), on_disk: set[bytes] | frozenset = frozenset()
@@ -72,11 +76,20 @@ class ChunkTable:
                 tiers[j] = "disk"
         return tiers
 
-    def gpu_blocks(self, n_chunks: int) -> list[int]:
-        blocks = [c.gpu for c in self.chunks[:n_chunks]]
-        if len(blocks) < n_chunks or None in blocks:  # C-speed scan: called per piece per step
-            raise RuntimeError(f"conversation {self.id!r} has chunks off the GPU while running")
-        return blocks  # type: ignore[return-value]
+    def gpu_blocks(self, n_chunks: int) -> array:
+        """The GPU blocks of its first `n_chunks` chunks (int32). Called per piece per step:
+        a running turn's are read from the chunks once, then only the new ones."""
+        ids = self.gpu_ids if self.pinned else None
+        if ids is None:
+            ids = array("i")
+            if self.pinned:
+                self.gpu_ids = ids
+        if len(ids) < n_chunks:
+            new = [c.gpu for c in self.chunks[len(ids) : n_chunks]]
+            if len(ids) + len(new) < n_chunks or None in new:  # C-speed scan
+                raise RuntimeError(f"conversation {self.id!r} has chunks off the GPU while running")
+            ids.extend(new)  # type: ignore[arg-type]
+        return ids[:n_chunks]
 
     def shared_run(self) -> list[Chunk]:
         return self.chunks[self.n_dropped : self.n_shared]
@@ -88,6 +101,10 @@ class ChunkTable:
         assert len(self.chunks) >= -(-self.tokens // chunk_size) or self.pinned, self
         full = n_shared == n_dropped or n_shared * chunk_size <= self.tokens
         assert full, (self.id, "a shared chunk that is not full")
+        if self.gpu_ids is not None:
+            assert self.pinned, (self.id, "block ids kept while not running")
+            held = [c.gpu for c in self.chunks[: len(self.gpu_ids)]]
+            assert list(self.gpu_ids) == held, (self.id, "block ids kept went stale")
         for i, c in enumerate(self.chunks):
             if n_dropped <= i < n_shared:
                 assert c.shared and c.index == i, (self.id, i, "should be shared")

@@ -290,10 +290,14 @@ class KVCacheManager:
             last * cs if tail else None,
         )  # fmt: skip
 
-    def grow(self, t: ChunkTable, kv_len: int, upto: int) -> CopyPlan | None:
+    def grow(
+        self, t: ChunkTable, kv_len: int, upto: int, copies: CopyPlan | None = None
+    ) -> CopyPlan | None:
         """Room for a running turn to compute positions [kv_len, upto): the copies that make
-        it, or None if none can be made."""
-        copies = CopyPlan()
+        it (added to `copies` when given: a step's plan, so that a decode allocates none),
+        or None if none can be made. The copies of what was evicted before the room ran out
+        are kept in `copies` all the same: those chunks have left their GPU blocks."""
+        copies = CopyPlan() if copies is None else copies
         need = self.n_chunks(upto) - len(t.chunks)
         if need > 0 and not self.evictor.make_room_gpu(need, copies):
             return None
@@ -505,7 +509,8 @@ class KVCacheManager:
         del t.chunks[keep:]
 
     def _extend(self, t: ChunkTable, upto: int) -> None:
-        while len(t.chunks) < self.n_chunks(upto):
+        n = self.n_chunks(upto)
+        while len(t.chunks) < n:
             chunk = Chunk()
             t.chunks.append(chunk)
             self.tiers.set_gpu(t, chunk)

@@ -47,6 +47,7 @@ class Tiers:
         self.pinned_gpu += sign * t.n_gpu
         self.reclaimable -= sign * t.n_backed
         t.pinned = pinned
+        t.gpu_ids = None  # read again from the chunks (`ChunkTable.gpu_blocks`)
         for c in t.shared_run():
             self.pin_shared(c, sign)
         if not pinned:

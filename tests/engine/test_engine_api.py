@@ -183,6 +183,45 @@ def test_async_streams_and_cancels(tiny):
     asyncio.run(main())
 
 
+class CountingFront(AsyncEngine):
+    """Records each hand-over from the loop thread: (tokens by conversation, ends)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine=engine)
+        self.handed: list[tuple[list[str], int]] = []
+
+    def _deliver(self, tokens, ends) -> None:
+        self.handed.append(([s.turn.conversation_id for s, _ in tokens], len(ends)))
+        super()._deliver(tokens, ends)
+
+
+def test_async_hands_a_steps_tokens_over_at_once(tiny):
+    """One call to the event loop per step, carrying every turn's token of it, then the ends."""
+
+    async def main():
+        front = CountingFront(tiny)
+        await front.start()
+        try:
+            sp = SamplingParams(max_tokens=6, ignore_eos=True)
+            steps = tiny.counters.steps
+            streams = [front.submit(Turn(f"hand{i}", [1, 2, 3], sp)) for i in range(4)]
+            got = {s.turn.conversation_id: [t async for t in s] for s in streams}
+            steps = tiny.counters.steps - steps
+        finally:
+            await front.stop()
+        for s in streams:
+            assert (
+                got[s.turn.conversation_id] == s.result.token_ids and len(s.result.token_ids) == 6
+            )
+        assert sum(len(ids) for ids, _ in front.handed) == 24
+        assert sum(ends for _, ends in front.handed) == 4
+        assert len(front.handed) <= steps < 24  # a hand-over per step, never per token
+        assert all(len(ids) == len(set(ids)) for ids, _ in front.handed)  # a token each a step
+        assert max(len(ids) for ids, _ in front.handed) == 4  # the turns decode side by side
+
+    asyncio.run(main())
+
+
 def test_hugging_face_model_dir_loads_like_the_original(tiny, tmp_path):
     """A safetensors model dir (here: the tiny dummy saved by transformers) gives the same tokens."""
     import shutil

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.copies import CopyPlan, PendingReads, StagingRing, written_blocks
-from engine.kv_pool import KVPool, runs, swap_copies
+from engine.kv_pool import KERNEL_RUNS, KVPool, runs, swap_copies
 from engine.model.shapes import DUMMY_SHAPES
 
 
@@ -33,6 +33,30 @@ def test_swap_out_then_in_restores_blocks():
     assert torch.equal(pool.gpu[:, :, 3], original[:, :, 1])
     assert torch.equal(pool.gpu[:, :, 4], original[:, :, 2])
     assert torch.equal(pool.gpu[:, :, 0], original[:, :, 5])
+
+
+def test_many_scattered_blocks_move_in_one_gather_on_the_cpu():
+    """From KERNEL_RUNS runs up the CPU copies every block of a layer at once: same bytes."""
+    args = DUMMY_SHAPES["tiny"]
+    pool = KVPool(
+        args, gpu_blocks=16, cpu_blocks=16, block_size=4, device="cpu", dtype=torch.float32
+    )
+    assert not pool.copy_kernel
+    pool.gpu.normal_()
+    original = pool.gpu.clone()
+    out = [(0, 9), (2, 3), (4, 7), (6, 1), (8, 12), (9, 13)]  # 5 runs: (8, 12) and (9, 13) join
+    assert len(runs(out)) >= KERNEL_RUNS
+    pool.begin_step(CopyPlan(swap_out=out))
+    assert all(torch.equal(pool.cpu[:, :, c], original[:, :, g]) for g, c in out)
+    pool.gpu.zero_()
+    back = [(c, 15 - g) for g, c in out]
+    pool.begin_step(CopyPlan(swap_in=back))
+    for layer in range(args.n_layers):
+        assert torch.equal(pool.gpu[layer, :, 15], torch.zeros_like(pool.gpu[layer, :, 15]))
+        pool.before_attention(layer)
+    pool.end_step(CopyPlan())
+    assert all(torch.equal(pool.gpu[:, :, 15 - g], original[:, :, g]) for g, _ in out)
+    assert not pool.gpu[:, :, [b for b in range(16) if b not in {15 - g for g, _ in out}]].any()
 
 
 def test_background_copy_after_forward():

@@ -218,6 +218,26 @@ def test_growth_fails_only_when_everything_is_pinned():
     assert a.tiers() == ["dropped", "dropped"]
 
 
+def test_growth_that_runs_out_keeps_the_copies_of_what_it_evicted():
+    """An idle chunk swapped out before the room ran out has left its GPU block: its copy
+    must still run (it goes into the step's plan), or its CPU block holds nothing."""
+    from engine.copies import CopyPlan
+
+    m, clock, now = manager(gpu=3, cpu=4)
+    turn(m, clock, "idle", 4, when=900.0)  # one chunk, on the GPU
+    a = m.table("a")
+    m.begin_step()
+    m.admit(a, 0, 8)  # two chunks: the GPU tier is full
+    plan = CopyPlan()
+    assert m.grow(a, 8, 16, plan) is None  # two more: only the idle chunk can make room
+    idle = m.table("idle").chunks[0]
+    assert m.table("idle").tiers() == ["cpu"]
+    assert plan.swap_out == [(0, idle.cpu)]
+    assert m.grow(a, 8, 12, plan) is plan  # one more fits in the block it freed
+    assert plan.swap_out == [(0, idle.cpu)]
+    m.check()
+
+
 def test_forget_frees_everything():
     m, clock, now = manager(gpu=4, cpu=4)
     turn(m, clock, "a", 16, when=900.0)
