@@ -319,7 +319,7 @@ class KVCacheManager:
         self._trim(t, kv_len)
         self.tiers.set_pinned(t, False)
         while t.n_off_gpu < len(t.chunks):
-            self.evictor.evict_front_gpu(t, copies)
+            self.evictor.evict_front_gpu(t, copies, force=True)
         self.counters.suspensions += 1
         self.order.changed(t)
         return copies
