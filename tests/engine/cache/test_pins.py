@@ -79,3 +79,14 @@ def test_a_pin_runs_from_the_end_of_each_turn():
     pins.settle("a", now=50.0, size=64)
     assert pins.held("a", 109.0) and not pins.held("a", 111.0)
     assert pins.live(111.0) == {}
+
+
+def test_admission_counts_pinned_blocks_that_cannot_move():
+    m, clock, now = manager(gpu=4, cpu=0, mode="gpu")
+    turn(m, clock, "agent", 12, when=900.0)
+    m.begin_step()
+    assert m.can_admit(m.table("other"), 8)  # unpinned: its 3 blocks can be taken
+    pin(m, "agent", 600.0, now())
+    assert m.stuck_blocks() == 3
+    assert not m.can_admit(m.table("other"), 8)  # the turn waits; the pin is not dropped
+    assert m.can_admit(m.table("other"), 4)
