@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from engine.types import SamplingParams
+from engine.types import Retention, SamplingParams
 
 
 class BadFrame(ValueError):
@@ -30,6 +30,7 @@ class TurnRequest:
     before: list[tuple[str, str]] = field(default_factory=list)
     role: str = "user"  # or "tool": `content` is a function's result (the OpenAI API)
     tools: list[dict] | None = None  # function definitions offered to the model
+    retention: Retention | None = None  # what the cache keeps of the chat after the turn
 
 
 def parse_json(text: str) -> dict:

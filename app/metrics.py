@@ -104,6 +104,19 @@ class EngineCollector:
             key = "ahead_chunks" if outcome == "copied" else f"ahead_{outcome}_chunks"
             ahead.add_metric([outcome], getattr(c, key))
         yield ahead
+        pinned = GaugeMetricFamily(
+            "pensieve:kv_cache_pinned_bytes",
+            "Bytes of KV that clients pinned in memory (retention.ttl_s), per tier.",
+            labels=["tier"],
+        )
+        pinned.add_metric(["gpu"], snap.pins.gpu_bytes)
+        pinned.add_metric(["cpu"], snap.pins.cpu_bytes)
+        yield pinned
+        yield GaugeMetricFamily(
+            "pensieve:kv_cache_pinned_conversations",
+            "Conversations a client pinned in memory.",
+            value=snap.pins.conversations,
+        )
         yield GaugeMetricFamily(
             "pensieve:kv_cache_shared_chunks",
             "Chunks held by more than one conversation, stored once.",

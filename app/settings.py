@@ -106,6 +106,8 @@ class ServerSettings(BaseSettings):
     # A chat socket that goes away mid-reply: the reply goes on this long for the client to
     # reconnect and resume it; then it is cancelled (its partial reply kept). 0: at once.
     resume_grace_s: float = Field(10.0, ge=0)
+    # KV one owner may pin in memory (`retention.ttl_s`), in MB: a pin past it is refused
+    max_pinned_mb_per_owner: float = Field(1024.0, gt=0)
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

@@ -192,6 +192,21 @@ class AsyncEngine:
         if self.alive and not self.is_busy(conversation_id):
             self._post(("prefetch", conversation_id))
 
+    def tools_called(self, conversation_id: str, tools: list[str]) -> None:
+        """The conversation's turn ended calling `tools`: it waits for their results (see
+        `Engine.tools_called`). Cheap, never raises."""
+        if self.alive:
+            self._post(("tools", conversation_id, list(tools)))
+
+    def unpin(self, conversation_id: str) -> None:
+        """Let the conversation's pin go at once (see `Engine.unpin`; thread-safe)."""
+        self.engine.unpin(conversation_id)
+
+    @property
+    def disk_tier(self) -> bool:
+        """The engine keeps a disk tier it writes to (`prompt_cache_retention` needs one)."""
+        return self.engine.writes is not None
+
     def snapshot(self) -> EngineSnapshot:
         """Residency as of at most a fraction of a second ago (never waits for a step)."""
         capture, built = self._capture, self._built
@@ -297,6 +312,11 @@ class AsyncEngine:
                     self.engine.prefetch(item[1])
                 except Exception:  # a hint only: the turn that follows works without it
                     log.exception("prefetch of %s failed", item[1])
+            elif kind == "tools":
+                try:
+                    self.engine.tools_called(item[1], item[2])
+                except Exception:  # a hint for the eviction order only
+                    log.exception("tool wait of %s failed", item[1])
             elif kind == "free":
                 _, cid, erase, fut = item
                 try:

@@ -85,6 +85,9 @@ class DiskIndex:
         self.now = now  # the time of last use (wall time: files outlive the process)
         self.lock = threading.Lock()  # the index and the byte count
         self.index: dict[bytes, Entry] = {}
+        # Chunks a client asked to keep (`prompt_cache_retention`), until when: they go only
+        # once every other file has (a tier full of kept chunks gives up the oldest kept)
+        self.kept: dict[bytes, float] = {}
         self.pending: dict[bytes, list[torch.Tensor]] = {}  # queued, not written yet
         self.bytes = 0
         self.read_bps: float | None = None  # read bandwidth the cost rule uses
@@ -115,10 +118,17 @@ class DiskIndex:
         indexed with `size` bytes, no write timed; a tier of files writes `parts` first."""
         self._add(key, index, size)
 
+    def keep(self, keys: list[bytes], until: float) -> None:
+        """Keep these chunks (once written) over any other until `until` (wall time)."""
+        with self.lock:
+            for key in keys:
+                self.kept[key] = max(until, self.kept.get(key, 0.0))
+
     def remove(self, key: bytes, index: int) -> None:
         """Forget a chunk (a deleted conversation's), queued or written."""
         with self.lock:
             self.pending.pop(key, None)
+            self.kept.pop(key, None)
         self._unindex(key)
 
     def clear(self) -> None:
@@ -147,10 +157,12 @@ class DiskIndex:
         """Remove the chunks of lowest retention value until under FREE_TO of the capacity."""
         now = self.now()
         with self.lock:
+            self.kept = {k: t for k, t in self.kept.items() if t > now}
             by_value = sorted(
                 self.index.items(),
                 key=lambda kv: (
-                    self.cost((kv[1].index + 1) * self.chunk_size) / max(now - kv[1].used, 1e-3)
+                    kv[0] in self.kept,
+                    self.cost((kv[1].index + 1) * self.chunk_size) / max(now - kv[1].used, 1e-3),
                 ),
             )
             goal = self.capacity * FREE_TO

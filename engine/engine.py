@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from engine import retention
 from engine.backends import Backend, pick
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.policy import CostModel, Policy
@@ -150,6 +151,11 @@ class Engine:
             self.claims.release(turn.conversation_id)
             wait = DEFAULT_RETRY_S if retry_s is None else retry_s(queued)
             raise EngineOverloaded(f"the engine has {limit} turns queued already", wait)
+        try:
+            retention.reserve(self, turn)  # a pin past its owner's cap is refused here
+        except BaseException:
+            self.claims.release(turn.conversation_id)
+            raise
 
     def queued(self) -> int:
         """Real turns submitted and not running (waiting for admission, or suspended): what
@@ -194,6 +200,7 @@ class Engine:
             now = self.now()
             if state.idle_since is not None:  # what the `returns` eviction value learns from
                 self.cache.returned(now - state.idle_since)
+            self.cache.policy.tools.arrived(state.id, now)  # a tool's result, maybe: learned
             self.clock.touch(state.id, now)
             prompt = list(turn.prompt_token_ids)
             chain, shared = [], 0
@@ -281,13 +288,27 @@ class Engine:
         with self.lock:
             plant(self, seeds)
 
+    def tools_called(self, conversation_id: str, tools: list[str]) -> None:
+        """The conversation's last turn ended calling `tools`: it waits for their results,
+        expected back in the time those tools took before (`engine/cache/toolwait.py`)."""
+        with self.lock:
+            state = self.streams.get(conversation_id)
+            if state is None or conversation_id in self.claims:
+                return
+            since = state.idle_since if state.idle_since is not None else self.now()
+            self.cache.policy.tools.wait(conversation_id, tools, since)
+
+    def unpin(self, conversation_id: str) -> None:
+        """Let the conversation's pin and priority go at once (its client deleted it)."""
+        self.cache.policy.pins.release(conversation_id)
+
     def cancel(self, req: Request) -> None:
         req.cancelled = True
 
     def free(self, conversation_id: str, erase: bool = False) -> None:
         """Forget a conversation's cache (its turns must have ended). `erase`: remove its
-        chunks from the disk tier too (a deleted conversation's; another conversation that
-        starts the same way recomputes what it shared)."""
+        chunks from the disk tier too, and its pin (a deleted conversation's; another
+        conversation that starts the same way recomputes what it shared)."""
         with self.lock:
             state = self.streams.get(conversation_id)
             if conversation_id in self.claims:
@@ -298,6 +319,9 @@ class Engine:
             self.scheduler.supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
+            self.cache.policy.tools.forget(conversation_id)
+            if erase:  # deleted: its pin goes too (a cache reset keeps it for the next turn)
+                self.cache.policy.pins.release(conversation_id)
             if self.owns_history:
                 self.history.forget(conversation_id)
 
@@ -369,6 +393,7 @@ class Engine:
         self.clock.touch(state.id, now)
         state.idle_since = now
         self.cache.ended()
+        retention.settle(self, req, now)
         if self.owns_history:
             self.history.append(state.id, req.output)
 
@@ -462,6 +487,7 @@ class Engine:
                 context_limit=self.context_limit,
                 sharing=SharingUsage(*c.sharing_usage()),
                 disk=None if self.writes is None else self.writes.usage(),
+                pins=retention.usage(self, now),
             )
             return Capture(now, head, tuple(held))
 

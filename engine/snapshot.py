@@ -68,6 +68,16 @@ class SharingUsage:
 
 
 @dataclass(frozen=True)
+class PinUsage:
+    """Conversations a client pinned in memory (`Retention.ttl_s`), and their chunks' bytes
+    per tier (a chunk on the GPU with a CPU copy counts on both)."""
+
+    conversations: int = 0
+    gpu_bytes: int = 0
+    cpu_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class ConversationInfo:
     id: str
     tokens: int  # tokens in its stream
@@ -92,6 +102,7 @@ class EngineSnapshot:
     context_limit: int  # most tokens one conversation can hold
     sharing: SharingUsage = SharingUsage()
     disk: PoolUsage | None = None  # the disk tier, in chunks (None: off)
+    pins: PinUsage = PinUsage()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +118,7 @@ class EngineSnapshot:
             },
             "counters": asdict(self.counters),
             "sharing": {**asdict(self.sharing), "saved_blocks": self.sharing.saved_blocks},
+            "pins": asdict(self.pins),
             "conversations": [
                 {**asdict(c), "chunks": list(c.chunks), "holders": list(c.holders)}
                 for c in self.conversations

@@ -34,12 +34,17 @@ class DiskWrites:
                 continue
             self.disk.put(state.hashes[i], i, self.pool.read_block(tier, block))
 
-    def write_back(self, streams: dict[str, StreamState], limit: int | None) -> int:
+    def write_back(
+        self, streams: dict[str, StreamState], limit: int | None, only: str | None = None
+    ) -> int:
         """Queue the full chunks held in memory that the disk tier lacks, of idle
-        conversations: all of them, waiting for room in the writer's queue, or at most
-        `limit` without waiting. Returns the chunks queued."""
+        conversations (`only`: of that one): all of them, waiting for room in the writer's
+        queue, or at most `limit` without waiting. Returns the chunks queued."""
         n, held = 0, self.disk.keys()
-        for t in self.cache.held():
+        tables = self.cache.held() if only is None else [self.cache.find(only)]
+        for t in tables:
+            if t is None:
+                continue
             state = streams.get(t.id)
             if state is None or t.pinned:
                 continue

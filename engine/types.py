@@ -168,6 +168,34 @@ class SamplingParams:
 
 
 @dataclass
+class Retention:
+    """What a turn asks the cache to keep of its conversation once it ends.
+
+    `ttl_s`: its chunks stay in memory (GPU or CPU tier, never dropped) this long after the
+    turn ends, refreshed by each later turn; 0 says the session is done (its chunks go
+    first). `priority` (0-100, 50 neutral) scales its eviction value. `disk_s`: its full
+    chunks stay on the disk tier at least this long. The pin counts against `owner`'s
+    `cap_bytes` (None: no cap): a pin past the cap is refused, never made room for."""
+
+    ttl_s: float | None = None
+    priority: int = 50
+    disk_s: float = 0.0
+    owner: str = ""
+    cap_bytes: int | None = None
+
+    def validate(self) -> None:
+        if self.ttl_s is not None and not 0.0 <= self.ttl_s <= MAX_TTL_S:
+            raise ValueError(f"retention.ttl_s must be in [0, {MAX_TTL_S:.0f}], got {self.ttl_s!r}")
+        if not isinstance(self.priority, int) or not 0 <= self.priority <= 100:
+            raise ValueError(f"retention.priority must be in [0, 100], got {self.priority!r}")
+        if self.disk_s < 0:
+            raise ValueError(f"retention.disk_s must not be negative, got {self.disk_s!r}")
+
+
+MAX_TTL_S = 86_400.0  # a pin in memory lasts at most a day after its turn
+
+
+@dataclass
 class Turn:
     """One user turn: only the tokens that extend the conversation's stream.
 
@@ -181,6 +209,7 @@ class Turn:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context_len: int | None = None
+    retention: Retention | None = None  # None: the eviction value alone decides
 
     def validate(self, vocab_size: int) -> None:
         if not isinstance(self.conversation_id, str) or not self.conversation_id:
@@ -197,6 +226,8 @@ class Turn:
             not isinstance(self.context_len, int) or self.context_len < 0
         ):
             raise ValueError("context_len must be a non-negative integer")
+        if self.retention is not None:
+            self.retention.validate()
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """The HAProxy configuration in front of the replicas (HAProxy 2.6+, Debian's package).
 
 - The chat socket `/ws/chat/{id}` and `/api/conversations/{id}...` are hashed on the
-  conversation id, and `/v1` on the `X-Session-ID` header where a client sends one, with
-  consistent hashing: adding or removing a replica moves only its share of conversations.
+  conversation id, and `/v1` on the `X-Session-ID` header where a client sends one, else on
+  the body's `prompt_cache_key` (so a key's conversation is made, and found, on the replica
+  that holds its KV), with consistent hashing: adding or removing a replica moves only its
+  share of conversations.
 - Everything else (pages, new chats, `/v1` without a session, admin) goes round robin.
 - `/healthz` checks every `check_s` take a replica out after `fall` failures, i.e. within
   seconds (a refused connection fails a check at once; a slow answer only after
@@ -72,6 +74,7 @@ defaults
 
 frontend pensieve
     bind {bind}
+    option http-buffer-request
 {stats_part}    http-request del-header X-Pensieve-Forwarded
     http-request del-header X-Pensieve-Host
     acl chat_path path_reg ^/ws/chat/[^/]+$
@@ -80,6 +83,9 @@ frontend pensieve
     acl has_session req.hdr(x-session-id) -m found
     http-request set-var(txn.chat) path,field(4,/) if chat_path or conversation_path
     http-request set-var(txn.chat) req.hdr(x-session-id) if api_path has_session
+    # The body's prompt_cache_key (the request waits for its body, up to the buffer's size)
+    acl api_post method POST
+    http-request set-var(txn.chat) req.body,json_query('$.prompt_cache_key') if api_path api_post !has_session
     use_backend by_conversation if {{ var(txn.chat) -m found }}
     default_backend any
 

@@ -27,6 +27,7 @@ from app.frames import TurnRequest, check_text
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
 from app.openai.formats import guide_of
+from app.openai.retention import RetentionField, RetentionName, retention_of
 from app.openai.serving import (
     TITLE_CHARS,
     ApiSink,
@@ -123,6 +124,8 @@ class CompletionBody(BaseModel):
     user: str | None = Field(None, max_length=256)
     n: int | None = Field(None, ge=1, le=1)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=200)
+    prompt_cache_retention: RetentionName | None = None
+    retention: RetentionField | None = None  # extension: a pin and a priority
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -279,6 +282,7 @@ async def chat_completions(request: Request) -> Response:
             raise ApiError(400, "response_format cannot be combined with a tool_choice that "
                            "forces a call", param="response_format")  # fmt: skip
         sampling.guide = forced or sampling.guide
+        keep = retention_of(sv, user.id, body.prompt_cache_retention, body.retention)
         take_turn(request, sv, user.id)
         session = request.headers.get("x-session-id") or body.prompt_cache_key
         cid, created = await conversation_for(sv, user.id, chat, session)
@@ -292,7 +296,7 @@ async def chat_completions(request: Request) -> Response:
 
     role, content = chat.messages[-1]
     specs = [f.spec() for f in tools] or None
-    req = TurnRequest(content, sampling, given, role=role, tools=specs)
+    req = TurnRequest(content, sampling, given, role=role, tools=specs, retention=keep)
     sink = ApiSink(body.stop or [], calls=bool(tools) and body.tool_choice != "none")
     turn = ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req))
     task, first = await start(sv, turn, sink)

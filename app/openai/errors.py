@@ -51,6 +51,7 @@ STATUS = {
     "busy": 429,
     "bad_request": 400,
     "rejected": 400,
+    "pin_refused": 400,
     "unavailable": 503,
 }
 
@@ -62,5 +63,7 @@ def pipeline_error(code: str, message: str, retry_after_s: float | None) -> ApiE
                         retry_after_s=retry_after_s or 1.0)  # fmt: skip
     if code == "too_long":
         return ApiError(400, message, param="messages", code="context_length_exceeded")
+    if code == "pin_refused":
+        return ApiError(400, message, param="retention", code="pin_cap_exceeded")
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return ApiError(status, message, kind, code=code)

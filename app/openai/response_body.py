@@ -12,6 +12,7 @@ from app.http import MAX_SYSTEM_PROMPT
 from app.openai import items as it
 from app.openai.access import check_metadata
 from app.openai.errors import ApiError
+from app.openai.retention import RetentionField, RetentionName
 from app.openai.tools import FunctionDef, NamedChoice, ToolChoice, checked, forcing_guide
 from engine.types import Guide, SamplingParams
 
@@ -56,6 +57,9 @@ class ResponseBody(BaseModel):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     user: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=200)  # routing only
+    prompt_cache_retention: RetentionName | None = None
+    retention: RetentionField | None = None  # extension: a pin and a priority
 
     def functions(self) -> list[FunctionDef]:
         """The function tools, checked against the tool choice (ApiError if they are not)."""

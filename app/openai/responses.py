@@ -50,6 +50,7 @@ from app.openai.response_body import (
     sampling_of,
     tool_choice_of,
 )
+from app.openai.retention import retention_of
 from app.openai.serving import (
     TITLE_CHARS,
     ApiSink,
@@ -270,6 +271,7 @@ async def create_response(request: Request) -> Response:
             prev = await sv.store.get_response(body.previous_response_id, user.id)
             if prev is None:
                 raise not_found("response", "previous_response_id")
+        keep = retention_of(sv, user.id, body.prompt_cache_retention, body.retention)
         take_turn(request, sv, user.id)
         base = prev.conversation_id if prev else it.conversation_key(body.conversation_id or "")
         if base:  # the home replica of the conversation it builds on answers
@@ -304,7 +306,8 @@ async def create_response(request: Request) -> Response:
     sink = ResponseSink(record, body.reads_calls())
     last = entries[-1]
     req = TurnRequest(last.text, sampling, body.max_output_tokens is not None,
-                      role=last.stored_role, tools=[f.spec() for f in tools] or None)  # fmt: skip
+                      role=last.stored_role, tools=[f.spec() for f in tools] or None,
+                      retention=keep)  # fmt: skip
     check = before_turn(sv, target, entries, req, sink)
 
     async def turn() -> None:
@@ -431,6 +434,7 @@ async def delete_response(request: Request) -> Response:
     try:
         sv, row = await _owned_response(request)
         await sv.store.delete_response(row.id, row.owner_id)
+        sv.engine.unpin(row.conversation_id)  # its pin goes at once; the chat stays
     except ApiError as e:
         return e.response()
     except DB_ERRORS:

@@ -22,6 +22,7 @@ from app.services import Services
 from app.turns import matching, toolcalls
 from app.turns.detok import Detokenizer
 from app.turns.window import NoRoom, Plan, plan_turn
+from engine.cache.pins import PinRefused
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.types import Turn
 from store import HistoryConflict
@@ -111,7 +112,17 @@ class ChatTurn:
         out = await self._stream(stream)
         if out is not None:
             out = await self.sink.finish(out)
+            if req.tools:
+                self._await_tools(out)
             await self._commit(plan, out, t0, chain)
+
+    def _await_tools(self, out: Streamed) -> None:
+        """A reply that calls tools: its conversation waits for their results (the eviction
+        order keeps it about as long as those tools took before). Told before the client
+        hears of the reply, so before its next turn."""
+        _, calls = toolcalls.parse(out.text)
+        if calls:
+            self.sv.engine.tools_called(self.conversation_id, [c.name for c in calls])
 
     async def _prepare(self, req: TurnRequest) -> tuple[Plan, list[int], str] | None:
         """Plan the prompt from SQL and store the user's message: its tokens are durable
@@ -187,7 +198,9 @@ class ChatTurn:
                 await engine.free(cid)
             except Exception:  # context_len=0 makes the engine start over anyway
                 log.exception("could not free %s", cid)
-        turn = Turn(cid, plan.prompt, req.sampling, context_len=plan.context_len)
+        turn = Turn(
+            cid, plan.prompt, req.sampling, context_len=plan.context_len, retention=req.retention
+        )
         try:
             stream = engine.submit(turn)
         except EngineOverloaded as e:
@@ -200,6 +213,10 @@ class ChatTurn:
         except ConversationBusy as e:
             await self._take_back(message_ids)
             await sink.error("busy", str(e))
+            return None
+        except PinRefused as e:  # over its owner's cap of pinned bytes
+            await self._take_back(message_ids)
+            await sink.error("pin_refused", str(e))
             return None
         except (ValueError, RuntimeError) as e:  # bad input, or the engine loop is down
             await self._take_back(message_ids)

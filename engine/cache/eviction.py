@@ -55,22 +55,32 @@ class Evictor:
             found = self.order.pop_gpu()
             if found is None:
                 return False
-            self.evict_gpu(found[0], copies, cpu_below)
+            if not self.evict_gpu(found[0], copies, cpu_below):
+                return False  # pinned chunks are all that is left, and the CPU tier is full
         return True
 
-    def evict_gpu(self, x: Candidate, copies: CopyPlan, cpu_below=None) -> None:
-        """Free the GPU block of a table's first GPU chunk, or of a shared chunk."""
+    def evict_gpu(self, x: Candidate, copies: CopyPlan, cpu_below=None) -> bool:
+        """Free the GPU block of a table's first GPU chunk, or of a shared chunk; False if
+        it is pinned and could only be dropped (it stays)."""
         if isinstance(x, Chunk):
-            self._evict_shared_gpu(x, copies, cpu_below)
-        else:
-            self.evict_front_gpu(x, copies, cpu_below)
+            return self._evict_shared_gpu(x, copies, cpu_below)
+        return self.evict_front_gpu(x, copies, cpu_below)
 
-    def evict_front_gpu(self, t: ChunkTable, copies: CopyPlan, cpu_below=None) -> None:
+    def _keeps(self, x: Candidate, i: int) -> bool:
+        """A client pinned its conversation (a holder's): it must not be dropped."""
+        return self.order.policy.pinned(self.order.key(x, i))
+
+    def evict_front_gpu(
+        self, t: ChunkTable, copies: CopyPlan, cpu_below=None, force: bool = False
+    ) -> bool:
         """Free the GPU block of the table's first GPU chunk: reclaim it if it has a CPU
         copy, else swap it out (into a CPU block of a chunk worth less than `cpu_below`, when
-        given), else drop it (with the chunks before it)."""
+        given), else drop it (with the chunks before it). A pinned conversation's chunk is
+        never dropped: False, nothing changed (`force`: a suspended turn's own chunks go
+        where they can, dropped if the CPU tier is full of pinned ones)."""
         i = t.n_off_gpu
         chunk = t.chunks[i]
+        keep = not force and self._keeps(t, i)
         if chunk.cpu is None and self.tiers.cpu.num_blocks:
             block = self.alloc_cpu(max_key=cpu_below)
             if block is not None:
@@ -78,6 +88,8 @@ class Evictor:
                 copies.swap_out.append((chunk.gpu, block))  # type: ignore[arg-type]
                 self.spills.swapping_out(block, chunk.gpu)  # type: ignore[arg-type]
                 self.counters.swapped_out_tokens += chunk_tokens(t, i, self.chunk_size)
+        if chunk.cpu is None and keep:
+            return False
         if chunk.cpu is None:
             self.spills.spill(t, i, chunk)
         self.tiers.clear_gpu(t, chunk)
@@ -91,25 +103,31 @@ class Evictor:
             t.n_dropped = t.n_shared = i + 1
         else:
             self.order.cpu.push(t)  # a new CPU-only chunk: maybe its cheapest CPU block
+        return True
 
-    def _evict_shared_gpu(self, c: Chunk, copies: CopyPlan, cpu_below=None) -> None:
-        """Free a shared chunk's GPU block: reclaim, swap out, or drop it."""
+    def _evict_shared_gpu(self, c: Chunk, copies: CopyPlan, cpu_below=None) -> bool:
+        """Free a shared chunk's GPU block: reclaim, swap out, or drop it (never a pinned
+        holder's: False)."""
+        keep = self._keeps(c, 0)
         if c.cpu is None and self.tiers.cpu.num_blocks:
             block = self.alloc_cpu(max_key=cpu_below)
             if c not in self.sharing.shared or c.gpu is None:  # freed while the CPU made room
                 if block is not None:
                     self.tiers.cpu.release(block)
-                return
+                return True
             if block is not None:
                 self.tiers.set_cpu(None, c, block)
                 copies.swap_out.append((c.gpu, block))
                 self.spills.swapping_out(block, c.gpu)
                 self.counters.swapped_out_tokens += self.chunk_size
         if c.cpu is None:
+            if keep:
+                return False
             self.sharing.drop(c)
-            return
+            return True
         self.tiers.clear_gpu(None, c)
         self.order.cpu.push(c)
+        return True
 
     def alloc_cpu(self, max_key=None) -> int | None:
         """A CPU block, dropping the lowest-value CPU chunks if the pool is full (only those
@@ -121,8 +139,9 @@ class Evictor:
         if found is None:
             return None
         t, i = found
-        if max_key is not None and self.order.key(t, i) >= max_key:
-            return None
+        key = self.order.key(t, i)
+        if (max_key is not None and key >= max_key) or self.order.policy.pinned(key):
+            return None  # pinned chunks come last in the order: nothing else is left
         if isinstance(t, Chunk):
             if t.gpu is None:  # a CPU-only shared chunk: it is dropped
                 self.sharing.drop(t)

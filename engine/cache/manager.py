@@ -201,10 +201,27 @@ class KVCacheManager:
         pinned = self.tiers.pinned_gpu
         # shared chunks another running turn holds are pinned already
         held = 0 if t.n_dropped else sum(1 for c in t.shared_run() if c.pins)
-        after = pinned + self.n_chunks(upto) - held
+        after = pinned + self.n_chunks(upto) - held + self.stuck_blocks(t)
         if pinned == 0:
             return after <= self.gpu.num_blocks
         return after <= self.gpu.num_blocks * (1.0 - self.admit_reserve)
+
+    def stuck_blocks(self, but: ChunkTable | None = None) -> int:
+        """GPU blocks no eviction can free: chunks of idle conversations a client pinned
+        (`Policy.pins`; `but` left out) that have no CPU copy, past what the CPU tier can
+        take (it drops no pinned chunk to make room). O(pinned chunks); 0 without pins."""
+        pins = self.policy.pins
+        if not pins.pins:
+            return 0
+        now = self.order.step_now
+        gpu_only = cpu_held = 0
+        for cid in list(pins.pins):
+            t = self.tables.get(cid)
+            if t is None or t is but or t.pinned or not pins.held(cid, now):
+                continue
+            gpu_only += t.n_gpu - t.n_backed
+            cpu_held += sum(1 for c in t.chunks if c.cpu is not None)
+        return max(0, gpu_only - (self.cpu.num_blocks - cpu_held))
 
     def can_prefetch(self, t: ChunkTable, upto: int) -> bool:
         """Admit a prefetch of `t` as a turn, but only into blocks that are free or held by
@@ -323,7 +340,7 @@ class KVCacheManager:
         self._trim(t, kv_len)
         self.tiers.set_pinned(t, False)
         while t.n_off_gpu < len(t.chunks):
-            self.evictor.evict_front_gpu(t, copies)
+            self.evictor.evict_front_gpu(t, copies, force=True)
         self.counters.suspensions += 1
         self.order.changed(t)
         return copies

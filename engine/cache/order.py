@@ -29,9 +29,9 @@ REORDER_S = 0.5
 REORDER_SHARE = 0.05
 REORDER_MAX_S = 10.0
 
-# Keys of expected conversations' chunks start with True (see `Policy.key`): a bound on
-# keys below which only chunks of conversations nobody is typing in are.
-UNEXPECTED = (True,)
+# Keys are (pinned, expected, ...) (see `Policy.key`): a bound on keys below which only
+# chunks of conversations nobody is typing in, and nobody pinned, are.
+UNEXPECTED = (False, True)
 
 Candidate = ChunkTable | Chunk  # a table, or a shared chunk (index 0 stands for itself)
 Found = tuple[Candidate, int] | None

@@ -1,5 +1,6 @@
 """Eviction order: the retention value V = Cost(l) / T of Pensieve, Cost(l) weighted by
-the learned chance of a return (`returns`), or plain LRU."""
+the learned chance of a return (`returns`), or plain LRU; kept longer while a conversation
+waits for a tool (`toolwait`), scaled by a client's priority and held by its pin (`pins`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.cache.chunks import ChunkTable
+from engine.cache.pins import Pins
 from engine.cache.returns import Returns
+from engine.cache.toolwait import ToolWaits
 from engine.types import Eviction
 
 
@@ -52,8 +55,15 @@ MIN_IDLE_S = 1e-3
 TIE = 1e-9
 
 
+Key = tuple[bool, bool, float, int]  # (pinned, expected, value, chunk index)
+
+
 class Policy:
-    """Sort key of a chunk: lower goes first. `now` is fixed per eviction round."""
+    """Sort key of a chunk: lower goes first. `now` is fixed per eviction round.
+
+    The key is (pinned, expected, value, chunk): chunks of pinned conversations come after
+    every other chunk (and the evictor never drops them), then those of conversations
+    whose user is typing, each group in value order."""
 
     def __init__(self, kind: Eviction | str, cost: CostModel, chunk_size: int, clock) -> None:
         self.kind = Eviction(kind)
@@ -64,19 +74,26 @@ class Policy:
         # their chunks are valued as if active now (kept over any other idle chunk, while
         # running turns, whose chunks are pinned, can still take them when nothing else is left).
         self.expected: dict[str, float] = {}
-        self.expectations = 0  # changes of `expected`: the cache's eviction order is stale
+        self._expectations = 0  # changes of `expected`
         # With a disk tier a dropped chunk comes back for at most the time to read it: the
         # seconds that caps a chunk's cost (None: no disk tier, or it does not write)
         self.restore_s: Callable[[], float | None] | None = None
         self.returns = Returns()  # fed by the engine at each turn's end and arrival
+        self.pins = Pins()  # clients' retention: pins and priorities
+        self.tools = ToolWaits()  # conversations waiting for a tool's result
+
+    @property
+    def expectations(self) -> int:
+        """Changes of what keys depend on besides time: the cache's eviction order is stale."""
+        return self._expectations + self.pins.changes + self.tools.changes
 
     def expect(self, conversation_id: str, until: float) -> None:
         self.expected[conversation_id] = until
-        self.expectations += 1
+        self._expectations += 1
 
     def unexpect(self, conversation_id: str) -> None:
         if self.expected.pop(conversation_id, None) is not None:
-            self.expectations += 1
+            self._expectations += 1
 
     def is_expected(self, conversation_id: str, now: float) -> bool:
         return self.expected.get(conversation_id, 0.0) > now
@@ -89,31 +106,43 @@ class Policy:
 
     def value(self, conv: ChunkTable, chunk: int, now: float) -> float:
         """Retention value of a chunk: recompute cost over idle time, or (`returns`, once it
-        has seen enough turns) times the chance of a return per second still to hold."""
+        has seen enough turns) times the chance of a return per second still to hold. A
+        conversation waiting for a tool is worth at least Cost over the tool's expected time
+        still to come; the client's priority scales the whole (0: a finished session)."""
         idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
         cost = self.cost(chunk * self.chunk_size)
         cap = self.restore_s() if self.restore_s is not None else None
         if cap is not None:
             cost = min(cost, cap)
         if self.kind == Eviction.RETURNS and self.returns.ready:
-            return cost * (self.returns.density(idle) + TIE / idle)
-        return cost / idle
+            value = cost * (self.returns.density(idle) + TIE / idle)
+        else:
+            value = cost / idle
+        wait = self.tools.remaining(conv.id, idle)
+        if wait is not None:  # it comes back when its tool does: about `wait` from now
+            value = max(value, cost / max(wait, MIN_IDLE_S))
+        return value * self.pins.factor(conv.id)
 
-    def key(self, conv: ChunkTable, chunk: int, now: float) -> tuple[bool, float, int]:
-        """Chunks of expected conversations come after every other idle chunk."""
+    def key(self, conv: ChunkTable, chunk: int, now: float) -> Key:
+        """Chunks of pinned, then of expected, conversations come after every other idle
+        chunk."""
+        pinned = self.pins.held(conv.id, now)
         expected = self.is_expected(conv.id, now)
         if self.kind == Eviction.LRU:
-            return (expected, self.last_active(conv, now), chunk)
-        return (expected, self.value(conv, chunk, now), chunk)
+            return (pinned, expected, self.last_active(conv, now), chunk)
+        return (pinned, expected, self.value(conv, chunk, now), chunk)
 
-    def shared_key(
-        self, holders: Iterable[ChunkTable], chunk: int, now: float
-    ) -> tuple[bool, float, int]:
+    def shared_key(self, holders: Iterable[ChunkTable], chunk: int, now: float) -> Key:
         """A chunk several conversations hold is worth the sum of what it is worth to each
-        (LRU: it is as recent as its most recent holder)."""
+        (LRU: it is as recent as its most recent holder); pinned if one holder is."""
         holders = list(holders)
+        pinned = any(self.pins.held(c.id, now) for c in holders)
         expected = any(self.is_expected(c.id, now) for c in holders)
         if self.kind == Eviction.LRU:
             recent = max((self.last_active(c, now) for c in holders), default=0.0)
-            return (expected, recent, chunk)
-        return (expected, sum(self.value(c, chunk, now) for c in holders), chunk)
+            return (pinned, expected, recent, chunk)
+        return (pinned, expected, sum(self.value(c, chunk, now) for c in holders), chunk)
+
+    def pinned(self, key: Key) -> bool:
+        """The key is a pinned conversation's chunk's: never to be dropped."""
+        return key[0]

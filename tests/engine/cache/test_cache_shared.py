@@ -209,8 +209,8 @@ def test_a_shared_chunk_is_worth_the_sum_of_its_holders():
     sim.now.t = 1000.0
     sim.m.begin_step()
     # Worth 1/10 to each of a and b, 2/10 together: more than old's first chunk (1/6).
-    assert sim.m.order.key(shared, 0) == (False, pytest.approx(0.2), 0)
-    assert sim.m.order.key(sim.m.tables["old"], 0) == (False, pytest.approx(1 / 6), 0)
+    assert sim.m.order.key(shared, 0) == (False, False, pytest.approx(0.2), 0)
+    assert sim.m.order.key(sim.m.tables["old"], 0) == (False, False, pytest.approx(1 / 6), 0)
     run_turn(sim, "new", [5] * 9)  # needs 3 blocks, 2 are free: old's first chunk goes
     assert sim.m.tables["old"].tiers() == ["dropped", "gpu"]
     assert sim.m.tables["a"].tiers() == sim.m.tables["b"].tiers() == ["gpu"] * 3

@@ -1,0 +1,143 @@
+"""Pins: conversations a client asked to keep in memory for a while after their turn
+(`Retention.ttl_s`), with a priority that scales their eviction value, counted per owner
+against a cap of pinned bytes.
+
+Pure bookkeeping read by the eviction order (`Policy.key`): a pinned chunk sorts after
+every unpinned one, and the evictor never drops it (it may move from the GPU to the CPU
+tier). A pin past its owner's cap is refused when its turn is accepted; room is never made
+by evicting another pin. Expired pins are forgotten when met.
+
+The front (the event loop) reserves while the engine's loop thread settles, releases and
+reads: changes take a lock, reads of one pin are single dict lookups.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+NEUTRAL = 50  # the priority that leaves a chunk's value as it is
+
+
+class PinRefused(ValueError):
+    """A pin would take its owner past the cap of pinned bytes."""
+
+
+@dataclass
+class Pin:
+    owner: str
+    ttl_s: float
+    until: float  # pinned while now < until
+    priority: int
+    bytes: int  # what it may hold: its projected size when reserved, its held size once settled
+
+
+class Pins:
+    def __init__(self) -> None:
+        self.pins: dict[str, Pin] = {}
+        self.priority: dict[str, int] = {}  # conversations with a non-neutral priority
+        self.done: set[str] = set()  # ttl_s 0: the session is over, its chunks go first
+        self.changes = 0  # the eviction order is stale when this moves
+        self._lock = threading.Lock()
+
+    # ---- what the eviction order reads ------------------------------------------------------
+
+    def held(self, conversation_id: str, now: float) -> bool:
+        pin = self.pins.get(conversation_id)
+        return pin is not None and pin.until > now
+
+    def factor(self, conversation_id: str) -> float:
+        """The weight of its eviction value: 0 for a finished session, priority / 50 else."""
+        if conversation_id in self.done:
+            return 0.0
+        return self.priority.get(conversation_id, NEUTRAL) / NEUTRAL
+
+    # ---- changes ------------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        conversation_id: str,
+        owner: str,
+        ttl_s: float,
+        priority: int,
+        size: int,
+        cap: int | None,
+        now: float,
+    ) -> None:
+        """Pin the conversation from now for `ttl_s`, holding up to `size` bytes; PinRefused
+        if its owner's other live pins and this one would pass `cap`."""
+        with self._lock:
+            if cap is not None:
+                used = self.owner_bytes(owner, now, but=conversation_id)
+                if used + size > cap:
+                    raise PinRefused(
+                        f"retention: pinning this conversation ({size} bytes at most) would "
+                        f"take this owner's pinned KV to {used + size} bytes, over the cap "
+                        f"of {cap} bytes; let other sessions go (ttl_s 0) or pin less"
+                    )
+            self.pins[conversation_id] = Pin(owner, ttl_s, now + ttl_s, priority, size)
+            self._set_priority(conversation_id, priority)
+            self.done.discard(conversation_id)
+            self.changes += 1
+
+    def settle(self, conversation_id: str, now: float, size: int) -> None:
+        """Its turn ended: the pin runs `ttl_s` from now (a live pin is refreshed by every
+        turn), and counts the bytes the conversation holds."""
+        with self._lock:
+            pin = self.pins.get(conversation_id)
+            if pin is None:
+                return
+            pin.until = now + pin.ttl_s
+            pin.bytes = size
+            self.changes += 1
+
+    def finish(self, conversation_id: str) -> None:
+        """ttl_s 0: the session is over, its pin goes and its chunks go first."""
+        with self._lock:
+            self._drop(conversation_id)
+            self.done.add(conversation_id)
+            self.changes += 1
+
+    def prioritize(self, conversation_id: str, priority: int) -> None:
+        """A priority without a pin."""
+        with self._lock:
+            self._set_priority(conversation_id, priority)
+            self.done.discard(conversation_id)
+            self.changes += 1
+
+    def release(self, conversation_id: str) -> None:
+        """Forget the conversation's pin and priority (it was deleted)."""
+        with self._lock:
+            self._drop(conversation_id)
+            self.done.discard(conversation_id)
+            self.changes += 1
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def live(self, now: float) -> dict[str, Pin]:
+        """The pins still in force; expired ones are forgotten (a priority stays)."""
+        with self._lock:
+            gone = [cid for cid, p in self.pins.items() if p.until <= now]
+            for cid in gone:
+                del self.pins[cid]
+            return dict(self.pins)
+
+    def owner_bytes(self, owner: str, now: float, but: str | None = None) -> int:
+        """Bytes the owner's live pins may hold (`but` left out). Call with the lock held."""
+        return sum(
+            p.bytes
+            for cid, p in self.pins.items()
+            if p.owner == owner and p.until > now and cid != but
+        )
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _set_priority(self, conversation_id: str, priority: int) -> None:
+        if priority == NEUTRAL:
+            self.priority.pop(conversation_id, None)
+        else:
+            self.priority[conversation_id] = priority
+
+    def _drop(self, conversation_id: str) -> None:
+        self.pins.pop(conversation_id, None)
+        self.priority.pop(conversation_id, None)

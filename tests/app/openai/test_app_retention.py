@@ -1,0 +1,96 @@
+"""Retention through the OpenAI APIs on a real server: `prompt_cache_retention` and the
+extension `retention` accepted and refused with the field named (Chat Completions and
+Responses), the per-owner cap of pinned bytes, pins in the admin data and /metrics, and a
+pin let go when its conversation is deleted."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.app_fixtures import TINY, Server, auth, server_on, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # about 1.4 MB a chunk: one short pinned chat fits the cap, two do not
+    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000", "PENSIEVE_MAX_PINNED_MB_PER_OWNER": "4"}
+    with server_on("sqlite", tmp_path_factory.mktemp("retention"), env) as srv:
+        yield srv
+    assert "Traceback" not in srv.log_tail(100_000)
+
+
+def chat(server: Server, token: str, text: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
+            "temperature": 0, **extra}  # fmt: skip
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(token),
+                      timeout=120)  # fmt: skip
+
+
+def respond(server: Server, token: str, text: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "input": text, "max_output_tokens": 4, "temperature": 0, **extra}
+    return httpx.post(server.url + "/v1/responses", json=body, headers=auth(token), timeout=120)
+
+
+BAD = [
+    ({"retention": {"ttl_s": -1}}, "retention.ttl_s"),
+    ({"retention": {"ttl_s": 10, "priority": 101}}, "retention.priority"),
+    ({"retention": {"ttl": 10}}, "retention.ttl"),
+    ({"retention": "forever"}, "retention"),
+    ({"prompt_cache_retention": "1h"}, "prompt_cache_retention"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),  # no disk tier here
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD)
+@pytest.mark.parametrize("api", [chat, respond])
+def test_bad_retention_is_a_400_naming_the_field(server, api, extra, param):
+    r = api(server, server.user("bad"), "hi", **extra)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"], error
+
+
+def test_pins_are_capped_per_owner_shown_and_let_go_on_delete(server):
+    alice, bob = server.user("alice"), server.user("bob")
+    keep = {"retention": {"ttl_s": 600, "priority": 80}, "prompt_cache_retention": "in_memory"}
+    first = chat(server, alice, "one", **keep)
+    assert first.status_code == 200, first.text
+    refused = chat(server, alice, "two", **keep)  # alice's second pin: past her cap
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "retention" and "cap" in error["message"], error
+    assert chat(server, alice, "three").status_code == 200  # without a pin: served
+    got = respond(server, bob, "four", retention={"ttl_s": 600})  # bob's own cap
+    assert got.status_code == 200, got.text
+
+    wait_for(lambda: server.cache()["pins"]["conversations"] == 2)
+    pins = server.cache()["pins"]
+    assert pins["gpu_bytes"] + pins["cpu_bytes"] > 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'pensieve:kv_cache_pinned_bytes{tier="gpu"}' in metrics
+
+    cid = first.headers["x-session-id"]
+    r = httpx.delete(f"{server.url}/api/conversations/{cid}", headers=auth(alice))
+    assert r.status_code == 204
+    r = httpx.delete(f"{server.url}/v1/responses/{got.json()['id']}", headers=auth(bob))
+    assert r.status_code == 200
+    wait_for(lambda: server.cache()["pins"]["conversations"] == 0)
+    assert chat(server, alice, "five", **keep).status_code == 200  # room again
+
+
+def test_the_openai_client_sends_the_fields(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=server.user("carol"), max_retries=0)
+    reply = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        prompt_cache_key="carol-agent-1",
+        extra_body={"retention": {"ttl_s": 0}},  # the session is done: its chunks go first
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")

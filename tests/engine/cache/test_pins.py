@@ -1,0 +1,92 @@
+"""Clients' pins and priorities in the eviction order: pinned chunks stay in memory while
+others are evicted, until the pin expires; a cap per owner; a finished session goes first."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cache.pins import PinRefused, Pins
+from tests.engine.cache.test_cache import manager, turn
+
+
+def pin(m, cid: str, ttl_s: float, now: float, owner: str = "alice", priority: int = 50) -> None:
+    m.policy.pins.reserve(cid, owner, ttl_s, priority, 0, None, now)
+
+
+def test_a_pinned_conversation_keeps_its_chunks_while_others_are_evicted():
+    m, clock, now = manager(gpu=6, cpu=3)
+    turn(m, clock, "agent", 12, when=900.0)  # 3 chunks, idle for 100 s: the paper drops it first
+    pin(m, "agent", 600.0, now())
+    turn(m, clock, "chat", 12, when=999.0)  # 3 chunks, idle for 1 s
+    turn(m, clock, "third", 16, when=1000.0)  # 4 chunks: 4 must leave the GPU, 1 the memory
+    # The agent's chunks moved to the CPU (allowed), none dropped; the recent chat paid.
+    assert "dropped" not in m.table("agent").tiers()
+    assert m.table("chat").tiers()[0] == "dropped"
+    assert m.counters.dropped_tokens > 0
+
+
+def test_pinned_chunks_are_never_dropped_to_make_room():
+    m, clock, now = manager(gpu=4, cpu=0, mode="gpu")  # no CPU tier: pinned chunks stay put
+    turn(m, clock, "agent", 12, when=900.0)
+    pin(m, "agent", 600.0, now())
+    m.begin_step()
+    with pytest.raises(MemoryError):  # a turn that needs the pinned blocks is refused room
+        m.admit(m.table("other"), 0, 8)
+    assert m.table("agent").tiers() == ["gpu", "gpu", "gpu"]
+    m.check()
+
+
+def test_a_pin_expires():
+    m, clock, now = manager(gpu=6, cpu=0, mode="gpu")
+    turn(m, clock, "agent", 12, when=900.0)
+    pin(m, "agent", 50.0, now())  # until 1050
+    now.t = 1100.0
+    turn(m, clock, "other", 16, when=1100.0)
+    assert m.table("agent").tiers() == ["dropped", "gpu", "gpu"]
+
+
+def test_a_finished_session_goes_first_and_priority_scales_the_value():
+    m, clock, now = manager(gpu=6, cpu=0, mode="gpu")
+    turn(m, clock, "done", 8, when=999.0)  # recent, but its client said it is done
+    turn(m, clock, "idle", 8, when=900.0)
+    m.policy.pins.finish("done")
+    turn(m, clock, "new", 12, when=1000.0)  # needs 1 block more than free
+    assert m.table("done").tiers()[0] == "dropped"
+    assert m.table("idle").tiers() == ["gpu", "gpu"]
+    low, high = m.policy.key(m.table("idle"), 1, 1000.0), None
+    m.policy.pins.prioritize("idle", 100)
+    high = m.policy.key(m.table("idle"), 1, 1000.0)
+    assert high[2] == pytest.approx(2 * low[2])
+
+
+def test_the_cap_per_owner_refuses_a_pin_and_leaves_others_alone():
+    pins = Pins()
+    pins.reserve("a1", "alice", 60, 50, 600, 1000, now=0.0)
+    with pytest.raises(PinRefused, match="cap of 1000 bytes"):
+        pins.reserve("a2", "alice", 60, 50, 600, 1000, now=0.0)
+    pins.reserve("b1", "bob", 60, 50, 600, 1000, now=0.0)  # another owner's cap
+    pins.reserve("a1", "alice", 60, 50, 900, 1000, now=0.0)  # its own pin again: replaced
+    assert pins.held("a1", 1.0) and not pins.held("a2", 1.0) and pins.held("b1", 1.0)
+    assert pins.owner_bytes("alice", 61.0) == 0  # expired pins hold nothing
+    pins.reserve("a2", "alice", 60, 50, 600, 1000, now=61.0)
+    pins.release("a2")
+    assert not pins.held("a2", 62.0)
+
+
+def test_a_pin_runs_from_the_end_of_each_turn():
+    pins = Pins()
+    pins.reserve("a", "alice", 60, 50, 100, None, now=0.0)
+    pins.settle("a", now=50.0, size=64)
+    assert pins.held("a", 109.0) and not pins.held("a", 111.0)
+    assert pins.live(111.0) == {}
+
+
+def test_admission_counts_pinned_blocks_that_cannot_move():
+    m, clock, now = manager(gpu=4, cpu=0, mode="gpu")
+    turn(m, clock, "agent", 12, when=900.0)
+    m.begin_step()
+    assert m.can_admit(m.table("other"), 8)  # unpinned: its 3 blocks can be taken
+    pin(m, "agent", 600.0, now())
+    assert m.stuck_blocks() == 3
+    assert not m.can_admit(m.table("other"), 8)  # the turn waits; the pin is not dropped
+    assert m.can_admit(m.table("other"), 4)

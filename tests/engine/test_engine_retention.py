@@ -1,0 +1,78 @@
+"""Retention through the engine: a turn's pin, checked against its owner's cap when the
+turn is accepted, run from its end, shown in the snapshot, let go on delete; a disk
+retention keeps the conversation's files; a turn that ended in tool calls waits for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.cache.pins import PinRefused
+from engine.types import Retention
+
+
+def make(**kw) -> Engine:
+    config = dict(device="cpu", gpu_cache_chunks=12, cpu_cache_chunks=4, max_batch_tokens=64)
+    config.update(kw)
+    return Engine(EngineConfig(model="dummy:tiny", **config))
+
+
+def ask(engine: Engine, cid: str, n: int, retention: Retention | None = None, seed: int = 0):
+    prompt = [(seed * 7 + i) % 200 + 10 for i in range(n)]
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    return engine.run([Turn(cid, prompt, sampling, retention=retention)])[0]
+
+
+def test_a_pin_holds_the_conversation_and_shows_in_the_snapshot():
+    engine = make()
+    ask(engine, "agent", 60, Retention(ttl_s=600, owner="alice"))
+    for k in range(9):  # other chats push everything else out of memory
+        ask(engine, f"chat{k}", 60, seed=k + 1)
+    snap = engine.snapshot()
+    agent = next(c for c in snap.conversations if c.id == "agent")
+    assert "dropped" not in agent.chunks
+    assert snap.counters.dropped_tokens > 0  # others were dropped meanwhile
+    assert snap.pins.conversations == 1
+    assert snap.pins.gpu_bytes + snap.pins.cpu_bytes > 0
+    assert snap.to_dict()["pins"]["conversations"] == 1
+    engine.free("agent", erase=True)  # deleted: the pin goes at once
+    assert engine.snapshot().pins.conversations == 0
+
+
+def test_a_pin_past_the_owner_cap_is_refused_before_anything_runs():
+    engine = make()
+    per_chunk = engine.pool.bytes_per_chunk
+    cap = 3 * per_chunk
+    ask(engine, "a1", 60, Retention(ttl_s=600, owner="alice", cap_bytes=cap))  # 2 chunks
+    with pytest.raises(PinRefused, match="over the cap"):
+        ask(engine, "a2", 60, Retention(ttl_s=600, owner="alice", cap_bytes=cap))
+    assert "a2" not in engine.claims  # refused at once, nothing queued
+    ask(engine, "b1", 60, Retention(ttl_s=600, owner="bob", cap_bytes=cap))
+    assert engine.snapshot().pins.conversations == 2
+
+
+def test_bad_retention_is_refused():
+    engine = make()
+    with pytest.raises(ValueError, match="retention.priority"):
+        ask(engine, "x", 8, Retention(ttl_s=10, priority=101))
+    with pytest.raises(ValueError, match="disk tier"):
+        ask(engine, "x", 8, Retention(disk_s=86400))
+
+
+def test_a_disk_retention_keeps_the_conversation_files(tmp_path):
+    engine = make(disk_cache_dir=str(tmp_path))
+    ask(engine, "kept", 70, Retention(disk_s=86400))
+    engine.disk.flush()
+    hashes = engine.streams["kept"].hashes
+    assert hashes and all(engine.disk.kept[h] > engine.disk.now() for h in hashes)
+    assert all(engine.disk.has(h, j) for j, h in enumerate(hashes))
+
+
+def test_a_turn_ending_in_tool_calls_waits_and_the_next_turn_teaches_the_gap():
+    engine = make()
+    ask(engine, "agent", 20)
+    engine.tools_called("agent", ["search"])
+    assert engine.cache.policy.tools.is_waiting("agent")
+    ask(engine, "agent", 5)
+    assert not engine.cache.policy.tools.is_waiting("agent")
+    assert len(engine.cache.policy.tools.gaps["search"]) == 1
