@@ -15,8 +15,9 @@ from engine.model.shapes import ModelArgs
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    d = args.rotary_dim
+    powers = args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    inv = 1.0 / powers
     s = args.rope_scaling or {}
     kind = s.get("rope_type", s.get("type"))
     if kind == "linear":
@@ -30,9 +31,23 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "longrope":  # the short factors: the context stops at the original length
+        inv = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * powers)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What cos and sin are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+    s = args.rope_scaling or {}
+    if s.get("rope_type") != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+    old_len = s["original_max_position_embeddings"]
+    factor = s.get("factor") or args.max_position / old_len
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +55,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, rotary_dim]
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated on its first rotary_dim dims; the rest pass through."""
+    cos, sin = rope
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, tail = x[..., :r], x[..., r:]
+    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -72,9 +97,11 @@ def add_norm(
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, index: int = 0) -> None:
         super().__init__()
         self.args = args
+        # Whether this layer rotates q and k (SmolLM3 leaves some layers without positions).
+        self.uses_rope = args.spec.rope and index not in args.no_rope_layers
         self.gated = args.spec.gated_mlp
         self.act = ACTIVATIONS[args.hidden_act]
         qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
@@ -87,6 +114,9 @@ class Block(nn.Module):
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
         self.attn_norm = make_norm(args)
         self.mlp_norm = make_norm(args)
+        if args.qk_norm:  # per head, over head_dim
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
     def qkv(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, ...]:
         """Queries, keys and values of normed `x`, rotated where the family uses rope."""
@@ -98,10 +128,10 @@ class Block(nn.Module):
         q = q.view(t, a.n_heads, a.head_dim)
         k = k.view(t, a.n_kv_heads, a.head_dim)
         v = v.view(t, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            cos, sin = rope
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q, k, v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,12 +146,10 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.attn_norm(x), rope)
         k_cache, v_cache = kv
         if torch.compiler.is_compiling():  # one opaque op (engine/model/compiled.py)
-            o = torch.ops.pensieve.attend_paged(q, k, v, k_cache, v_cache, slots, a.head_dim**-0.5)
+            o = torch.ops.pensieve.attend_paged(q, k, v, k_cache, v_cache, slots, a.attn_scale)
         else:
             kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
-            o = kernels.paged_attention(
-                q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend
-            )
+            o = kernels.paged_attention(q, k_cache, v_cache, meta, a.attn_scale, backend=backend)
         h = x + self.wo(o.reshape(t, a.n_heads * a.head_dim))
         return h + self.mlp(self.mlp_norm(h))
 
@@ -133,15 +161,16 @@ class Block(nn.Module):
         t = x.shape[0]
         k_cache, v_cache = kv
         x, n = add_norm(self.attn_norm, x, delta)
-        if rope is None:
-            q, k, v = self.qkv(n, None)
+        # The fused kernel rotates whole heads of the projection's raw q and k.
+        if rope is None or a.qk_norm or a.rotary_dim != a.head_dim:
+            q, k, v = self.qkv(n, rope)
             kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
         else:
             cos, sin = rope
             q = kernels.rope_write_kv(
                 self.wqkv(n), cos, sin, k_cache, v_cache, slots, a.n_heads, a.n_kv_heads, a.head_dim
             )
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.head_dim**-0.5, backend=backend)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.attn_scale, backend=backend)
         h, n = add_norm(self.mlp_norm, x, self.wo(o.reshape(t, a.n_heads * a.head_dim)))
         if self.gated and a.hidden_act == "silu":
             return h, self.w2(kernels.silu_mul(self.w13(n)))
@@ -159,7 +188,7 @@ class Decoder(nn.Module):
         self.pos_embed = (
             None if spec.rope else nn.Embedding(args.max_position + spec.position_offset, args.dim)
         )
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = make_norm(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie()
@@ -181,7 +210,11 @@ class Decoder(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        factor = rope_attention_factor(self.args)
+        if factor != 1.0:  # in float32, before the cast, as transformers does
+            cos, sin = cos * factor, sin * factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -208,10 +241,11 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             if before_attention is not None:
                 before_attention(i)  # e.g. wait for this layer's swap-in
+            r = rope if layer.uses_rope else None
             if fused:
-                x, delta = layer.forward_fused(x, delta, rope, kv_caches[i], meta, slots, backend)
+                x, delta = layer.forward_fused(x, delta, r, kv_caches[i], meta, slots, backend)
             else:
-                x = layer(x, rope, kv_caches[i], meta, slots, backend)
+                x = layer(x, r, kv_caches[i], meta, slots, backend)
         if fused:
             rows = delta.index_select(0, logit_rows)
             _, x = add_norm(self.norm, x.index_select(0, logit_rows), rows)

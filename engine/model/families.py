@@ -56,12 +56,14 @@ class Family:
 # ---- configs ---------------------------------------------------------------------------------
 
 
-def _rope(config: dict) -> tuple[float, dict | None]:
+def _rope(
+    config: dict, allowed: tuple[str, ...] = ROPE_TYPES, default_theta: float = 10000.0
+) -> tuple[float, dict | None]:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta = config.get("rope_theta", rope.get("rope_theta", default_theta))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise UnsupportedModel(f"rope scaling {kind!r} is not supported (only {ROPE_TYPES})")
+    if kind not in allowed:
+        raise UnsupportedModel(f"rope scaling {kind!r} is not supported (only {allowed})")
     return theta, (rope if kind != "default" else None)
 
 
@@ -73,7 +75,7 @@ def _activation(name: str) -> str:
 
 def _read_llama_like(model_type: str, config: dict) -> dict:
     heads = config["num_attention_heads"]
-    theta, scaling = _rope(config)
+    theta, scaling = _rope(config, default_theta=2e6 if model_type == "smollm3" else 10000.0)
     fields = {
         "family": model_type,
         "vocab_size": config["vocab_size"],
@@ -99,7 +101,33 @@ def _read_llama_like(model_type: str, config: dict) -> dict:
             fields["sliding_window"] = config.get("sliding_window")
     elif model_type == "mistral":
         fields["sliding_window"] = config.get("sliding_window")
+    elif model_type == "qwen3":  # q/k norms; one attention_bias for q/k/v and o
+        bias = bool(config.get("attention_bias", False))
+        fields |= {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+        if config.get("use_sliding_window"):
+            fields["sliding_window"] = config.get("sliding_window")
+    elif model_type == "smollm3":
+        bias = bool(config.get("attention_bias", False))
+        fields |= {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias"))}
+        fields["no_rope_layers"] = _smollm3_no_rope(config)
+        slides = "sliding_attention" in (config.get("layer_types") or [])
+        if config.get("use_sliding_window") and slides:  # its layers without RoPE slide
+            fields["sliding_window"] = config.get("sliding_window")
     return fields
+
+
+def _smollm3_no_rope(config: dict) -> tuple[int, ...]:
+    """The layers without RoPE. transformers' rule: `no_rope_layers[i]` is 1 where layer i
+    rotates (a name that reads backwards); absent, every `no_rope_layer_interval`-th layer
+    (the 4th, 8th, ...) goes without."""
+    n = config["num_hidden_layers"]
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(flags) < n:
+        raise UnsupportedModel(f"no_rope_layers has {len(flags)} entries for {n} layers")
+    return tuple(i for i in range(n) if not flags[i])
 
 
 def _write_llama_like(a: ModelArgs) -> dict:
@@ -132,6 +160,14 @@ def _write_llama_like(a: ModelArgs) -> dict:
         config |= {"sliding_window": a.sliding_window}
     elif a.family == "mistral":
         config["sliding_window"] = a.sliding_window
+    elif a.family in ("qwen3", "smollm3"):
+        if a.qkv_bias != a.o_bias:
+            raise UnsupportedModel(f"a {a.family} config has one attention_bias for q/k/v and o")
+        config |= {"attention_bias": a.qkv_bias, "use_sliding_window": a.sliding_window is not None}
+        config["sliding_window"] = a.sliding_window
+        if a.family == "smollm3":
+            config["mlp_bias"] = a.mlp_bias
+            config["no_rope_layers"] = [int(i not in a.no_rope_layers) for i in range(a.n_layers)]
     return config
 
 
@@ -193,6 +229,84 @@ def _write_opt(a: ModelArgs) -> dict:
     }
 
 
+def _read_phi3(config: dict) -> dict:
+    """Phi-3 and Phi-4-mini: Llama's math with fused checkpoints, partial rotary dims
+    (Phi-4-mini: 3/4 of each head) and LongRoPE (read as its short factors, exact up to the
+    original context length, where the engine stops: see `ModelArgs.max_context`)."""
+    heads = config["num_attention_heads"]
+    theta, scaling = _rope(config, allowed=("default", "longrope", "su", "yarn"))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial_rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if scaling is not None:  # "su" and "yarn" are what older Phi-3 configs call LongRoPE
+        old_len = scaling.get(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings")
+        )
+        if old_len is None or "short_factor" not in scaling:
+            raise UnsupportedModel(
+                "longrope needs short_factor and original_max_position_embeddings"
+            )
+        scaling = {
+            "rope_type": "longrope",
+            "short_factor": list(scaling["short_factor"]),
+            "long_factor": scaling.get("long_factor"),  # past the original length: not used
+            "original_max_position_embeddings": old_len,
+            "factor": scaling.get("factor"),
+            "attention_factor": scaling.get("attention_factor"),
+        }
+    return {
+        "family": "phi3",
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "intermediate_size": config["intermediate_size"],
+        "norm_eps": config.get("rms_norm_eps", 1e-5),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "partial_rotary_factor": float(partial_rotary),
+        "max_position": config.get("max_position_embeddings", 4096),
+        "tie_embeddings": config.get("tie_word_embeddings", False),
+        "hidden_act": _activation(config.get("hidden_act", "silu")),
+        "sliding_window": config.get("sliding_window"),
+    }
+
+
+def _write_phi3(a: ModelArgs) -> dict:
+    if a.qkv_bias or a.o_bias or a.mlp_bias:
+        raise UnsupportedModel("phi3 has no biases")
+    rope = {"rope_type": "default", "rope_theta": a.rope_theta}
+    if a.rope_scaling:
+        rope = {k: v for k, v in a.rope_scaling.items() if v is not None}
+        rope["rope_theta"] = a.rope_theta
+    rope["partial_rotary_factor"] = a.partial_rotary_factor
+    config = {
+        "model_type": "phi3",
+        "architectures": [a.spec.architecture],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "intermediate_size": a.intermediate_size,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_parameters": rope,
+        "partial_rotary_factor": a.partial_rotary_factor,
+        "max_position_embeddings": a.max_position,
+        "tie_word_embeddings": a.tie_embeddings,
+        "hidden_act": a.hidden_act,
+        "sliding_window": a.sliding_window,
+    }
+    if a.rope_scaling:
+        old_len = a.rope_scaling["original_max_position_embeddings"]
+        config["original_max_position_embeddings"] = old_len
+    if a.head_dim != a.dim // a.n_heads:
+        config["head_dim"] = a.head_dim
+    return config
+
+
 # ---- weight names ----------------------------------------------------------------------------
 
 
@@ -213,6 +327,27 @@ def _llama_names(a: ModelArgs) -> WeightMap:
         _linear(m, o + "wo", [(attn + "o_proj", a.dim)], a.o_bias)
         _linear(m, o + "w13", [(p + "mlp.gate_proj", ffn), (p + "mlp.up_proj", ffn)], a.mlp_bias)
         _linear(m, o + "w2", [(p + "mlp.down_proj", a.dim)], a.mlp_bias)
+        m[o + "attn_norm.weight"] = [(p + "input_layernorm.weight", a.dim)]
+        m[o + "mlp_norm.weight"] = [(p + "post_attention_layernorm.weight", a.dim)]
+        if a.qk_norm:
+            m[o + "q_norm.weight"] = [(attn + "q_norm.weight", a.head_dim)]
+            m[o + "k_norm.weight"] = [(attn + "k_norm.weight", a.head_dim)]
+    m["norm.weight"] = [("model.norm.weight", a.dim)]
+    if not a.tie_embeddings:
+        m["lm_head.weight"] = [("lm_head.weight", a.vocab_size)]
+    return m
+
+
+def _phi3_names(a: ModelArgs) -> WeightMap:
+    """Llama's layout with q/k/v and gate/up already fused, in the decoder's own order."""
+    qkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+    m: WeightMap = {"embed.weight": [("model.embed_tokens.weight", a.vocab_size)]}
+    for i in range(a.n_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        _linear(m, o + "wqkv", [(p + "self_attn.qkv_proj", qkv)], False)
+        _linear(m, o + "wo", [(p + "self_attn.o_proj", a.dim)], False)
+        _linear(m, o + "w13", [(p + "mlp.gate_up_proj", 2 * a.intermediate_size)], False)
+        _linear(m, o + "w2", [(p + "mlp.down_proj", a.dim)], False)
         m[o + "attn_norm.weight"] = [(p + "input_layernorm.weight", a.dim)]
         m[o + "mlp_norm.weight"] = [(p + "post_attention_layernorm.weight", a.dim)]
     m["norm.weight"] = [("model.norm.weight", a.dim)]
@@ -243,24 +378,32 @@ def _opt_names(a: ModelArgs) -> WeightMap:
     return m
 
 
-def _llama_like(model_type: str, architecture: str) -> Family:
-    return Family(
-        model_type,
-        architecture,
-        norm="rms",
-        rope=True,
-        gated_mlp=True,
-        position_offset=0,
-        read_config=partial(_read_llama_like, model_type),
-        write_config=_write_llama_like,
-        names=_llama_names,
-    )
+def _llama_like(model_type: str, architecture: str, **kw) -> Family:
+    fields = {
+        "norm": "rms",
+        "rope": True,
+        "gated_mlp": True,
+        "position_offset": 0,
+        "read_config": partial(_read_llama_like, model_type),
+        "write_config": _write_llama_like,
+        "names": _llama_names,
+    }
+    return Family(model_type, architecture, **fields | kw)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": _llama_like("llama", "LlamaForCausalLM"),
     "qwen2": _llama_like("qwen2", "Qwen2ForCausalLM"),
     "mistral": _llama_like("mistral", "MistralForCausalLM"),
+    "qwen3": _llama_like("qwen3", "Qwen3ForCausalLM"),
+    "smollm3": _llama_like("smollm3", "SmolLM3ForCausalLM"),
+    "phi3": _llama_like(
+        "phi3",
+        "Phi3ForCausalLM",
+        read_config=_read_phi3,
+        write_config=_write_phi3,
+        names=_phi3_names,
+    ),
     "opt": Family(
         "opt",
         "OPTForCausalLM",

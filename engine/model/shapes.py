@@ -27,6 +27,9 @@ class ModelArgs:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None  # Mistral: keys further back than this are not attended
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
+    no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q/k are not rotated
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first part of each head only
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -37,13 +40,28 @@ class ModelArgs:
         return FAMILIES[self.family]
 
     @property
+    def attn_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.head_dim**-0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def max_context(self) -> int:
         """Most tokens a conversation may hold. With a sliding window the engine stops at
         the window: up to there, windowed attention is full attention, so no turn ever needs
-        keys that the model would no longer see."""
+        keys that the model would no longer see. LongRoPE stops at its original length: past
+        it transformers switches every frequency to the long factors mid-conversation, while
+        the keys already cached keep the short ones, a state no paged cache reproduces."""
+        limit = self.max_position
         if self.sliding_window:
-            return min(self.max_position, self.sliding_window)
-        return self.max_position
+            limit = min(limit, self.sliding_window)
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
+            limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
+        return limit
 
     @staticmethod
     def from_hf(config: dict) -> ModelArgs:

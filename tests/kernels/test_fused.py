@@ -195,6 +195,10 @@ FAMILY_ARGS = {  # small shapes of each code path: rope + SiLU, biases, gelu (un
         512, 192, 2, 6, 6, 32, 320, family="opt", qkv_bias=True, o_bias=True, mlp_bias=True,
         hidden_act="relu", tie_embeddings=True,
     ),
+    # q/k norms, layers without RoPE, partial rotary dims: the unfused q/k path, fused norms
+    "qwen3": ModelArgs(512, 192, 2, 6, 2, 48, 320, family="qwen3", qk_norm=True),
+    "smollm3": ModelArgs(512, 192, 2, 6, 2, 32, 320, family="smollm3", no_rope_layers=(1,)),
+    "phi3": ModelArgs(512, 192, 2, 6, 2, 32, 320, family="phi3", partial_rotary_factor=0.75),
 }  # fmt: skip
 
 

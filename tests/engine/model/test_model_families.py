@@ -1,6 +1,8 @@
 """Model families against Hugging Face transformers: small random-weight checkpoints of Llama,
-Qwen2 (non-zero q/k/v biases), Mistral (sliding window) and OPT, built and saved by
-transformers as safetensors dirs with the bundled tokenizer; strict refusals; hub ids."""
+Qwen2 (non-zero q/k/v biases), Mistral (sliding window), OPT, Qwen3 (q/k norms, head_dim
+from the config), SmolLM3 (layers without RoPE) and Phi-3 (fused checkpoints, partial rotary
+dims, LongRoPE), built and saved by transformers as safetensors dirs with the bundled
+tokenizer; strict refusals; hub ids."""
 
 from __future__ import annotations
 
@@ -8,20 +10,23 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+import kernels
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.model.decoder import Decoder
 from engine.model.families import UnsupportedModel, to_hf
 from engine.model.loader import convert_bundled, load
 from engine.model.shapes import BUNDLED_VOCAB, DUMMY_SHAPES, ModelArgs
+from tests.devices import cuda, gpu
 from tests.engine.test_engine_equality import check_against_hf
 from tests.oracle import hf_greedy
 
-FAMILIES = ["llama", "qwen2", "mistral", "opt"]
+FAMILIES = ["llama", "qwen2", "mistral", "opt", "qwen3", "smollm3", "phi3"]
 CPU = torch.device("cpu")
 SMALL = {
     "vocab_size": BUNDLED_VOCAB,
@@ -40,14 +45,40 @@ def hf_config(family: str, **kw):
 
     if family == "opt":
         return tf.OPTConfig(**SMALL, ffn_dim=128, word_embed_proj_dim=64, **kw)
-    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[family]
-    extra = {"qwen2": {"tie_word_embeddings": True}, "mistral": {"sliding_window": 512}}
-    return cls(**SMALL, num_key_value_heads=2, intermediate_size=128, **extra.get(family, {}) | kw)
+    classes = {
+        "llama": tf.LlamaConfig,
+        "qwen2": tf.Qwen2Config,
+        "mistral": tf.MistralConfig,
+        "qwen3": tf.Qwen3Config,
+        "smollm3": tf.SmolLM3Config,
+        "phi3": tf.Phi3Config,
+    }
+    extra = {
+        "qwen2": {"tie_word_embeddings": True},
+        "mistral": {"sliding_window": 512},
+        "qwen3": {"head_dim": 32},  # not hidden_size / heads (16): read from the config
+        # Layers 1 and 3 without RoPE (transformers' flags: 1 = rotates).
+        "smollm3": {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0]},
+        # Phi-4-mini's kind: 3/4 of each head rotated, LongRoPE (short factors up to 512).
+        "phi3": {
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 512,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.15 * i for i in range(6)],
+                "long_factor": [3.0 + i for i in range(6)],
+            },
+            "tie_word_embeddings": True,
+        },
+    }
+    shape = {"num_key_value_heads": 2, "intermediate_size": 128}
+    return classes[family](**SMALL | shape | extra.get(family, {}) | kw)
 
 
-def save_checkpoint(path: Path, config, seed: int = 0) -> Path:
+def save_checkpoint(path: Path, config, seed: int = 0, bundled_tokenizer: bool = True) -> Path:
     """Random weights (biases non-zero, norms near 1) saved by transformers, with the
-    bundled tokenizer beside them."""
+    bundled tokenizer beside them (or a one-word one, where the bundled model's package is
+    missing: a bare GPU machine)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -61,8 +92,21 @@ def save_checkpoint(path: Path, config, seed: int = 0) -> Path:
             else:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(convert_bundled(None)).save_pretrained(path)
+    if bundled_tokenizer:
+        AutoTokenizer.from_pretrained(convert_bundled(None)).save_pretrained(path)
+    else:
+        one_word_tokenizer().save_pretrained(path)
     return path
+
+
+def one_word_tokenizer():
+    """A tokenizer made here, for token-id tests: it knows two words."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(WordLevel({"<unk>": 0, "</s>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>")
 
 
 def hf_from(path: Path):
@@ -104,6 +148,98 @@ def test_greedy_equality_through_swaps_and_drops(family, checkpoint, tmp_path):
     )
     assert counters["swapped_in_tokens"] > 0, counters
     assert counters["recomputed_tokens"] > 0, counters
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_equal_transformers(checkpoint, tmp_path):
+    """Tensor parallelism (gloo, 2 ranks) on a new family: Phi-3's fused q/k/v and gate/up
+    tensors split by heads, partial rotary dims per head, the tied head split by vocabulary
+    rows. (Qwen3's q/k norms act on whole heads: replicated, like every norm.) 5 GPU chunks
+    do not hold one conversation: swaps and recomputes."""
+    family = "phi3"
+    path = checkpoint(family)
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            tensor_parallel=2,
+            gpu_cache_chunks=5,
+            cpu_cache_chunks=2,
+            max_batch_tokens=64,
+            cache_dir=str(tmp_path),
+        )
+    )
+    try:
+        assert engine.backend.tp.world == 2
+        counters = check_against_hf(
+            engine,
+            hf_from(path),
+            n_convs=2,
+            max_tokens=8,
+            seed=1,
+            min_len=40,
+            max_len=64,
+            ignore_eos=True,
+        )
+        assert counters["swapped_in_tokens"] > 0 and counters["recomputed_tokens"] > 0, counters
+    finally:
+        engine.close()
+
+
+def own_logits(model: Decoder, ids: list[int]) -> torch.Tensor:
+    """The decoder's logits at every position of one prompt, over a pool of its own."""
+    a, block = model.args, 32
+    n = -(-len(ids) // block)
+    shape = (n, block, a.n_kv_heads, a.head_dim)
+    pools = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(a.n_layers)]
+    meta = kernels.AttentionMetadata.build([len(ids)], [0], [list(range(n))], "cpu")
+    rows = torch.arange(len(ids))
+    return model(torch.tensor(ids), rows, pools, meta, rows, rows)
+
+
+def without(model: Decoder, **change) -> Decoder:
+    """The same weights under changed args (a feature turned off)."""
+    other = Decoder(replace(model.args, **change))
+    other.load_state_dict(model.state_dict())
+    return other.eval()
+
+
+@pytest.mark.parametrize(
+    "family, change",
+    [
+        ("qwen3", "qk_norm"),
+        ("smollm3", {"no_rope_layers": ()}),
+        ("phi3", "partial_rotary_factor"),
+        ("phi3", "short_factor"),
+        ("phi3", "attention_factor"),
+    ],
+)
+def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
+    """Logits equal transformers' at every position of a 200-token prompt, and turning off
+    what the family adds changes them: the equality checks above can fail."""
+    path = checkpoint(family)
+    model = load(str(path), CPU, torch.float32).model
+    ids = list(range(1000, 1200))
+    with torch.no_grad():
+        want = hf_from(path)(input_ids=torch.tensor([ids])).logits[0]
+    got = own_logits(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    a = model.args
+    if change == "qk_norm":
+        for layer in model.layers:
+            layer.q_norm = layer.k_norm = torch.nn.Identity()
+        off = model
+    elif family == "phi3":
+        scaling = dict(a.rope_scaling)
+        if change == "partial_rotary_factor":  # whole heads, their extra pairs unscaled
+            scaling["short_factor"] = scaling["short_factor"] + [1.0, 1.0]
+            off = without(model, rope_scaling=scaling, partial_rotary_factor=1.0)
+        else:
+            scaling[change] = 1.0 if change == "attention_factor" else [1.0] * 6
+            off = without(model, rope_scaling=scaling)
+    else:
+        off = without(model, **change)
+    assert (own_logits(off, ids) - want).abs().max() > 1e-2
 
 
 def test_qwen2_biases_are_loaded_and_matter(checkpoint):
@@ -201,6 +337,57 @@ def test_unsupported_opt_variants_are_refused(change, message):
         ModelArgs.from_hf(config)
 
 
+def test_phi4_mini_config_reads_as_transformers_does():
+    """Phi-4-mini's config.json as published (the older key layout): 96 of 128 dims rotated,
+    LongRoPE's short factors and attention factor as transformers computes them, and the
+    context stops at the original 4096 positions."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.model.decoder import rope_attention_factor, rope_inv_freq
+
+    factors = [1.0 + 0.05 * i for i in range(48)]
+    config = {
+        "model_type": "phi3",
+        "vocab_size": 200064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "partial_rotary_factor": 0.75,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "longrope", "short_factor": factors, "long_factor": factors},
+        "sliding_window": 262144,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+    }
+    args = ModelArgs.from_hf(config)
+    assert (args.head_dim, args.rotary_dim, args.max_context) == (128, 96, 4096)
+    assert args.tie_embeddings and args.rope_scaling["rope_type"] == "longrope"
+    hf = Phi3Config(**{k: v for k, v in config.items() if k != "model_type"})
+    inv, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, None)
+    assert torch.equal(rope_inv_freq(args), inv)
+    assert rope_attention_factor(args) == factor > 1.0
+
+
+@pytest.mark.parametrize(
+    "family, change, message",
+    [
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+        ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 4 layers"),
+        ("phi3", {"rope_scaling": {"rope_type": "dynamic"}}, "rope scaling 'dynamic'"),
+    ],
+)
+def test_unsupported_variants_of_the_new_families_are_refused(family, change, message):
+    config = hf_config(family).to_dict()
+    config.pop("rope_parameters", None)
+    with pytest.raises(UnsupportedModel, match=message):
+        ModelArgs.from_hf(config | change)
+
+
 def test_hub_id_resolves_from_the_local_cache(checkpoint, tmp_path, monkeypatch):
     """A hub cache laid out as huggingface_hub writes it (blobs, a snapshot of links, a
     ref); offline, so a missing model is a clear error rather than a download."""
@@ -249,3 +436,45 @@ def test_large_dummy_shapes_match_transformers_on_the_meta_device(shape, billion
     assert abs(n / 1e9 - billions) < 0.05, n
     theirs = set(hf.state_dict()) - ({"lm_head.weight"} if args.tie_embeddings else set())
     assert set(to_hf(args, ours.state_dict())) == theirs
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+@gpu
+@cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_greedy_equals_transformers(family, tmp_path):
+    """float32 on the GPU (Triton attention, fused elementwise kernels, CUDA graphs for
+    decode): every family's greedy tokens equal transformers' over 3 turns of 4
+    conversations of token ids, through swaps and recomputes."""
+    import random
+
+    config = hf_config(family)
+    path = save_checkpoint(tmp_path / family, config, bundled_tokenizer=False)
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cuda",
+            dtype="float32",
+            gpu_cache_chunks=9,
+            cpu_cache_chunks=4,
+            max_batch_tokens=64,
+            cache_dir=str(tmp_path),
+        )
+    )
+    hf = hf_from(path).to("cuda")
+    rng = random.Random(1)
+    contexts: list[list[int]] = [[] for _ in range(4)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    for t in range(3):
+        lens = [rng.randint(40, 64) for _ in contexts]
+        plan = [[rng.randrange(100, config.vocab_size) for _ in range(n)] for n in lens]
+        results = engine.run([Turn(f"g{i}", p, sp) for i, p in enumerate(plan)])
+        for i, r in enumerate(results):
+            contexts[i] += plan[i]
+            assert r.token_ids == hf_greedy(hf, contexts[i], 24, set(), device="cuda"), (i, t)
+            contexts[i] += r.token_ids
+        engine.cache.check()
+    counters = engine.snapshot().counters
+    assert counters.swapped_in_tokens > 0 and counters.recomputed_tokens > 0, counters
