@@ -20,6 +20,7 @@ from app.frames import (
     parse_regenerate,
 )
 from app.live import LiveTurn
+from app.retention import NoDiskTier, retention_of
 from app.services import Services, services
 from app.turns import edits
 from app.turns.pipeline import DB_ERRORS, ChatTurn
@@ -162,16 +163,21 @@ class ChatSocket:
                 seq, req = parse_edit(
                     frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
                 )
-                before = edits.edit(self.sv, cid, seq, live)
             elif frame["type"] == "regenerate":
                 req = parse_regenerate(frame, st.max_tokens_default, st.max_tokens_limit)
-                before = edits.regenerate(self.sv, cid, req, live)
             else:
                 req = parse_message(
                     frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
                 )
+            req.retention = retention_of(self.sv, self.owner_id, *req.asked)
+            if frame["type"] == "edit":
+                before = edits.edit(self.sv, cid, seq, live)
+            elif frame["type"] == "regenerate":
+                before = edits.regenerate(self.sv, cid, req, live)
         except BadFrame as e:
             return await self.error(e.code, str(e))
+        except NoDiskTier as e:
+            return await self.error("bad_retention", str(e))
         if self.turn is not None:
             return await self.error("busy", "a reply is still being generated; cancel it first")
         wait = hub.take_turn(self.owner_id, st.turns_per_minute)

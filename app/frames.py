@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from app.retention import RetentionField, RetentionName
 from engine.types import Retention, SamplingParams
 
 
@@ -31,6 +32,8 @@ class TurnRequest:
     role: str = "user"  # or "tool": `content` is a function's result (the OpenAI API)
     tools: list[dict] | None = None  # function definitions offered to the model
     retention: Retention | None = None  # what the cache keeps of the chat after the turn
+    # the retention fields as sent (a frame's), made a `Retention` where the owner is known
+    asked: tuple[RetentionName | None, RetentionField | None] = (None, None)
 
 
 def parse_json(text: str) -> dict:
@@ -65,6 +68,9 @@ class SamplingFrame(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # what the cache keeps of the chat after the turn, as on the OpenAI API (app/retention.py)
+    prompt_cache_retention: RetentionName | None = None
+    retention: RetentionField | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -120,6 +126,8 @@ def _refusal(e: ValidationError) -> BadFrame:
         code = "too_long" if err["type"] == "too_long" else "bad_content"
     elif field == "seq":
         code = "bad_seq"
+    elif field.split(".")[0] in ("retention", "prompt_cache_retention"):
+        code = "bad_retention"
     else:
         code = "bad_sampling"
     shown = "" if field == "content" or err["type"] == "missing" else f", got {err['input']!r:.40}"
@@ -142,7 +150,8 @@ def _request(m: SamplingFrame, content: str, default_tokens: int) -> TurnRequest
         top_p=1.0 if m.top_p is None else m.top_p,
         seed=m.seed,
     )
-    return TurnRequest(content, sampling, m.max_tokens is not None)
+    asked = (m.prompt_cache_retention, m.retention)
+    return TurnRequest(content, sampling, m.max_tokens is not None, asked=asked)
 
 
 def parse_message(

@@ -1,50 +1,22 @@
-"""What a request asks the cache to keep of its conversation: OpenAI's
-`prompt_cache_retention` ("in_memory", the default, or "24h": kept at least on the disk
-tier for a day after the turn) and the extension `retention: {ttl_s, priority}` (pinned in
-memory for `ttl_s` after each turn, its eviction value scaled by `priority`), as the
-engine's `Retention`, counted against the owner's cap of pinned bytes."""
+"""Retention on the OpenAI API (`app/retention.py`): a 24h retention without a disk tier is
+a 400 naming `prompt_cache_retention`."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-
+from app import retention
 from app.openai.errors import ApiError
+from app.retention import RetentionField, RetentionName
 from app.services import Services
-from engine.types import MAX_TTL_S, Retention
+from engine.types import Retention
 
-DAY_S = 86_400.0
-# OpenAI spells it both ways in its documents
-RetentionName = Literal["in_memory", "in-memory", "24h"]
-
-
-class RetentionField(BaseModel):
-    """The extension `retention`: `ttl_s` pins the conversation in memory that long after
-    each turn (0: the session is done, its chunks go first); `priority` 0-100 (50 neutral)."""
-
-    model_config = ConfigDict(extra="forbid")
-    ttl_s: float | None = Field(None, ge=0.0, le=MAX_TTL_S, allow_inf_nan=False)
-    priority: int = Field(50, ge=0, le=100)
+__all__ = ["RetentionField", "RetentionName", "retention_of"]
 
 
 def retention_of(
     sv: Services, owner_id: str, name: str | None, ext: RetentionField | None
 ) -> Retention | None:
-    """The engine's retention for a request's fields (None: nothing asked); ApiError 400
-    naming the field for a 24h retention without a disk tier."""
-    disk = name == "24h"
-    if disk and not sv.engine.disk_tier:
-        raise ApiError(400, "prompt_cache_retention: '24h' keeps a conversation's KV on the "
-                       "disk tier, and this server has none (disk_cache_dir is unset); use "
-                       "'in_memory'", param="prompt_cache_retention")  # fmt: skip
-    if not disk and ext is None:
-        return None
-    cap = round(sv.settings.max_pinned_mb_per_owner * 2**20)
-    return Retention(
-        ttl_s=ext.ttl_s if ext else None,
-        priority=ext.priority if ext else 50,
-        disk_s=DAY_S if disk else 0.0,
-        owner=owner_id,
-        cap_bytes=cap,
-    )
+    """`app.retention.retention_of`, its refusal as the API's 400."""
+    try:
+        return retention.retention_of(sv, owner_id, name, ext)
+    except retention.NoDiskTier as e:
+        raise ApiError(400, str(e), param="prompt_cache_retention") from None

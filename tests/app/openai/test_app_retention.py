@@ -5,11 +5,13 @@ pin let go when its conversation is deleted."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from tests.app_fixtures import TINY, Server, auth, server_on, wait_for
+from tests.app_fixtures import TINY, Server, auth, connect, recv, say, server_on, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,3 +96,28 @@ def test_the_openai_client_sends_the_fields(server):
         extra_body={"retention": {"ttl_s": 0}},  # the session is done: its chunks go first
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_a_chat_socket_turn_takes_the_same_fields(server):
+    """The chat socket's `message` frame carries the same fields: a bad one is an error frame
+    naming it (nothing stored), a good one pins the chat (let go on delete)."""
+    dave = server.user("dave")
+    cid = server.new_chat(dave)
+    before = pinned(server)
+    async with connect(server, cid, dave) as ws:
+        for extra, field in BAD:
+            await ws.send(json.dumps({"type": "message", "content": "hi", **extra}))
+            error = await recv(ws)
+            assert error["type"] == "error" and error["code"] == "bad_retention", error
+            assert field in error["message"], error
+        assert server.chat(dave, cid)["messages"] == []  # the refused frames stored nothing
+        r = await say(ws, "hi", max_tokens=4, retention={"ttl_s": 600})
+        assert r.errors == [] and r.done["finish_reason"] in ("stop", "length")
+    assert wait_for(lambda: pinned(server) == before + 1)
+    r = httpx.delete(f"{server.url}/api/conversations/{cid}", headers=auth(dave))
+    assert r.status_code == 204
+    assert wait_for(lambda: pinned(server) == before)
+
+
+def pinned(server: Server) -> int:
+    return server.cache()["pins"]["conversations"]
