@@ -366,19 +366,26 @@ class Engine:
             else:
                 ended += self._end_full(plan)
                 ended += self._finish(self._launch(plan))
-            for req in ended:  # after the step's copies: publishing may free blocks
-                if req.chain and req.finish_reason is not FinishReason.ERROR:
-                    n = req.state.kv_len // self.cache.chunk_size
-                    self.cache.publish(req.table, req.chain[:n])
+            self._publish(ended)  # after the step's copies: publishing may free blocks
             self.counters.steps += 1
             return ended
 
     def flush(self) -> list[Request]:
         """Read the tokens of the lagged step in flight, if any, launching none; returns the
         turns they ended."""
+        self.backend.use_device()
         with self.lock:
             flight, self._flight = self._flight, None
-            return self._finish(flight)
+            ended = self._finish(flight)
+            self._publish(ended)
+            return ended
+
+    def _publish(self, ended: list[Request]) -> None:
+        """First turns that ended share their prompt's full chunks with later conversations."""
+        for req in ended:
+            if req.chain and req.finish_reason is not FinishReason.ERROR:
+                n = req.state.kv_len // self.cache.chunk_size
+                self.cache.publish(req.table, req.chain[:n])
 
     def _launch(self, plan: StepPlan) -> Flight | None:
         """Start the plan's copies and forward (sampling on the device); its pieces' positions
