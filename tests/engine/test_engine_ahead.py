@@ -93,6 +93,28 @@ def test_cancel_with_a_token_in_flight(hf):
     assert again.token_ids == hf_greedy(hf, context, 5, set())
 
 
+def test_fail_all_with_a_step_in_flight(hf):
+    """A failed step fails every turn; the step in flight is forgotten and no placeholder is
+    left in a stream, so the conversations go on from what their turns kept."""
+    engine = make(True)
+    reqs = [engine.submit(Turn(f"f{i}", PROMPT[i:], SamplingParams(max_tokens=30))) for i in (0, 5)]
+    for _ in range(3):
+        engine.step()
+    assert engine.in_flight and all(r.ahead for r in reqs)
+    assert set(engine.fail_all(RuntimeError("boom"))) == set(reqs)
+    assert not engine.in_flight and not engine.has_work()
+    for i, req in zip((0, 5), reqs, strict=True):
+        result = req.result()
+        assert result.finish_reason == "error" and len(result.token_ids) == 2
+        state = engine.streams[req.state.id]
+        assert all(t >= 0 for t in state.tail)
+        assert state.length == len(PROMPT[i:]) + 2
+        context = PROMPT[i:] + result.token_ids + [8]
+        again = engine.run([Turn(req.state.id, [8], SamplingParams(max_tokens=4, ignore_eos=True))])
+        assert again[0].token_ids == hf_greedy(hf, context, 4, set())
+    engine.cache.check()
+
+
 def test_max_tokens_ends_without_a_wasted_step():
     engine = make(True)
     steps = launched(engine)
