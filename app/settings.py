@@ -49,6 +49,8 @@ ENGINE_HELP: dict[str, str] = {
     "positions and turns (CUDA with the triton backend, one rank)",
     "cuda_graph_tokens": "largest mixed prompt and decode step replayed from a CUDA graph, in "
     "positions (0: decode steps only)",
+    "async_steps": "plan and launch each step before reading the previous one's tokens, so "
+    "the device does not wait for the host (default: on for CUDA, off elsewhere)",
     "tensor_parallel": "split the model across this many ranks (GPUs on CUDA): worker processes "
     "over torch.distributed; heads must divide by it",
     "force_tensor_parallel": "run the tensor-parallel path even at tensor_parallel=1 (a one-rank "

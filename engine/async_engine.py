@@ -253,7 +253,7 @@ class AsyncEngine:
                     ended = engine.fail_all(e)
                 self._running = engine.scheduler.running_turns()
                 self._publish(ended)
-                if not ended and not engine.scheduler.counts()[0]:
+                if not ended and not engine.in_flight and not engine.scheduler.counts()[0]:
                     engine.wait_for_io()
             else:
                 self._refresh_snapshot(force=True)

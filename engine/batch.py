@@ -90,6 +90,13 @@ def build(x: StepInputs, chunk_size: int, width: int | None = None) -> Batch:
     )
 
 
+def fill_placeholders(ids: torch.Tensor, sampled: torch.Tensor) -> None:
+    """Replace, in place and on the device, each placeholder id -1 - r (a token the host has
+    not seen yet: engine/request.py) with row r of the previous step's `sampled` tokens."""
+    rows = ids.neg().sub_(1).clamp_(min=0)  # real ids read row 0 and are kept
+    ids.copy_(torch.where(ids < 0, sampled.index_select(0, rows), ids))
+
+
 class _Staging:
     """A page-locked host buffer and the event of the last copy out of it."""
 

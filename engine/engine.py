@@ -6,7 +6,9 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+
+import torch
 
 from engine import retention
 from engine.backends import Backend, pick
@@ -19,8 +21,8 @@ from engine.guide import check
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.reads import Reads
 from engine.request import Request, Status
-from engine.sampler import make_generator
-from engine.scheduler import Scheduler
+from engine.sampler import Sampled, make_generator
+from engine.scheduler import Scheduler, StepPlan
 from engine.seed import Seed, plant
 from engine.snapshot import (
     Capture,
@@ -43,6 +45,26 @@ from engine.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Flight:
+    """A launched step whose tokens the host has not read: the lagged path reads them during
+    the next step's forward."""
+
+    rows: list[Request]  # the turn of each sampled token, in order
+    before: dict[Request, int]  # each turn's kv_len before the step's pieces moved it
+    sampled: Sampled | list[int] | None  # the tokens: on their way (lagged), or read already
+
+    def on_device(self) -> torch.Tensor | None:
+        """The tokens on the device: what the next step's placeholders are filled from."""
+        return self.sampled.tokens if isinstance(self.sampled, Sampled) else None
+
+    def tokens(self) -> list[int]:
+        s = self.sampled
+        if s is None:
+            return []
+        return s if isinstance(s, list) else s.tolist()
 
 
 class Engine:
@@ -117,6 +139,11 @@ class Engine:
             b, self.history, self.owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
         )
         self.lock = threading.RLock()  # guards all state below; held for a whole step
+        # The host runs a step ahead: it plans and launches step N before reading N-1's tokens
+        ahead = config.async_steps
+        ahead = self.device.type == "cuda" if ahead is None else ahead
+        self.ahead = ahead and getattr(self.runner, "runs_ahead", False)
+        self._flight: Flight | None = None  # the lagged step launched and not read yet
 
     # ---- turns in ----------------------------------------------------------------------------
 
@@ -328,10 +355,18 @@ class Engine:
     # ---- the step loop -----------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._flight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """A lagged step was launched and its tokens are not read yet (the next `step` or
+        `flush` reads them)."""
+        return self._flight is not None
 
     def step(self) -> list[Request]:
-        """Plan and run one batch; returns the turns that ended in it."""
+        """Plan and run one batch; returns the turns that ended in it. Lagged (`async_steps`):
+        launch this step, then read the previous one's tokens; the turns returned are those
+        ended by them (or cancelled, failed, out of room in this call)."""
         self.backend.use_device()  # steps may run on another thread than the one that built it
         with self.lock:
             ended = self._drop_cancelled()
@@ -345,39 +380,123 @@ class Engine:
                 log.error("history read for %s failed: %s", req.state.id, req.error)
                 self._end(req, FinishReason.ERROR, now)
                 ended.append(req)
-            for req in plan.full:  # no room to generate more: ends as if by max_tokens
-                if req.status == Status.RUNNING:
-                    self._end(req, FinishReason.LENGTH, now)
-                    ended.append(req)
-            if plan.pieces:
-                tokens = self.runner.step(plan.pieces, plan.before)
+            if self.ahead:
+                flight = self._launch(plan)
+                previous, self._flight = self._flight, flight
+                ended += self._finish(previous)
+                ended += self._end_full(plan)  # after the token in flight: it counts
+                if flight is not None:
+                    self._run_ahead(flight)
             else:
-                self.pool.begin_step(plan.before)
-                self.pool.swap_in_now()  # no forward to pipeline it with
-                tokens = []
-            now = self.now()
-            sampled = iter(tokens)
-            for p in plan.pieces:
-                state = p.req.state
-                state.kv_len = max(state.kv_len, p.end)
-                if p.sample:
-                    self.counters.generated_tokens += 1
-                    reason = p.req.accept(next(sampled), now, self.stop_token_ids, self.max_context)
-                    if reason is not None:
-                        self._end(p.req, reason, now)
-                        ended.append(p.req)
-            self.scheduler.computed(plan)
-            self.pool.end_step(plan.after)
-            for req in ended:  # after the step's copies: publishing may free blocks
-                if req.chain and req.finish_reason is not FinishReason.ERROR:
-                    n = req.state.kv_len // self.cache.chunk_size
-                    self.cache.publish(req.table, req.chain[:n])
+                ended += self._end_full(plan)
+                ended += self._finish(self._launch(plan))
+            self._publish(ended)  # after the step's copies: publishing may free blocks
             self.counters.steps += 1
             return ended
 
+    def flush(self) -> list[Request]:
+        """Read the tokens of the lagged step in flight, if any, launching none; returns the
+        turns they ended."""
+        self.backend.use_device()
+        with self.lock:
+            flight, self._flight = self._flight, None
+            ended = self._finish(flight)
+            self._publish(ended)
+            return ended
+
+    def _publish(self, ended: list[Request]) -> None:
+        """First turns that ended share their prompt's full chunks with later conversations."""
+        for req in ended:
+            if req.chain and req.finish_reason is not FinishReason.ERROR:
+                n = req.state.kv_len // self.cache.chunk_size
+                self.cache.publish(req.table, req.chain[:n])
+
+    def _launch(self, plan: StepPlan) -> Flight | None:
+        """Start the plan's copies and forward (sampling on the device); its pieces' positions
+        count as computed from here on (the device runs them in order). Lagged, the tokens
+        are not waited for; else they are read before this returns."""
+        if not plan.pieces:
+            self.pool.begin_step(plan.before)
+            self.pool.swap_in_now()  # no forward to pipeline it with
+            self.scheduler.computed(plan)
+            self.pool.end_step(plan.after)
+            return None
+        sampled: Sampled | list[int] | None
+        if self.ahead:
+            last = self._flight
+            on_device = None if last is None else last.on_device()
+            sampled = self.runner.launch(plan.pieces, plan.before, on_device)
+        else:
+            sampled = self.runner.step(plan.pieces, plan.before)
+        before: dict[Request, int] = {}
+        for p in plan.pieces:
+            state = p.req.state
+            if p.end > state.kv_len:
+                before.setdefault(p.req, state.kv_len)
+                state.kv_len = p.end
+        self.scheduler.computed(plan)
+        self.pool.end_step(plan.after)
+        return Flight([p.req for p in plan.pieces if p.sample], before, sampled)
+
+    def _finish(self, flight: Flight | None) -> list[Request]:
+        """Accept a launched step's tokens (the host waits for them here); returns the turns
+        they ended. A turn that ended meanwhile drops its token."""
+        if flight is None or not flight.rows:
+            return []
+        tokens = flight.tokens()
+        now = self.now()
+        ended = []
+        for req, token in zip(flight.rows, tokens, strict=True):
+            if req.status == Status.FINISHED:
+                continue
+            self.counters.generated_tokens += 1
+            reason = req.accept(token, now, self.stop_token_ids, self.max_context)
+            if reason is not None:
+                self._end(req, reason, now)
+                ended.append(req)
+        return ended
+
+    def _end_full(self, plan: StepPlan) -> list[Request]:
+        """Turns with no room to generate more end as if by max_tokens."""
+        ended = []
+        now = self.now()
+        for req in plan.full:
+            if req.status == Status.RUNNING:
+                self._end(req, FinishReason.LENGTH, now)
+                ended.append(req)
+        return ended
+
+    def _run_ahead(self, flight: Flight) -> None:
+        """Plan the next step before this one's tokens are known: each turn sampling in it
+        whose token is not known to be its last gets a placeholder for it. Turns whose next
+        step needs a mask from the host (a grammar, min_tokens not reached) go step by step:
+        the mask needs the token."""
+        limit = self.max_context
+        for row, req in enumerate(flight.rows):
+            sp = req.turn.sampling
+            n = len(req.output) + 1  # with the token in flight
+            if (
+                req.status == Status.RUNNING
+                and req.guide is None
+                and sp.min_tokens <= n < sp.max_tokens
+                and req.total + 1 < limit
+            ):
+                req.run_ahead(row)
+
     def _end(self, req: Request, reason: FinishReason, now: float) -> None:
+        self._unwind(req)
         self.scheduler.finish(req, reason)
         self._close(req, now)
+
+    def _unwind(self, req: Request) -> None:
+        """`req` ends while a lagged step may hold its next token or positions: the token is
+        dropped (`Request.take_back`), and the positions of a running turn do not count as
+        computed (its stream's tail keeps them; its next turn computes them again), as if
+        that step had not planned it."""
+        req.take_back()
+        flight = self._flight
+        if flight is not None and req.status == Status.RUNNING and req in flight.before:
+            req.state.kv_len = flight.before[req]
 
     def _close(self, req: Request, now: float) -> None:
         """The turn ended: its stream goes on from its tokens, and it is free again."""
@@ -410,6 +529,12 @@ class Engine:
         """End every turn in flight with `error` (a step failed: the state may be broken);
         returns them."""
         with self.lock:
+            for req in self.scheduler.turns():
+                try:
+                    self._unwind(req)
+                except Exception:  # the turn fails regardless
+                    log.exception("could not unwind %s", req.state.id)
+            self._flight = None  # its tokens are not read: the state may be broken
             failed = self.scheduler.fail_all(error)
             now = self.now()
             for req in failed:
@@ -434,8 +559,10 @@ class Engine:
         reqs = [self.submit(t) for t in turns]
         while any(r.status != Status.FINISHED for r in reqs):
             ended = self.step()
-            if not ended and not any(r.status == Status.RUNNING for r in reqs):
+            running = any(r.status == Status.RUNNING for r in reqs)
+            if not ended and not running and not self.in_flight:
                 self.wait_for_io()
+        self.flush()  # the last lagged step's tokens: of turns that ended already
         return [r.result() for r in reqs]
 
     # ---- inspection --------------------------------------------------------------------------

@@ -20,7 +20,8 @@ are the wanted ones.
 Triton bakes the token and sub-request counts into its grids and specialises on them, so
 every bucket is warmed up eagerly (compiling its kernels) right before its capture. The
 buckets share one memory pool, captured largest first. Swap waits, the sampler and every
-host sync stay outside the graph: steps with a swap-in run eagerly.
+host sync stay outside the graph: steps with a swap-in run eagerly. The ids a lagged step does
+not know yet (placeholders) are filled into the device buffer before the replay.
 
 Everything but the capture and replay is plain tensor code: with `capture=False` the same
 buffers feed an eager forward (the CPU tests run the padding and the buffers through the
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import Batch, StepInputs
+from engine.batch import Batch, StepInputs, fill_placeholders
 from engine.copies import CopyPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -229,13 +230,16 @@ class StepGraphs:
 
     # ---- a step -----------------------------------------------------------------------------
 
-    def run(self, b: Batch) -> torch.Tensor:
-        """The logits of `b.rows` for a batch built at this width."""
+    def run(self, b: Batch, sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of `b.rows` for a batch built at this width. `sampled`: the previous
+        step's tokens, that the placeholders among the ids stand for."""
         t, s = b.ids.numel(), b.query_start.numel() - 1
         size = bucket_for(t, s, self.sizes)
         if size is None:
             raise ValueError(f"no captured bucket holds {t} positions over {s} sub-requests")
         self._fill(pad(b, size), size)
+        if sampled is not None:  # after the staging copy, before the replay
+            fill_placeholders(self.dev.longs[: size.tokens], sampled)
         if self.capture_graphs:
             self.graphs[size].replay()
         else:

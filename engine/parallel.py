@@ -320,6 +320,8 @@ class ParallelPool(KVPool):
 class ParallelRunner(Runner):
     """Rank 0's runner: sends each step before joining the sharded forward."""
 
+    runs_ahead = False  # the workers would need the previous step's tokens: steps stay in order
+
     def __init__(self, tp: TensorParallel, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.tp = tp
@@ -334,7 +336,10 @@ class ParallelRunner(Runner):
             ops.append(("begin", plan))
         self.tp.send(Step(ops, x))
 
-    def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
+    def forward(
+        self, x: StepInputs, plan: CopyPlan, sampled: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert sampled is None, "tensor-parallel steps are not lagged"
         try:
             logits = super().forward(x, plan)
             if logits.is_cuda and self.tp.procs:

@@ -1,4 +1,10 @@
-"""A turn in flight: the tokens it knows, the positions it still has to compute."""
+"""A turn in flight: the tokens it knows, the positions it still has to compute.
+
+On the lagged path (`EngineConfig.async_steps`) a turn's next position is planned before its
+last sampled token reaches the host: `run_ahead` appends a placeholder, -1 - r for row r of the
+step that samples it, which the runner fills on the device from that step's tokens, and
+`accept` later writes the token over it.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +73,12 @@ class Request:
     loaded: Loaded | None = None  # dropped chunks read back from the disk tier for it
     read_for: int = -1  # the dropped run (in chunks) its last disk tier read was for
     loading: list = field(default_factory=list)  # this step's loads (chunk tensors, GPU block)
+    ahead: bool = False  # its last token is a placeholder for a token still on the device
+
+    @property
+    def generated(self) -> int:
+        """Tokens sampled for it so far, the one still on the device included."""
+        return len(self.output) + self.ahead
 
     @property
     def total(self) -> int:
@@ -90,7 +102,11 @@ class Request:
         limits and its grammar. Returns why the turn ends with it (None: it goes on)."""
         if not self.output:
             self.stats.first_token_s = now
-        self.tokens.append(token)
+        ahead, self.ahead = self.ahead, False
+        if ahead:  # its placeholder: the position after it is planned already
+            self.tokens[-1] = token
+        else:
+            self.tokens.append(token)
         self.output.append(token)
         self.stats.completion_tokens += 1
         if self.on_token is not None:
@@ -102,8 +118,24 @@ class Request:
             return FinishReason.STOP
         if len(self.output) >= sp.max_tokens or self.total >= max_context:
             return FinishReason.LENGTH
-        self.pending.append((self.total - 1, self.total))
+        if not ahead:
+            self.pending.append((self.total - 1, self.total))
         return None
+
+    def run_ahead(self, row: int) -> None:
+        """Its token is row `row` of the step just launched: stand a placeholder in for it, so
+        that the next step computes its position before the host knows it."""
+        self.tokens.append(-1 - row)
+        self.ahead = True
+        self.pending.append((self.total - 1, self.total))
+
+    def take_back(self) -> None:
+        """It ends before its token in flight is known: the placeholder goes (the token is
+        dropped), and so does the position planned for it."""
+        if self.ahead:
+            self.tokens.pop()
+            self.ahead = False
+            self.pending = [(s, min(e, self.total)) for s, e in self.pending if s < self.total]
 
     def _guided(self, token: int) -> bool:
         """Its matcher takes the token; False (the turn fails) if the grammar refuses it,

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import Batch, StepInputs, Uploader, build
+from engine.batch import Batch, StepInputs, Uploader, build, fill_placeholders
 from engine.copies import CopyPlan, written_blocks
 from engine.graphs import StepGraphs
-from engine.guide import Guides, plan_masks
+from engine.guide import Guides, MaskJob, plan_masks
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward
 from engine.model.decoder import Decoder
-from engine.sampler import Sampler
+from engine.sampler import Sampled, Sampler
 from engine.scheduler import Piece
 
 __all__ = ["Runner", "StepInputs"]
 
 
 class Runner:
+    # Steps may be launched before the previous one's tokens are read (Engine's lagged path)
+    runs_ahead = True
+
     def __init__(self, model: Decoder, pool: KVPool, chunk_size: int, backend: str | None) -> None:
         self.model = model
         self.pool = pool
@@ -33,6 +36,29 @@ class Runner:
 
     def step(self, pieces: list[Piece], plan: CopyPlan) -> list[int]:
         """One forward over the unified batch; returns the sampled token of each sampling piece."""
+        x, rows, job = self._inputs(pieces)
+        logits = self.forward(x, plan)
+        if not x.sample:
+            return []
+        return self.sampler(logits, *rows, None if job is None else job.result())
+
+    def launch(
+        self, pieces: list[Piece], plan: CopyPlan, sampled: torch.Tensor | None = None
+    ) -> Sampled | None:
+        """`step` without waiting for the device: the tokens come back as a `Sampled` (None:
+        no piece samples). `sampled`: the previous step's tokens on the device, which the
+        placeholders among the pieces' ids stand for (`Request.run_ahead`)."""
+        x, rows, job = self._inputs(pieces)
+        holes = any(p.sample and p.req.ahead for p in pieces)
+        logits = self.forward(x, plan, sampled if holes else None)
+        if not x.sample:
+            return None
+        mask = None if job is None else job.result()
+        return Sampled.of(self.sampler(logits, *rows, mask, False))  # stays on the device
+
+    def _inputs(self, pieces: list[Piece]) -> tuple[StepInputs, tuple[list, list], MaskJob | None]:
+        """The step's inputs, the sampling rows' parameters and generators, and the job
+        filling their masks (None: no row needs one)."""
         cs = self.chunk_size
         x = StepInputs()
         params, gens, reqs = [], [], []
@@ -48,25 +74,27 @@ class Runner:
                 reqs.append(p.req)
         job = None
         if self.guides is not None and any(
-            r.guide is not None or len(r.output) < r.turn.sampling.min_tokens for r in reqs
+            r.guide is not None or r.generated < r.turn.sampling.min_tokens for r in reqs
         ):
-            rows = [(r.guide, len(r.output), r.turn.sampling.min_tokens,
+            rows = [(r.guide, r.generated, r.turn.sampling.min_tokens,
                      r.turn.sampling.stop_token_ids) for r in reqs]  # fmt: skip
             masks = plan_masks(rows, self.guides.stops)
             job = self.guides.masks(masks, self.overlap_masks) if masks else None
-        logits = self.forward(x, plan)
-        if not x.sample:
-            return []
-        return self.sampler(logits, params, gens, None if job is None else job.result())
+        return x, (params, gens), job
 
-    def forward(self, x: StepInputs, plan: CopyPlan) -> torch.Tensor:
-        """Start the step's copies, run the model over `x`; the logits of its sampling pieces."""
+    def forward(
+        self, x: StepInputs, plan: CopyPlan, sampled: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Start the step's copies, run the model over `x`; the logits of its sampling pieces.
+        `sampled`: the previous step's tokens, filled in for the placeholders among the ids."""
         g = self.graphs
         if g is not None and g.fits(x, plan):
             b = build(x, self.chunk_size, g.width)
             self.begin(x, plan)
-            return g.run(b)
+            return g.run(b, sampled)
         b = self.upload(build(x, self.chunk_size))
+        if sampled is not None:
+            fill_placeholders(b.ids, sampled)
         self.begin(x, plan)
         return self.run(b)
 

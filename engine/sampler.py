@@ -8,7 +8,8 @@ p_i / sum(p), so no normalisation, cumulative sum or host round trip is needed t
 
 The noise of a seeded turn comes from its own generator on the device (the same seed gives the
 same tokens whatever else is in the batch); unseeded rows share the sampler's generator and
-are drawn in one call. The step's tokens come back to the host in one copy.
+are drawn in one call. The step's tokens come back to the host in one copy: at once, or (a
+lagged step, `Sampled`) non-blocking into page-locked memory, waited for a step later.
 
 Constrained rows (engine/guide.py) first get their step's mask: tokens their grammar does not
 allow, and stop tokens before `min_tokens`, are set to -inf on the logits' device, so both
@@ -18,6 +19,7 @@ the greedy argmax and the draw see only allowed tokens. Steps without one pay no
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +41,33 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu"):
     return g
 
 
+@dataclass
+class Sampled:
+    """A step's sampled tokens, one per sampling piece: on the device (what the next step's
+    placeholders are filled from, engine/request.py) and on their way to the host."""
+
+    tokens: torch.Tensor  # [R] int64, on the device
+    host: torch.Tensor  # its copy on the host: page-locked on CUDA, written asynchronously
+    ready: torch.cuda.Event | None = None  # recorded after the copy (CUDA)
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor) -> Sampled:
+        """Start the copy of `tokens` to the host; nothing waits for it yet."""
+        if tokens.device.type != "cuda":
+            return cls(tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(tokens, host, ready)
+
+    def tolist(self) -> list[int]:
+        """The tokens, once their copy is done (the host waits here, not at the launch)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class Sampler:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -51,9 +80,10 @@ class Sampler:
         params: list[SamplingParams],
         gens: list[torch.Generator | None],
         mask: StepMask | None = None,
-    ) -> list[int]:
+        to_list: bool = True,
+    ) -> list[int] | torch.Tensor:
         """logits [R, vocab] (any float dtype; masked rows are written in place); one token
-        per row."""
+        per row: a list, or (`to_list` False) an int64 tensor on the device, not waited for."""
         if mask is not None:
             apply_mask(logits, mask)
         out = logits.argmax(dim=-1)
@@ -63,7 +93,7 @@ class Sampler:
             rows = logits if idx is None else logits.index_select(0, idx)
             drawn = self.draw(rows, [params[r] for r in hot], [gens[r] for r in hot])
             out = drawn if idx is None else out.index_copy(0, idx, drawn)
-        return out.tolist()
+        return out.tolist() if to_list else out
 
     def draw(
         self,

@@ -55,7 +55,7 @@ def plant(engine: Engine, seeds: Iterable[Seed]) -> None:
     than its tiers have free."""
     seeds = list(seeds)
     cache = engine.cache
-    if engine.scheduler.has_work():
+    if engine.has_work():
         raise ValueError("turns are in flight: seed an idle engine")
     ids = [s.conversation_id for s in seeds]
     if len(set(ids)) != len(ids):

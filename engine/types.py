@@ -76,6 +76,10 @@ class EngineConfig:
     # `cuda_graph_tokens` positions (0: decode steps only); effective on CUDA with the triton
     # backend and one rank only
     cuda_graphs: bool = True
+    # The host runs a step ahead of the device: it plans and launches step N, then reads step
+    # N-1's tokens while N runs (engine/engine.py). None: on for CUDA, off elsewhere (on the
+    # CPU nothing runs while the host plans); a tensor-parallel or simulated engine stays in step
+    async_steps: bool | None = None
     cuda_graph_tokens: int = 512
     # pensieve mode: a third tier of files under this directory (None: off). Chunks the CPU
     # tier drops are written there behind the step loop and read back instead of recomputed

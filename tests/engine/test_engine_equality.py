@@ -1,5 +1,6 @@
 """Greedy token equality with Hugging Face transformers across turns, through drops,
-swaps, recomputes and suspensions, for the bundled model and dummy:tiny."""
+swaps, recomputes and suspensions, for the bundled model and dummy:tiny; every engine test
+runs with steps in order and with the host a step ahead (`async_steps`)."""
 
 from __future__ import annotations
 
@@ -96,15 +97,24 @@ def tiny_hf():
     return hf_model(Engine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=16)))
 
 
+@pytest.fixture(params=[False, True], ids=["in-step", "ahead"])
+def ahead(request) -> bool:
+    """`EngineConfig.async_steps`: the lagged step loop, or the one that reads each step's
+    tokens before planning the next."""
+    return request.param
+
+
 def make(model_name, **kw) -> Engine:
     return Engine(EngineConfig(model=model_name, device="cpu", **kw))
 
 
-def test_pensieve_swaps_drops_and_suspends(model_name, hf):
+def test_pensieve_swaps_drops_and_suspends(model_name, hf, ahead):
     """Both models: context comes back from the CPU, dropped leading chunks are recomputed,
     turns are suspended and resumed, and prompts are split across steps."""
     # 9 chunks hold any one conversation (at most 3 x 64 + 3 x 24 tokens) but not two.
-    engine = make(model_name, gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64)
+    engine = make(
+        model_name, async_steps=ahead, gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64
+    )
     counters = check_against_hf(
         engine, hf, max_tokens=24, seed=1, min_len=40, max_len=64, ignore_eos=True
     )
@@ -114,8 +124,8 @@ def test_pensieve_swaps_drops_and_suspends(model_name, hf):
     assert counters["suspensions"] > 0, counters
 
 
-def test_stateless_recomputes_everything(model_name, hf):
-    engine = make(model_name, gpu_cache_chunks=64, cache_mode="stateless")
+def test_stateless_recomputes_everything(model_name, hf, ahead):
+    engine = make(model_name, async_steps=ahead, gpu_cache_chunks=64, cache_mode="stateless")
     counters = check_against_hf(engine, hf, n_turns=2, seed=2)
     assert counters["cached_tokens"] == 0
     assert counters["recomputed_tokens"] > 0
@@ -124,25 +134,33 @@ def test_stateless_recomputes_everything(model_name, hf):
 # The cheap model covers the other modes too.
 
 
-def test_gpu_mode_drops_and_recomputes(tiny_hf):
+def test_gpu_mode_drops_and_recomputes(tiny_hf, ahead):
     # 10 chunks hold ~2 conversations: idle ones are dropped and recomputed from history.
-    engine = make("dummy:tiny", gpu_cache_chunks=10, cache_mode="gpu")
+    engine = make("dummy:tiny", async_steps=ahead, gpu_cache_chunks=10, cache_mode="gpu")
     counters = check_against_hf(engine, tiny_hf)
     assert counters["recomputed_tokens"] > 0
     assert counters["dropped_tokens"] > 0
     assert counters["swapped_in_tokens"] == 0
 
 
-def test_large_cache_keeps_everything(tiny_hf):
-    engine = make("dummy:tiny", gpu_cache_chunks=256, cpu_cache_chunks=0, cache_mode="gpu")
+def test_large_cache_keeps_everything(tiny_hf, ahead):
+    engine = make(
+        "dummy:tiny", async_steps=ahead, gpu_cache_chunks=256, cpu_cache_chunks=0, cache_mode="gpu"
+    )
     counters = check_against_hf(engine, tiny_hf, n_turns=3, seed=3)
     assert counters["recomputed_tokens"] == 0
     assert counters["cached_tokens"] > 0
 
 
-def test_chunked_prefill_and_suspension(tiny_hf):
+def test_chunked_prefill_and_suspension(tiny_hf, ahead):
     # A tiny token budget splits prompts across steps; a pool this small forces suspensions.
-    engine = make("dummy:tiny", gpu_cache_chunks=10, cpu_cache_chunks=32, max_batch_tokens=40)
+    engine = make(
+        "dummy:tiny",
+        async_steps=ahead,
+        gpu_cache_chunks=10,
+        cpu_cache_chunks=32,
+        max_batch_tokens=40,
+    )
     counters = check_against_hf(
         engine, tiny_hf, n_convs=4, n_turns=2, max_tokens=48, seed=4, min_len=70
     )

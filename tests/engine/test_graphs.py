@@ -171,13 +171,15 @@ def make(**kw) -> Engine:
     )
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
 @pytest.mark.parametrize("mixed_tokens", [0, 256])
-def test_engine_with_padded_buffers_equals_eager(mixed_tokens):
+def test_engine_with_padded_buffers_equals_eager(mixed_tokens, ahead):
     """The bucket buffers (capture off) through the engine: the same tokens as without them,
     across turns with swap-outs and swap-ins (those steps run eagerly); with mixed buckets,
-    the prompt steps run through them too."""
+    the prompt steps run through them too. `ahead`: the lagged step loop, whose placeholder
+    ids are filled in the buffers."""
     eager = run_turns(make())
-    engine = make()
+    engine = make(async_steps=ahead)
     assert engine.runner.graphs is None  # graphs are CUDA-only
     r = engine.runner
     r.graphs = StepGraphs(
