@@ -149,6 +149,26 @@ def test_cuda_graphs_equal_eager_and_transformers(model, kv_dtype):
                 contexts[i] += turn_outs[i]
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_a_step_ahead_equals_steps_in_order(cuda_graphs):
+    """The host a step ahead on CUDA (the default there: tokens copied back without a wait,
+    placeholders filled on the device, in the graph's buffers too): the same tokens as steps
+    in order, over turns with swaps and recomputes, and for a seeded sampled turn."""
+    kw = dict(
+        model="dummy:tiny", device="cuda", dtype="float32", gpu_cache_chunks=24,
+        cpu_cache_chunks=8, max_running=16, cuda_graphs=cuda_graphs,
+    )  # fmt: skip
+    ahead = Engine(EngineConfig(**kw))
+    in_order = Engine(EngineConfig(**kw, async_steps=False))
+    assert ahead.ahead and not in_order.ahead
+    assert run_turns(ahead) == run_turns(in_order)
+    hot = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3)
+    assert (
+        ahead.run([Turn("hot", [5, 6, 7], hot)])[0].token_ids
+        == in_order.run([Turn("hot", [5, 6, 7], hot)])[0].token_ids
+    )
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_engine_on_a_second_gpu_stepped_from_another_thread():
     """An engine on cuda:N (N > 0), its steps run by a thread whose current device is 0:
