@@ -215,12 +215,19 @@ class KVCacheManager:
             return 0
         now = self.order.step_now
         gpu_only = cpu_held = 0
+        shared: set[int] = set()  # a shared chunk counts once, whoever else holds it
         for cid in list(pins.pins):
             t = self.tables.get(cid)
             if t is None or t is but or t.pinned or not pins.held(cid, now):
                 continue
             gpu_only += t.n_gpu - t.n_backed
-            cpu_held += sum(1 for c in t.chunks if c.cpu is not None)
+            cpu_held += sum(1 for c in t.chunks[t.n_shared :] if c.cpu is not None)
+            for c in t.shared_run():  # its linked first-prompt chunks are held by the pin too
+                if id(c) in shared or (but is not None and but in (c.holders or ())):
+                    continue
+                shared.add(id(c))
+                gpu_only += c.gpu is not None and c.cpu is None
+                cpu_held += c.cpu is not None
         return max(0, gpu_only - (self.cpu.num_blocks - cpu_held))
 
     def can_prefetch(self, t: ChunkTable, upto: int) -> bool:

@@ -90,3 +90,22 @@ def test_admission_counts_pinned_blocks_that_cannot_move():
     assert m.stuck_blocks() == 3
     assert not m.can_admit(m.table("other"), 8)  # the turn waits; the pin is not dropped
     assert m.can_admit(m.table("other"), 4)
+
+
+def test_admission_counts_the_shared_chunks_a_pin_holds():
+    # A pinned agent's first-prompt chunks, once published, are shared chunks of their own:
+    # they cannot move either. Left out, admission let in a turn that then found no room.
+    from engine.cache.sharing import chain_hashes
+
+    m, clock, now = manager(gpu=5, cpu=0, share=True)
+    turn(m, clock, "agent", 12, when=900.0)
+    t = m.table("agent")
+    m.publish(t, chain_hashes(list(range(12)), 4)[:2])
+    assert t.n_shared == 2
+    pin(m, "agent", 600.0, now())
+    m.begin_step()
+    assert m.stuck_blocks() == 3
+    assert not m.can_admit(m.table("other"), 12)  # 3 blocks: only 2 are free
+    assert m.can_admit(m.table("other"), 8)
+    m.admit(m.table("other"), 0, 8)
+    m.check()
