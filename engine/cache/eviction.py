@@ -53,9 +53,9 @@ class Evictor:
             return True
         while self.tiers.gpu.num_free < n:
             found = self.order.pop_gpu()
-            if found is None:
-                return False
-            if not self.evict_gpu(found[0], copies, cpu_below):
+            if found is None or not self.evict_gpu(found[0], copies, cpu_below):
+                if self.order.refresh():
+                    continue  # older keys: a pin that expired since sorted as pinned
                 return False  # pinned chunks are all that is left, and the CPU tier is full
         return True
 
@@ -68,7 +68,7 @@ class Evictor:
 
     def _keeps(self, x: Candidate, i: int) -> bool:
         """A client pinned its conversation (a holder's): it must not be dropped."""
-        return self.order.policy.pinned(self.order.key(x, i))
+        return self.order.pinned(x)
 
     def evict_front_gpu(
         self, t: ChunkTable, copies: CopyPlan, cpu_below=None, force: bool = False
@@ -140,8 +140,10 @@ class Evictor:
             return None
         t, i = found
         key = self.order.key(t, i)
-        if (max_key is not None and key >= max_key) or self.order.policy.pinned(key):
-            return None  # pinned chunks come last in the order: nothing else is left
+        if max_key is not None and key >= max_key:
+            return None
+        if self._keeps(t, i):  # pinned chunks come last in the order: nothing else is left,
+            return self.alloc_cpu(max_key) if self.order.refresh() else None  # or keys aged
         if isinstance(t, Chunk):
             if t.gpu is None:  # a CPU-only shared chunk: it is dropped
                 self.sharing.drop(t)

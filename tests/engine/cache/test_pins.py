@@ -109,3 +109,17 @@ def test_admission_counts_the_shared_chunks_a_pin_holds():
     assert m.can_admit(m.table("other"), 8)
     m.admit(m.table("other"), 0, 8)
     m.check()
+
+
+def test_a_pin_that_expired_since_the_keys_were_taken_lets_its_chunks_go():
+    # The eviction order keeps its keys for a while; a pin that ends in between still sorts
+    # as pinned there. The evictor takes the keys again rather than refuse the room.
+    m, clock, now = manager(gpu=4, cpu=0, mode="gpu")
+    turn(m, clock, "agent", 12, when=now())  # 3 of the 4 blocks
+    pin(m, "agent", 0.2, now())
+    m.begin_step()  # the keys are taken while the pin holds
+    now.t += 0.3  # it has expired; the keys are younger than the order's reorder time
+    m.begin_step()
+    m.admit(m.table("other"), 0, 8)  # 2 blocks: one of the agent's must go
+    assert m.table("agent").tiers()[0] == "dropped"
+    m.check()
