@@ -51,13 +51,23 @@ class Evictor:
         """Free GPU blocks until `n` are free; False if the candidates ran out."""
         if self.tiers.gpu.num_free >= n:
             return True
-        while self.tiers.gpu.num_free < n:
-            found = self.order.pop_gpu()
-            if found is None or not self.evict_gpu(found[0], copies, cpu_below):
-                if self.order.refresh():
-                    continue  # older keys: a pin that expired since sorted as pinned
-                return False  # pinned chunks are all that is left, and the CPU tier is full
-        return True
+        refused: list[Candidate] = []  # pinned, with no CPU block to go to: passed over
+        try:
+            while self.tiers.gpu.num_free < n:
+                found = self.order.pop_gpu()
+                if found is None:
+                    if self.order.refresh():  # older keys: a pin that expired since sorted
+                        refused.clear()  # as pinned (the heaps are rebuilt, every one in)
+                        continue
+                    return False  # pinned chunks are all that is left, the CPU tier full
+                if not self.evict_gpu(found[0], copies, cpu_below):
+                    # another pinned conversation may still have chunks with a CPU copy
+                    refused.append(found[0])
+                    self.order.gpu.skip(found[0])
+            return True
+        finally:
+            for x in refused:
+                self.order.gpu.push(x)
 
     def evict_gpu(self, x: Candidate, copies: CopyPlan, cpu_below=None) -> bool:
         """Free the GPU block of a table's first GPU chunk, or of a shared chunk; False if

@@ -73,6 +73,10 @@ class _LazyHeap:
             if i is not None:
                 heapq.heappush(self.heap, self._entry(self.key(t, i), t))
 
+    def skip(self, t: ChunkTable) -> None:
+        """Leave the item out until it is pushed again."""
+        self.latest.pop(id(t), None)
+
     def pop(self) -> tuple[ChunkTable, int] | None:
         heap = self.heap
         while heap:
