@@ -187,6 +187,12 @@ def summarize(work: ag.Workload, records: list[wl.TurnRecord]) -> dict[str, Any]
     def pct(xs: list[float], p: float) -> float:
         return wl.percentile(xs, p) if xs else float("nan")
 
+    # where the agents' recompute comes from: the tool each turn waited on before it came
+    by_tool: dict[str, int] = {}
+    for r in agent:
+        tool = work.tool_of(r.conversation, r.index - 1) if r.index else None
+        name = tool.name if tool is not None else "task"
+        by_tool[name] = by_tool.get(name, 0) + int(r.stats.get("recomputed_tokens", 0))
     ttft = [r.ttft_s for r in agent if not r.error]
     steps = [r.ttft_s for r in agent if not r.error and r.index > 0]  # after a tool returns
     chat_lat = [r.latency_s for r in chat if not r.error]
@@ -201,6 +207,7 @@ def summarize(work: ag.Workload, records: list[wl.TurnRecord]) -> dict[str, Any]
         "ttft_s_mean": sum(ttft) / len(ttft) if ttft else float("nan"),
         "step_ttft_s_p90": pct(steps, 90),
         "agent_recomputed_tokens": total(agent, "recomputed_tokens"),
+        "agent_recomputed_by_tool": by_tool,
         "agent_swapped_in_tokens": total(agent, "swapped_in_tokens"),
         "agent_context_tokens": sum(r.context_tokens for r in agent),
         "chat_recomputed_tokens": total(chat, "recomputed_tokens"),
