@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +65,19 @@ def replay(
     host: HostTime | None = None,
     deadline_s: float | None = None,
     queue_limit: bool = False,
+    retention: Callable[[str, int], Any] | None = None,
+    on_end: Callable[[str, int, Any], None] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
     `deadline_s` (seconds of replay, past `stop_s`): the turns still in flight then are
     cancelled and recorded as censored at that time, as the real run's driver does
     (`EngineDriver`'s deadline: a window, then a drain). `queue_limit`: a turn sent while
-    the engine's `max_waiting` turns are queued is refused, as the AsyncEngine refuses it."""
+    the engine's `max_waiting` turns are queued is refused, as the AsyncEngine refuses it.
+    A client's side, where a workload has one (`bench.agents`): `retention(conversation,
+    turn)` gives the turn's `Retention`, `on_end(conversation, turn, request)` runs as a turn
+    ends (before the next is due: a client that reports its tool calls), and `on_step()`
+    after every engine step (sampling what the cache holds)."""
     from engine import EngineOverloaded, SamplingParams, Turn
 
     clock = engine.now
@@ -79,7 +87,7 @@ def replay(
     events: list[tuple[float, int, Any]] = []  # (due, order, conversation's script)
     order = itertools.count()
     # id of the request in flight -> (its conversation's script, the request, its turn)
-    waiting: dict[int, tuple[Any, Any, wl.TurnSpec]] = {}
+    waiting: dict[int, tuple[Any, Any, wl.TurnSpec, wl.Send]] = {}
     cut_at = None if deadline_s is None else start + deadline_s
 
     def advance(steps, reply: wl.Reply | None) -> None:
@@ -91,7 +99,8 @@ def replay(
             heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), steps))
             return
         sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
-        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
+        keep = None if retention is None else retention(step.conversation, step.index)
+        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling, retention=keep)
         try:
             engine.accept(turn, engine.queued() if queue_limit else 0)
             req = engine.submit(turn, accepted=True)
@@ -99,13 +108,13 @@ def replay(
             now = due[0]
             advance(steps, wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}"))
             return
-        waiting[id(req)] = (steps, req, step.spec)
+        waiting[id(req)] = (steps, req, step.spec, step)
 
     def cut() -> None:
         """The deadline passed: every turn in flight is cancelled, counted at its time."""
         assert cut_at is not None
         due[0] = cut_at
-        for key, (steps, req, spec) in list(waiting.items()):
+        for key, (steps, req, spec, _) in list(waiting.items()):
             del waiting[key]
             engine.cancel(req)
             first = req.stats.first_token_s if req.output else cut_at
@@ -132,6 +141,8 @@ def replay(
             host.seconds.append(time.perf_counter() - t)
             host.virtual_s.append(clock() - before)
             host.conversations.append(len(engine.cache.held()))
+        if on_step is not None:
+            on_step()
         due[0] = clock()
         if cut_at is not None and clock() > cut_at:
             cut()  # the turns that ended in this step too: they were not done by then
@@ -144,7 +155,10 @@ def replay(
             reply = wl.Reply(
                 s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
             )
-            advance(waiting.pop(id(req))[0], reply)
+            steps, _, _, sent = waiting.pop(id(req))
+            if on_end is not None and error is None:
+                on_end(sent.conversation, sent.index, req)
+            advance(steps, reply)
         if clock() > before or ended:
             stalls = 0
             continue

@@ -51,13 +51,23 @@ class Evictor:
         """Free GPU blocks until `n` are free; False if the candidates ran out."""
         if self.tiers.gpu.num_free >= n:
             return True
-        while self.tiers.gpu.num_free < n:
-            found = self.order.pop_gpu()
-            if found is None:
-                return False
-            if not self.evict_gpu(found[0], copies, cpu_below):
-                return False  # pinned chunks are all that is left, and the CPU tier is full
-        return True
+        refused: list[Candidate] = []  # pinned, with no CPU block to go to: passed over
+        try:
+            while self.tiers.gpu.num_free < n:
+                found = self.order.pop_gpu()
+                if found is None:
+                    if self.order.refresh():  # older keys: a pin that expired since sorted
+                        refused.clear()  # as pinned (the heaps are rebuilt, every one in)
+                        continue
+                    return False  # pinned chunks are all that is left, the CPU tier full
+                if not self.evict_gpu(found[0], copies, cpu_below):
+                    # another pinned conversation may still have chunks with a CPU copy
+                    refused.append(found[0])
+                    self.order.gpu.skip(found[0])
+            return True
+        finally:
+            for x in refused:
+                self.order.gpu.push(x)
 
     def evict_gpu(self, x: Candidate, copies: CopyPlan, cpu_below=None) -> bool:
         """Free the GPU block of a table's first GPU chunk, or of a shared chunk; False if
@@ -68,7 +78,7 @@ class Evictor:
 
     def _keeps(self, x: Candidate, i: int) -> bool:
         """A client pinned its conversation (a holder's): it must not be dropped."""
-        return self.order.policy.pinned(self.order.key(x, i))
+        return self.order.pinned(x)
 
     def evict_front_gpu(
         self, t: ChunkTable, copies: CopyPlan, cpu_below=None, force: bool = False
@@ -140,8 +150,10 @@ class Evictor:
             return None
         t, i = found
         key = self.order.key(t, i)
-        if (max_key is not None and key >= max_key) or self.order.policy.pinned(key):
-            return None  # pinned chunks come last in the order: nothing else is left
+        if max_key is not None and key >= max_key:
+            return None
+        if self._keeps(t, i):  # pinned chunks come last in the order: nothing else is left,
+            return self.alloc_cpu(max_key) if self.order.refresh() else None  # or keys aged
         if isinstance(t, Chunk):
             if t.gpu is None:  # a CPU-only shared chunk: it is dropped
                 self.sharing.drop(t)

@@ -207,21 +207,46 @@ class KVCacheManager:
         return after <= self.gpu.num_blocks * (1.0 - self.admit_reserve)
 
     def stuck_blocks(self, but: ChunkTable | None = None) -> int:
-        """GPU blocks no eviction can free: chunks of idle conversations a client pinned
-        (`Policy.pins`; `but` left out) that have no CPU copy, past what the CPU tier can
-        take (it drops no pinned chunk to make room). O(pinned chunks); 0 without pins."""
+        """GPU blocks no eviction can free: GPU chunks of idle conversations a client pinned
+        (`Policy.pins`; `but` left out) that cannot move to the CPU tier. A pinned chunk
+        moves only into a CPU block that is free or held by a chunk that may be dropped (not
+        a pinned conversation's, a running turn's or `but`'s), and a table's GPU chunks leave
+        front first: once those blocks run out, its GPU chunks from its first one without a
+        CPU copy on stay. 0 without pins; else O(tables) plus the chunks of those held."""
         pins = self.policy.pins
         if not pins.pins:
             return 0
         now = self.order.step_now
-        gpu_only = cpu_held = 0
-        for cid in list(pins.pins):
-            t = self.tables.get(cid)
-            if t is None or t is but or t.pinned or not pins.held(cid, now):
-                continue
-            gpu_only += t.n_gpu - t.n_backed
-            cpu_held += sum(1 for c in t.chunks if c.cpu is not None)
-        return max(0, gpu_only - (self.cpu.num_blocks - cpu_held))
+        held = [t for cid in list(pins.pins)
+                if (t := self.tables.get(cid)) is not None and t is not but and not t.pinned
+                and pins.held(cid, now)]  # fmt: skip
+        if not held:
+            return 0
+        kept = {id(t) for t in held}
+        fixed: set[int] = set()  # CPU chunks no eviction drops (a shared one counts once)
+        for t in self.tables.values():
+            if t.pinned or t is but or id(t) in kept:
+                fixed.update(id(c) for c in t.chunks if c.cpu is not None)
+        room = self.cpu.num_blocks - len(fixed)
+        stuck = 0
+        seen: set[int] = set()
+        for t in held:
+            for c in t.shared_run():  # linked first-prompt chunks: each its own candidate
+                if c.gpu is None or c.cpu is not None or id(c) in seen:
+                    continue
+                if but is not None and but in (c.holders or ()):
+                    continue  # the turn admitted needs it on the GPU anyway
+                seen.add(id(c))
+                room, stuck = (room - 1, stuck) if room > 0 else (room, stuck + 1)
+            gpu = t.chunks[t.n_off_gpu :]
+            for j, c in enumerate(gpu):
+                if c.cpu is not None:
+                    continue  # reclaimed for free once the chunks before it are gone
+                if room == 0:
+                    stuck += len(gpu) - j
+                    break
+                room -= 1
+        return stuck
 
     def can_prefetch(self, t: ChunkTable, upto: int) -> bool:
         """Admit a prefetch of `t` as a turn, but only into blocks that are free or held by

@@ -73,6 +73,10 @@ class _LazyHeap:
             if i is not None:
                 heapq.heappush(self.heap, self._entry(self.key(t, i), t))
 
+    def skip(self, t: ChunkTable) -> None:
+        """Leave the item out until it is pushed again."""
+        self.latest.pop(id(t), None)
+
     def pop(self) -> tuple[ChunkTable, int] | None:
         heap = self.heap
         while heap:
@@ -157,12 +161,20 @@ class EvictionOrder:
         keep = self.reorder_s
         if self._frontier_idle is not None:
             keep = min(REORDER_MAX_S, max(keep, REORDER_SHARE * self._frontier_idle))
-        expectations = self.policy.expectations
-        if self.step_now - self.key_now >= keep or self._key_expected != expectations:
-            self.key_now, self._key_expected = self.step_now, expectations
-            self._frontier_idle = None
-            for heap in self._heaps:
-                heap.reset()
+        if self.step_now - self.key_now >= keep or self._key_expected != self.policy.expectations:
+            self.refresh()
+
+    def refresh(self) -> bool:
+        """Take the keys again at this step's time; False if they were taken then already.
+        An evictor that meets a pinned chunk calls it: a pin may have expired since the keys
+        were taken, and its conversation's chunks sort among the pinned ones until then."""
+        if self.key_now == self.step_now and self._key_expected == self.policy.expectations:
+            return False
+        self.key_now, self._key_expected = self.step_now, self.policy.expectations
+        self._frontier_idle = None
+        for heap in self._heaps:
+            heap.reset()
+        return True
 
     def changed(self, x: Candidate) -> None:
         """The item's front candidates may have got cheaper: let the heaps see it again."""
@@ -176,6 +188,12 @@ class EvictionOrder:
         if isinstance(t, Chunk):
             return self.policy.shared_key(t.holders, t.index, self.key_now)  # type: ignore[arg-type]
         return self.policy.key(t, i, self.key_now)
+
+    def pinned(self, x: Candidate) -> bool:
+        """A client's pin holds its conversation (a shared chunk: a holder's) now. The keys
+        may be older: a pin that expired since still sorts as pinned there, but may go."""
+        holders = x.holders if isinstance(x, Chunk) else (x,)
+        return any(self.policy.pins.held(h.id, self.step_now) for h in holders or ())  # type: ignore[union-attr]
 
     def expected(self, x: Candidate) -> bool:
         """Its conversation's (a shared chunk: a holder's) user is typing."""

@@ -90,3 +90,57 @@ def test_admission_counts_pinned_blocks_that_cannot_move():
     assert m.stuck_blocks() == 3
     assert not m.can_admit(m.table("other"), 8)  # the turn waits; the pin is not dropped
     assert m.can_admit(m.table("other"), 4)
+
+
+def test_admission_counts_the_shared_chunks_a_pin_holds():
+    # A pinned agent's first-prompt chunks, once published, are shared chunks of their own:
+    # they cannot move either. Left out, admission let in a turn that then found no room.
+    from engine.cache.sharing import chain_hashes
+
+    m, clock, now = manager(gpu=5, cpu=0, share=True)
+    turn(m, clock, "agent", 12, when=900.0)
+    t = m.table("agent")
+    m.publish(t, chain_hashes(list(range(12)), 4)[:2])
+    assert t.n_shared == 2
+    pin(m, "agent", 600.0, now())
+    m.begin_step()
+    assert m.stuck_blocks() == 3
+    assert not m.can_admit(m.table("other"), 12)  # 3 blocks: only 2 are free
+    assert m.can_admit(m.table("other"), 8)
+    m.admit(m.table("other"), 0, 8)
+    m.check()
+
+
+def test_a_pin_that_expired_since_the_keys_were_taken_lets_its_chunks_go():
+    # The eviction order keeps its keys for a while; a pin that ends in between still sorts
+    # as pinned there. The evictor takes the keys again rather than refuse the room.
+    m, clock, now = manager(gpu=4, cpu=0, mode="gpu")
+    turn(m, clock, "agent", 12, when=now())  # 3 of the 4 blocks
+    pin(m, "agent", 0.2, now())
+    m.begin_step()  # the keys are taken while the pin holds
+    now.t += 0.3  # it has expired; the keys are younger than the order's reorder time
+    m.begin_step()
+    m.admit(m.table("other"), 0, 8)  # 2 blocks: one of the agent's must go
+    assert m.table("agent").tiers()[0] == "dropped"
+    m.check()
+
+
+def test_room_is_made_past_a_pinned_conversation_that_cannot_move():
+    # Two pinned agents: "front" goes first in the order but has no CPU copy and the CPU
+    # tier is full of pinned chunks; "backed" has CPU copies, its GPU blocks free at no
+    # cost. The evictor passes over the first and takes the second's.
+    m, clock, now = manager(gpu=8, cpu=2, swap_out_threshold=0.25)
+    turn(m, clock, "backed", 8, when=900.0)  # 2 chunks
+    turn(m, clock, "filler", 24, when=910.0)  # 6 chunks: the GPU is full
+    assert len(m.swap_out_ahead().background) == 2  # backed's chunks copied to the CPU
+    m.forget("filler")
+    turn(m, clock, "front", 8, when=800.0)  # idle the longest: first in the order
+    pin(m, "backed", 600.0, now())
+    pin(m, "front", 600.0, now())
+    m.begin_step()
+    assert m.stuck_blocks() == 2  # front's: the CPU tier holds only pinned chunks
+    assert m.can_admit(m.table("other"), 24)
+    m.admit(m.table("other"), 0, 24)  # 6 blocks: 4 free and backed's 2
+    assert m.table("front").tiers() == ["gpu", "gpu"]
+    assert m.table("backed").tiers() == ["cpu", "cpu"]
+    m.check()

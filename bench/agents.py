@@ -1,0 +1,430 @@
+"""Retention policies on an agent workload, in virtual time: every figure is SIMULATED.
+
+    python -m bench.agents --shape 8b                  # Llama-3-8B shape, contexts to 100k
+    python -m bench.agents --shape 13b                 # Llama-2-13B GQA10, contexts to 16k
+    python -m bench.agents --shape 8b --memory 0.15,0.3 --modes tool-aware,ttl-pin
+
+Agent sessions (`bench/lib/agents.py`: dozens of tool steps, contexts growing by tool
+outputs, log-normal tool durations per tool name) run over a background of ShareGPT chats
+on a simulated H100 (`engine/sim`), the real scheduler, cache and policy. At equal memory
+(both tiers the same size in every mode) it compares how the cache keeps an agent's KV while
+its tool runs:
+
+- `cost-t`: the default value Cost/T; the client does not report its tool calls.
+- `tool-aware`: the same, with each tool call reported (`Engine.tools_called`): a waiting
+  agent is worth Cost over its tool's expected time still to come, learned per tool name.
+- `ttl-pin`: a fixed TTL pin after every tool-call turn (`Turn.retention`), as Continuum
+  (arXiv 2511.02230) pins; tool calls not reported.
+- `lru`: least recently used.
+- `hints`: the tool-aware value plus a pin of the tool's expected duration, sent by the agent
+  (`retention.ttl_s`), as a client that knows its tools would.
+- `oracle`: both tiers hold every conversation: nothing is ever evicted or swapped.
+
+Pinning modes end a session with `ttl_s` 0 (the client knows its job is done). Memory is
+swept as a share of every conversation's full context (`--memory`, the GPU tier; the CPU
+tier `--cpu-ratio` times it); then the memory where `ttl-pin`'s p90 job completion time is
+1.2x the oracle's is interpolated and run too: the issue's goal is read there.
+Reports per mode: job completion time (p50, p90), time to first token per agent step,
+recomputed tokens (agents and chats), mean and peak pinned bytes, chat latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.lib import agents as ag
+from bench.lib import workload as wl
+from bench.lib.common import RESULTS, ROOT, environment
+from bench.lib.pools import BENCH_QUEUE, kv_bytes_per_chunk
+from bench.lib.samples import read_sample
+from bench.lib.virtual import replay
+
+CHATS = ROOT / "bench" / "samples" / "gpu.json"  # tokenized ShareGPT: no tokenizer needed
+GOAL_SLOWDOWN = 1.2  # the memory where ttl-pin's p90 job time is this times the oracle's
+SAMPLE_S = 1.0  # virtual seconds between samples of the pinned bytes
+
+
+# A run the engine could not finish: its figures are not numbers
+FAILED = {k: float("nan") for k in ("jct_s_p50", "jct_s_p90", "ttft_s_p90", "pinned_gb_mean",
+                                   "agent_recomputed_tokens", "chat_recomputed_tokens")}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    eviction: str = "pensieve"
+    tools: bool = False  # the client reports each tool call: the tool-aware value
+    pin: str | None = None  # "ttl": a fixed TTL pin per tool call; "hint": the tool's mean
+    oracle: bool = False  # both tiers hold everything
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("cost-t"),
+        Mode("tool-aware", tools=True),
+        Mode("ttl-pin", pin="ttl"),
+        Mode("lru", eviction="lru"),
+        Mode("hints", tools=True, pin="hint"),
+        Mode("oracle", tools=True, oracle=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str
+    spec: ag.AgentSpec
+    agents: int
+    agent_rate: float  # new agent sessions a second
+    chats: int
+    chat_rate: float
+
+
+SHAPES = {
+    # Llama 3 8B (128 KiB of KV a token): contexts to 100k tokens, 1-4k a tool result.
+    "8b": Shape("dummy:llama-3-8b", ag.AgentSpec(), 16, 1 / 15, 300, 0.5),
+    # The 13B-GQA10 shape of the other H100 simulations: its positions stop at 16k, so tool
+    # results are a quarter as long (250-1000 tokens) and sessions stop at 16k of context.
+    "13b": Shape(
+        "dummy:llama-2-13b-gqa10",
+        ag.AgentSpec(task=(1000, 2000), output_scale=0.25, context_cap=16_000),
+        24,
+        1 / 10,
+        300,
+        0.5,
+    ),
+}
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+
+def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: int,
+        ttl_s: float, max_batch_tokens: int = 2048) -> dict[str, Any]:  # fmt: skip
+    """One replay of the workload on its own simulated engine."""
+    from engine import Engine, EngineConfig
+    from engine.retention import usage
+    from engine.types import Retention
+
+    plans = work.agents + work.chats
+    if mode.oracle:
+        gpu = cpu = int(sum(_chunks(p.conversation) for p in plans) * 1.1) + 64
+    engine = Engine(EngineConfig(
+        model=model, device=device, dtype="bfloat16", gpu_cache_chunks=gpu,
+        cpu_cache_chunks=cpu, eviction=mode.eviction, max_waiting=BENCH_QUEUE,
+        max_batch_tokens=max_batch_tokens,
+    ))  # fmt: skip
+
+    def retention(conversation: str, index: int) -> Retention | None:
+        if mode.pin is None or not work.is_agent(conversation):
+            return None
+        if work.is_last(conversation, index):
+            return Retention(ttl_s=0.0)  # the job is done: its chunks go first
+        tool = work.tool_of(conversation, index)
+        assert tool is not None
+        return Retention(ttl_s=ttl_s if mode.pin == "ttl" else tool.mean_s)
+
+    def ended(conversation: str, index: int, req) -> None:
+        tool = work.tool_of(conversation, index) if mode.tools else None
+        if tool is not None:
+            engine.tools_called(req.state.id, [tool.name])
+
+    pinned: list[int] = []
+    next_sample = [0.0]
+
+    def on_step() -> None:
+        now = engine.now()
+        if now >= next_sample[0]:
+            u = usage(engine, now)
+            pinned.append(u.gpu_bytes + u.cpu_bytes)
+            next_sample[0] = now + SAMPLE_S
+
+    t = time.perf_counter()
+    try:
+        records, span = replay(
+            engine, plans, mode.name, retention=retention, on_end=ended, on_step=on_step
+        )
+        counters = asdict(engine.snapshot().counters)
+    finally:
+        engine.close()
+    out = summarize(work, records)
+    out.update(
+        mode=mode.name,
+        gpu_cache_chunks=gpu,
+        cpu_cache_chunks=cpu,
+        span_s=span,
+        pinned_gb_mean=sum(pinned) / len(pinned) / 2**30 if pinned else 0.0,
+        pinned_gb_max=max(pinned, default=0) / 2**30,
+        counters=counters,
+        real_s=time.perf_counter() - t,
+    )
+    return out
+
+
+def summarize(work: ag.Workload, records: list[wl.TurnRecord]) -> dict[str, Any]:
+    """Job completion time per agent session (its first turn sent to its answer done), time
+    to first token per agent step, recomputed and swapped-in tokens, chat latency."""
+    agent = [r for r in records if work.is_agent(r.conversation)]
+    chat = [r for r in records if not work.is_agent(r.conversation)]
+    jobs, unfinished = [], 0
+    for s in work.sessions:
+        mine = [r for r in agent if r.conversation == s.id]
+        if len(mine) < len(s.tools) or any(r.error for r in mine):
+            unfinished += 1
+            continue
+        jobs.append(max(r.done_s for r in mine) - min(r.sent_s for r in mine))
+
+    def total(rs: list[wl.TurnRecord], key: str) -> int:
+        return sum(int(r.stats.get(key, 0)) for r in rs)
+
+    def pct(xs: list[float], p: float) -> float:
+        return wl.percentile(xs, p) if xs else float("nan")
+
+    # where the agents' recompute comes from: the tool each turn waited on before it came
+    by_tool: dict[str, int] = {}
+    for r in agent:
+        tool = work.tool_of(r.conversation, r.index - 1) if r.index else None
+        name = tool.name if tool is not None else "task"
+        by_tool[name] = by_tool.get(name, 0) + int(r.stats.get("recomputed_tokens", 0))
+    ttft = [r.ttft_s for r in agent if not r.error]
+    steps = [r.ttft_s for r in agent if not r.error and r.index > 0]  # after a tool returns
+    chat_lat = [r.latency_s for r in chat if not r.error]
+    return {
+        "jobs": len(jobs),
+        "unfinished": unfinished,
+        "jct_s_p50": pct(jobs, 50),
+        "jct_s_p90": pct(jobs, 90),
+        "jct_s_mean": sum(jobs) / len(jobs) if jobs else float("nan"),
+        "ttft_s_p50": pct(ttft, 50),
+        "ttft_s_p90": pct(ttft, 90),
+        "ttft_s_mean": sum(ttft) / len(ttft) if ttft else float("nan"),
+        "step_ttft_s_p90": pct(steps, 90),
+        "agent_recomputed_tokens": total(agent, "recomputed_tokens"),
+        "agent_recomputed_by_tool": by_tool,
+        "agent_swapped_in_tokens": total(agent, "swapped_in_tokens"),
+        "agent_context_tokens": sum(r.context_tokens for r in agent),
+        "chat_recomputed_tokens": total(chat, "recomputed_tokens"),
+        "chat_turns": len(chat),
+        "chat_latency_s_p50": pct(chat_lat, 50),
+        "chat_latency_s_p90": pct(chat_lat, 90),
+        "errors": sum(1 for r in records if r.error),
+    }
+
+
+def _chunks(conv: wl.Conversation, chunk: int = 32) -> int:
+    return -(-conv.context_lens()[-1] // chunk)
+
+
+# ---- the sweep and the goal -------------------------------------------------------------------
+
+
+def workload(shape: Shape, seed: int, agents: int | None = None, chats: int | None = None,
+             spec: ag.AgentSpec | None = None) -> ag.Workload:  # fmt: skip
+    """The shape's agents over its background of ShareGPT chats (the committed sample)."""
+    n_chats = shape.chats if chats is None else chats
+    convs: list[wl.Conversation] = []
+    if n_chats:
+        sample, _ = read_sample(CHATS)
+        cap = (spec or shape.spec).context_cap
+        capped = (wl.cap_conversation(c, cap, 1024) for c in sample[:n_chats])
+        convs = [wl.Conversation(f"chat-{c.id}", c.turns) for c in capped if c is not None]
+    n_agents = shape.agents if agents is None else agents
+    return ag.build(n_agents, shape.agent_rate, convs, shape.chat_rate, 60.0, seed,
+                    spec or shape.spec)  # fmt: skip
+
+
+def history_chunks(work: ag.Workload) -> int:
+    return sum(_chunks(p.conversation) for p in work.agents + work.chats)
+
+
+def crossing(points: list[tuple[float, float]], target: float) -> float | None:
+    """The memory where a decreasing slowdown crosses `target`, interpolated in log memory
+    between the swept points either side (None: not crossed)."""
+    points = sorted(points)
+    for (m0, s0), (m1, s1) in zip(points, points[1:], strict=False):
+        if s0 >= target >= s1 and s0 != s1:
+            w = (s0 - target) / (s0 - s1)
+            return math.exp(math.log(m0) + w * (math.log(m1) - math.log(m0)))
+    return None
+
+
+def goal(runs: list[dict], memory: float) -> dict[str, Any]:
+    """The issue's goal at one memory: tool-aware's p90 job time at most 0.85x ttl-pin's, and
+    its recomputed tokens at most 0.5x LRU's."""
+    at = {r["mode"]: r for r in runs if r["memory"] == memory}
+    need = ("tool-aware", "ttl-pin", "lru")
+    if any(m not in at for m in need):
+        return {"memory": memory, "evaluated": False}
+    ta, ttl, lru = at["tool-aware"], at["ttl-pin"], at["lru"]
+    jct = ta["jct_s_p90"] / ttl["jct_s_p90"]
+    recompute = (ta["agent_recomputed_tokens"] + ta["chat_recomputed_tokens"]) / max(
+        1, lru["agent_recomputed_tokens"] + lru["chat_recomputed_tokens"]
+    )
+    return {
+        "memory": memory,
+        "evaluated": True,
+        "jct_p90_vs_ttl": jct,
+        "recomputed_vs_lru": recompute,
+        "met_jct": jct <= 0.85,
+        "met_recompute": recompute <= 0.5,
+        "met": jct <= 0.85 and recompute <= 0.5,
+    }
+
+
+def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
+    device = f"sim:{args.device}"
+    hist = history_chunks(work)
+    # a turn's context must fit the GPU tier: room for the longest twice over (`fit_pools`)
+    floor = 2 * max(_chunks(p.conversation) for p in work.agents + work.chats) + 2
+    per = kv_bytes_per_chunk(shape.model, "bfloat16")
+    ttl = args.ttl if args.ttl is not None else work.info["tool_s"]["all"]["p90"]
+    modes = [MODES[m] for m in args.modes.split(",")]
+
+    def one(mode: Mode, memory: float) -> dict[str, Any]:
+        gpu = max(int(hist * memory), floor)
+        cpu = int(gpu * args.cpu_ratio)
+        try:
+            r = run(work, mode, shape.model, device, gpu, cpu, ttl)
+        except MemoryError as e:  # the engine gave up a step: recorded, the sweep goes on
+            log(f"{mode.name:10s} mem {memory:.3f}: FAILED {type(e).__name__}: {e}")
+            r = {"mode": mode.name, "failed": f"{type(e).__name__}: {e}", **FAILED}
+        r["memory"] = memory
+        r["gpu_gb"], r["cpu_gb"] = gpu * per / 2**30, cpu * per / 2**30
+        if "failed" in r:
+            return r
+        log(f"{mode.name:10s} mem {memory:.3f} ({r['gpu_gb']:.1f}+{r['cpu_gb']:.1f} GB) "
+            f"jct p50 {r['jct_s_p50']:7.1f} p90 {r['jct_s_p90']:7.1f} s  ttft p90 "
+            f"{r['ttft_s_p90']:6.2f} s  recomputed {r['agent_recomputed_tokens']:>9,} agent "
+            f"{r['chat_recomputed_tokens']:>9,} chat  pinned {r['pinned_gb_mean']:5.1f} GB "
+            f"mean  unfinished {r['unfinished']}  [{r['real_s']:.0f}s real]")  # fmt: skip
+        return r
+
+    runs: list[dict[str, Any]] = []
+    oracle = None
+    if "oracle" in args.modes.split(","):
+        oracle = one(MODES["oracle"], 1.0)
+        runs.append(oracle)
+    others = [m for m in modes if not m.oracle]
+    for memory in args.memory:
+        runs += [one(m, memory) for m in others]
+    target = None
+    if oracle is not None and not args.no_refine:
+        slow = [(r["memory"], r["jct_s_p90"] / oracle["jct_s_p90"])
+                for r in runs if r["mode"] == "ttl-pin"]  # fmt: skip
+        target = crossing(slow, GOAL_SLOWDOWN)
+        if target is not None and all(abs(target - m) > 1e-3 for m in args.memory):
+            runs += [one(m, target) for m in others]
+    if target is None:  # not crossed: the swept memory where ttl-pin is nearest 1.2x
+        ttls = [r for r in runs if r["mode"] == "ttl-pin"]
+        if oracle is not None and ttls:
+            target = min(ttls, key=lambda r: abs(r["jct_s_p90"] / oracle["jct_s_p90"] - 1.2))[
+                "memory"
+            ]
+    return {
+        "history_chunks": hist,
+        "bytes_per_chunk": per,
+        "ttl_s": ttl,
+        "runs": runs,
+        "goal": goal(runs, target) if target is not None else {"evaluated": False},
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    oracle = next((r for r in runs if r["mode"] == "oracle"), None)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = (
+        ("jct_s_p90", "job completion time p90 (s)"),
+        ("ttft_s_p90", "time to first token per step, p90 (s)"),
+        ("recomputed", "recomputed tokens (agents + chats)"),
+        ("pinned_gb_mean", "pinned KV, mean (GB)"),
+    )
+    for ax, (key, label) in zip(axes.flat, panels, strict=True):
+        for mode in MODES:
+            rs = sorted((r for r in runs if r["mode"] == mode and mode != "oracle"),
+                        key=lambda r: r["memory"])  # fmt: skip
+            if not rs:
+                continue
+            xs = [r["gpu_gb"] + r["cpu_gb"] for r in rs]
+            ys = [_value(r, key) for r in rs]
+            ax.plot(xs, ys, marker="o", label=mode)
+        if oracle is not None and key in ("jct_s_p90", "ttft_s_p90"):
+            ax.axhline(_value(oracle, key), color="black", ls="--", label="oracle")
+        ax.set(xlabel="GPU + CPU tier (GB)", ylabel=label)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend()
+    env, g = result["environment"], result["goal"]
+    verdict = ""
+    if g.get("evaluated"):
+        verdict = (f"; at {g['memory']:.3f}: tool-aware p90 JCT {g['jct_p90_vs_ttl']:.2f}x "
+                   f"ttl-pin, recompute {g['recomputed_vs_lru']:.2f}x lru")  # fmt: skip
+    fig.suptitle(f"SIMULATED {result['device']} {result['model']}: {result['agents']} agents "
+                 f"over {result['chats']} chats ({env['git_commit'][:9]}){verdict}",
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _value(r: dict, key: str) -> float:
+    if key == "recomputed":
+        return r["agent_recomputed_tokens"] + r["chat_recomputed_tokens"]
+    return r[key]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--device", default="h100")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--memory", type=lambda s: [float(x) for x in s.split(",")],
+                   default=[0.05, 0.1, 0.2], help="GPU tier as a share of every context")  # fmt: skip
+    p.add_argument("--cpu-ratio", type=float, default=1.0, help="CPU tier = this x GPU tier")
+    p.add_argument("--ttl", type=float, default=None,
+                   help="ttl-pin's TTL (s); default the tools' p90 duration")  # fmt: skip
+    p.add_argument("--agents", type=int, default=None)
+    p.add_argument("--chats", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-refine", action="store_true", help="no run at the interpolated memory")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    work = workload(shape, args.seed, args.agents, args.chats)
+    print(json.dumps(work.info["tool_s"]["all"]), wl.format_summary(work.info["agent_summary"]))
+    result: dict[str, Any] = {
+        "benchmark": "agents",
+        "simulated": True,
+        "device": f"sim:{args.device}",
+        "shape": args.shape,
+        "model": shape.model,
+        "agents": len(work.sessions),
+        "chats": len(work.chats),
+        "tools": [asdict(t) for t in shape.spec.tools],
+        "workload": work.info,
+        "cpu_ratio": args.cpu_ratio,
+        "environment": environment(),
+    }
+    result.update(sweep(args, shape, work))
+    g = result["goal"]
+    print("goal:", json.dumps(g))
+    out = args.out or RESULTS / f"agents-sim-{args.device}-{args.shape}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
