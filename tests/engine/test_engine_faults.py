@@ -150,6 +150,7 @@ def test_context_limit_and_typed_snapshot():
         "counters",
         "sharing",
         "conversations",
+        "pins",
     }
     assert d["pools"]["gpu"] == {"total": 32, "used": 1, "free": 31}
     assert d["sharing"] == {"chunks": 0, "holders": 0, "saved_blocks": 0}
