@@ -73,11 +73,11 @@ def _activation(name: str) -> str:
     return name
 
 
-def _read_llama_like(model_type: str, config: dict) -> dict:
+def _rotary_fields(family: str, config: dict, theta, scaling, norm_eps: float) -> dict:
+    """The fields every rotary, RMS-normed family reads the same way."""
     heads = config["num_attention_heads"]
-    theta, scaling = _rope(config, default_theta=2e6 if model_type == "smollm3" else 10000.0)
-    fields = {
-        "family": model_type,
+    return {
+        "family": family,
         "vocab_size": config["vocab_size"],
         "dim": config["hidden_size"],
         "n_layers": config["num_hidden_layers"],
@@ -85,13 +85,18 @@ def _read_llama_like(model_type: str, config: dict) -> dict:
         "n_kv_heads": config.get("num_key_value_heads") or heads,
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
         "intermediate_size": config["intermediate_size"],
-        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "norm_eps": config.get("rms_norm_eps", norm_eps),
         "rope_theta": theta,
         "rope_scaling": scaling,
         "max_position": config.get("max_position_embeddings", 4096),
         "tie_embeddings": config.get("tie_word_embeddings", False),
         "hidden_act": _activation(config.get("hidden_act", "silu")),
     }
+
+
+def _read_llama_like(model_type: str, config: dict) -> dict:
+    theta, scaling = _rope(config, default_theta=2e6 if model_type == "smollm3" else 10000.0)
+    fields = _rotary_fields(model_type, config, theta, scaling, 1e-6)
     if model_type == "llama":
         bias = bool(config.get("attention_bias", False))
         fields |= {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias"))}
@@ -233,7 +238,6 @@ def _read_phi3(config: dict) -> dict:
     """Phi-3 and Phi-4-mini: Llama's math with fused checkpoints, partial rotary dims
     (Phi-4-mini: 3/4 of each head) and LongRoPE (read as its short factors, exact up to the
     original context length, where the engine stops: see `ModelArgs.max_context`)."""
-    heads = config["num_attention_heads"]
     theta, scaling = _rope(config, allowed=("default", "longrope", "su", "yarn"))
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial_rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
@@ -253,22 +257,8 @@ def _read_phi3(config: dict) -> dict:
             "factor": scaling.get("factor"),
             "attention_factor": scaling.get("attention_factor"),
         }
-    return {
-        "family": "phi3",
-        "vocab_size": config["vocab_size"],
-        "dim": config["hidden_size"],
-        "n_layers": config["num_hidden_layers"],
-        "n_heads": heads,
-        "n_kv_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
-        "intermediate_size": config["intermediate_size"],
-        "norm_eps": config.get("rms_norm_eps", 1e-5),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
+    return _rotary_fields("phi3", config, theta, scaling, 1e-5) | {
         "partial_rotary_factor": float(partial_rotary),
-        "max_position": config.get("max_position_embeddings", 4096),
-        "tie_embeddings": config.get("tie_word_embeddings", False),
-        "hidden_act": _activation(config.get("hidden_act", "silu")),
         "sliding_window": config.get("sliding_window"),
     }
 
