@@ -306,40 +306,29 @@ def _linear(m: WeightMap, own: str, parts: list[tuple[str, int]], bias: bool) ->
         m[own + ".bias"] = [(p + ".bias", rows) for p, rows in parts]
 
 
-def _llama_names(a: ModelArgs) -> WeightMap:
+def _llama_names(a: ModelArgs, fused: bool = False) -> WeightMap:
+    """Llama's layout; `fused`: q/k/v and gate/up stored as one tensor each, in the decoder's
+    own order (Phi-3)."""
     q, kv, ffn = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.intermediate_size
     m: WeightMap = {"embed.weight": [("model.embed_tokens.weight", a.vocab_size)]}
     for i in range(a.n_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         attn = p + "self_attn."
-        qkv = [(attn + "q_proj", q), (attn + "k_proj", kv), (attn + "v_proj", kv)]
+        if fused:
+            qkv = [(attn + "qkv_proj", q + 2 * kv)]
+            gate_up = [(p + "mlp.gate_up_proj", 2 * ffn)]
+        else:
+            qkv = [(attn + "q_proj", q), (attn + "k_proj", kv), (attn + "v_proj", kv)]
+            gate_up = [(p + "mlp.gate_proj", ffn), (p + "mlp.up_proj", ffn)]
         _linear(m, o + "wqkv", qkv, a.qkv_bias)
         _linear(m, o + "wo", [(attn + "o_proj", a.dim)], a.o_bias)
-        _linear(m, o + "w13", [(p + "mlp.gate_proj", ffn), (p + "mlp.up_proj", ffn)], a.mlp_bias)
+        _linear(m, o + "w13", gate_up, a.mlp_bias)
         _linear(m, o + "w2", [(p + "mlp.down_proj", a.dim)], a.mlp_bias)
         m[o + "attn_norm.weight"] = [(p + "input_layernorm.weight", a.dim)]
         m[o + "mlp_norm.weight"] = [(p + "post_attention_layernorm.weight", a.dim)]
         if a.qk_norm:
             m[o + "q_norm.weight"] = [(attn + "q_norm.weight", a.head_dim)]
             m[o + "k_norm.weight"] = [(attn + "k_norm.weight", a.head_dim)]
-    m["norm.weight"] = [("model.norm.weight", a.dim)]
-    if not a.tie_embeddings:
-        m["lm_head.weight"] = [("lm_head.weight", a.vocab_size)]
-    return m
-
-
-def _phi3_names(a: ModelArgs) -> WeightMap:
-    """Llama's layout with q/k/v and gate/up already fused, in the decoder's own order."""
-    qkv = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
-    m: WeightMap = {"embed.weight": [("model.embed_tokens.weight", a.vocab_size)]}
-    for i in range(a.n_layers):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        _linear(m, o + "wqkv", [(p + "self_attn.qkv_proj", qkv)], False)
-        _linear(m, o + "wo", [(p + "self_attn.o_proj", a.dim)], False)
-        _linear(m, o + "w13", [(p + "mlp.gate_up_proj", 2 * a.intermediate_size)], False)
-        _linear(m, o + "w2", [(p + "mlp.down_proj", a.dim)], False)
-        m[o + "attn_norm.weight"] = [(p + "input_layernorm.weight", a.dim)]
-        m[o + "mlp_norm.weight"] = [(p + "post_attention_layernorm.weight", a.dim)]
     m["norm.weight"] = [("model.norm.weight", a.dim)]
     if not a.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", a.vocab_size)]
@@ -392,7 +381,7 @@ FAMILIES: dict[str, Family] = {
         "Phi3ForCausalLM",
         read_config=_read_phi3,
         write_config=_write_phi3,
-        names=_phi3_names,
+        names=partial(_llama_names, fused=True),
     ),
     "opt": Family(
         "opt",
