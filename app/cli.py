@@ -89,12 +89,13 @@ def serve(args: argparse.Namespace) -> None:
     from store.db import check_database
 
     settings = _settings(args)
-    # Fail in one line, before the model loads, when the database cannot be reached.
-    asyncio.run(check_database(settings.database_url, settings.database_timeout_s))
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    settings = _with_serving_dtype(settings)
+    # Fail in one line, before the model loads, when the database cannot be reached.
+    asyncio.run(check_database(settings.database_url, settings.database_timeout_s))
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -104,6 +105,17 @@ def serve(args: argparse.Namespace) -> None:
     )
     redact_access_logs()  # after uvicorn.Config set up its loggers
     uvicorn.Server(config).run()
+
+
+def _with_serving_dtype(settings: Settings) -> Settings:
+    """A dtype left unset is picked for the device, in one log line saying which and why."""
+    from engine.backends.local import serving_dtype
+
+    if settings.dtype is not None:
+        return settings
+    dtype, why = serving_dtype(settings.device)
+    logging.getLogger(__name__).info("dtype %s: %s", dtype, why)
+    return settings.model_copy(update={"dtype": dtype})
 
 
 async def _create_user(settings: Settings, name: str) -> str:

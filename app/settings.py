@@ -21,7 +21,8 @@ from engine.types import EngineConfig
 ENGINE_HELP: dict[str, str] = {
     "model": "model name, Hugging Face model dir or hub id (org/name), or dummy:<shape>",
     "device": "cpu or cuda (default: cuda when present)",
-    "dtype": "float32, bfloat16, float16 (default: per device)",
+    "dtype": "float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native "
+    "bfloat16 when served, else float32)",
     "kv_dtype": "KV cache: auto (the model dtype), fp8 (e4m3) or int8 (8-bit: ~2x the chunks)",
     "chunk_size": "tokens per KV chunk (a power of two)",
     "gpu_cache_chunks": "GPU KV cache size in chunks (default: from free memory)",

@@ -30,6 +30,7 @@ class Server(harness.Server):
     admin_token: str = ADMIN
     defaults: ClassVar[dict[str, str]] = {
         "PENSIEVE_DEVICE": "cpu",
+        "PENSIEVE_DTYPE": "float32",  # what transformers computes, token for token
         "PENSIEVE_MAX_TOKENS_DEFAULT": "24",
     }
 

@@ -33,6 +33,19 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def serving_dtype(device: str | None) -> tuple[str, str]:
+    """The dtype a server picks when none is given, and why (for its log line): bfloat16 on
+    CUDA, and on a CPU that computes bfloat16 natively (AVX512-BF16 or AMX: about 1.2-1.5x
+    float32's tokens/s, replies within the bound tests/kernels/test_kv8.py holds it to);
+    float32 on other CPUs, where bfloat16 would be emulated and slower."""
+    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    if on_cuda:
+        return "bfloat16", "on CUDA"
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "bfloat16", "this CPU computes bfloat16 natively; --dtype float32 for float32"
+    return "float32", "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
+
+
 def check_kv_dtype(kv_dtype: str, attention: str | None, device: torch.device) -> None:
     """Triton converts to and from e4m3 only on GPUs with native fp8 (compute capability 8.9+)."""
     if kv_dtype != "fp8" or attention != "triton" or device.type != "cuda":

@@ -319,6 +319,21 @@ def test_kv_dtype_is_validated_and_a_server_flag():
         _settings(parser().parse_args(["serve", "--kv-dtype", "e5m2"]))
 
 
+def test_serve_picks_bfloat16_where_the_cpu_computes_it(caplog):
+    """`pensieve serve` on a CPU with native bfloat16 serves it (the dtype whose divergence
+    from float32 the test below bounds); elsewhere float32; a given --dtype is kept."""
+    from app.cli import _settings, _with_serving_dtype, parser
+
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    with caplog.at_level("INFO"):
+        picked = _with_serving_dtype(_settings(parser().parse_args(["serve", "--device", "cpu"])))
+    assert picked.dtype == ("bfloat16" if native else "float32")
+    assert picked.engine_config().dtype == picked.dtype
+    assert f"dtype {picked.dtype}: " in caplog.text
+    given = _settings(parser().parse_args(["serve", "--device", "cpu", "--dtype", "float32"]))
+    assert _with_serving_dtype(given).dtype == "float32"
+
+
 # ---------------------------------------------------------------- engine
 
 BUNDLED = "smollm2-135m-instruct"
