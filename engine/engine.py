@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -182,6 +183,7 @@ class Engine:
             retention.reserve(self, turn)  # a pin past its owner's cap is refused here
         except BaseException:
             self.claims.release(turn.conversation_id)
+            self.cache.policy.unexpect(turn.conversation_id)
             raise
 
     def queued(self) -> int:
@@ -199,6 +201,7 @@ class Engine:
             return self._queue(turn, on_token)
         except BaseException:
             self.claims.release(turn.conversation_id)
+            self.cache.policy.unexpect(turn.conversation_id)
             raise
 
     def _queue(self, turn: Turn, on_token: Callable[[int], None] | None) -> Request:
@@ -225,10 +228,15 @@ class Engine:
             if length != state.length:
                 resync(state, length, self.cache)
             now = self.now()
-            if state.idle_since is not None:  # what the `returns` eviction value learns from
+            policy = self.cache.policy
+            # `returns` learns how long people take; a tool's result is learned apart
+            if state.idle_since is not None and not policy.tools.is_waiting(state.id):
                 self.cache.returned(now - state.idle_since)
-            self.cache.policy.tools.arrived(state.id, now)  # a tool's result, maybe: learned
+            policy.tools.arrived(state.id, now)  # a tool's result, maybe: learned
             self.clock.touch(state.id, now)
+            # Queued, it is about to run: its chunks are the last idle ones to go (by its
+            # idle time alone, `returns` and the tool value would value it as idle)
+            policy.expect(state.id, math.inf)
             prompt = list(turn.prompt_token_ids)
             chain, shared = [], 0
             if state.length == 0:
@@ -323,7 +331,10 @@ class Engine:
             if state is None or conversation_id in self.claims:
                 return
             since = state.idle_since if state.idle_since is not None else self.now()
-            self.cache.policy.tools.wait(conversation_id, tools, since)
+            tools_wait = self.cache.policy.tools
+            if not tools_wait.is_waiting(conversation_id):  # its end was a tool call's
+                self.cache.policy.returns.retract()
+            tools_wait.wait(conversation_id, tools, since)
 
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin and priority go at once (its client deleted it)."""
@@ -511,6 +522,7 @@ class Engine:
             req.stats.first_token_s = now
         self.clock.touch(state.id, now)
         state.idle_since = now
+        self.cache.policy.unexpect(state.id)
         self.cache.ended()
         retention.settle(self, req, now)
         if self.owns_history:

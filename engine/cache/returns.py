@@ -43,6 +43,11 @@ class Returns:
         self.ends = self.ends * self._decay + 1.0
         self.back *= self._decay
 
+    def retract(self) -> None:
+        """The last turn end counted was an agent's tool call: its gap is a tool's, learned
+        apart (`toolwait`), so it is not counted among the ends a return may follow."""
+        self.ends = max(0.0, self.ends - 1.0)
+
     def returned(self, gap_s: float) -> None:
         """A turn arrived `gap_s` after the conversation's previous turn ended."""
         self.gaps.append(max(0.0, gap_s))

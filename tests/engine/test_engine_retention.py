@@ -8,6 +8,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.cache.pins import PinRefused
+from engine.request import Status
 from engine.types import Retention
 
 
@@ -76,3 +77,42 @@ def test_a_turn_ending_in_tool_calls_waits_and_the_next_turn_teaches_the_gap():
     ask(engine, "agent", 5)
     assert not engine.cache.policy.tools.is_waiting("agent")
     assert len(engine.cache.policy.tools.gaps["search"]) == 1
+
+
+def test_a_queued_turn_is_the_last_idle_to_go_until_it_ends():
+    """A turn waiting for admission is about to run: its conversation's chunks sort after
+    every idle one (by idle time alone, `returns` would value it as an idle chat), and
+    only until its turn ends."""
+    engine = make(eviction="returns")
+    ask(engine, "queued", 40)
+    ask(engine, "idle", 40, seed=1)
+    policy = engine.cache.policy
+    for _ in range(64):  # people come back in about a minute: `returns` is ready
+        policy.returns.ended()
+        policy.returns.returned(60.0)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    req = engine.submit(Turn("queued", [11, 12, 13], sampling))
+    now = engine.now()
+    queued, idle = engine.cache.table("queued"), engine.cache.table("idle")
+    assert policy.key(queued, 0, now) > policy.key(idle, 0, now)
+    while engine.has_work():
+        engine.step()
+    engine.flush()
+    assert req.status == Status.FINISHED
+    assert not policy.is_expected("queued", engine.now())
+
+
+def test_tool_gaps_are_learned_apart_from_people_gaps():
+    """`returns` learns how long people take to answer; a tool's result arriving is a tool's
+    gap, learned per tool, and its turn end is not counted among those a person may follow."""
+    engine = make()
+    returns = engine.cache.policy.returns
+    ask(engine, "agent", 20)
+    ends = returns.ends
+    engine.tools_called("agent", ["search"])
+    engine.tools_called("agent", ["search"])  # said twice: counted once
+    assert returns.ends == ends - 1
+    ask(engine, "agent", 5)
+    assert len(returns.gaps) == 0 and len(engine.cache.policy.tools.gaps["search"]) == 1
+    ask(engine, "agent", 5)  # a person's answer this time
+    assert len(returns.gaps) == 1
