@@ -294,6 +294,39 @@ def test_sliding_windows_do_not_cap_the_context(family, checkpoint, tmp_path):
     assert r.token_ids == hf_greedy(hf_from(path), prompt, 140, set())
 
 
+@pytest.mark.timeout(300)
+def test_compiled_cpu_forward_keeps_each_layers_window(checkpoint, tmp_path):
+    """The compiled CPU forward's attention op carries each layer's window: Gemma 3 past its
+    window equals transformers there too."""
+    path = checkpoint("gemma3_text")
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            compile_cpu=True,
+            gpu_cache_chunks=16,
+            cache_dir=str(tmp_path),
+        )
+    )
+    assert engine.runner.compiled is not None
+    prompt = list(range(200, 240))
+    r = engine.run([Turn("c", prompt, SamplingParams(max_tokens=40, ignore_eos=True))])[0]
+    assert r.token_ids == hf_greedy(hf_from(path), prompt, 40, set())
+
+
+def test_gemma3_fused_path_keeps_the_sandwich_norms(checkpoint):
+    """The fused path's residual bookkeeping (CUDA's) with Gemma's norms after each branch:
+    Gemma 3 calls none of the fused kernels (its norms, q/k norms and GELU are its own), so
+    the path runs here and gives the plain path's logits."""
+    model = load(str(checkpoint("gemma3_text")), CPU, torch.float32).model
+    ids = list(range(500, 580))
+    plain = own_logits(model, ids)
+    model.fused = True
+    torch.testing.assert_close(own_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
+    with torch.device("meta"):  # as a GPU load builds it
+        assert Decoder(DUMMY_SHAPES["gemma-3-1b"]).embed_scale[torch.bfloat16] == 34.0
+
+
 def test_a_window_the_reader_cannot_place_still_caps_the_context():
     """Qwen2's config says which layers slide in ways not read here: up to the window, every
     layer attends to everything, so the engine stops there."""
@@ -566,3 +599,37 @@ def test_cuda_greedy_equals_transformers(family, tmp_path):
         engine.cache.check()
     counters = engine.snapshot().counters
     assert counters.swapped_in_tokens > 0 and counters.recomputed_tokens > 0, counters
+
+
+@gpu
+@cuda
+def test_cuda_gemma3_dummy_shape_triton_equals_reference():
+    """Gemma 3 1B's shape on the GPU (head_dim 256, 4 query heads over 1 KV head, a window of
+    512): a 700-token prompt and then a decode step at position 700, with Triton attention
+    and the fused kernels, give the logits of the PyTorch reference path (float32)."""
+    model = load("dummy:gemma-3-1b", torch.device("cuda"), torch.float32).model
+    a, block, n = model.args, 32, 700
+    ids = torch.randint(0, a.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0))
+    ids, table = ids.cuda(), list(range(-(-(n + 1) // block)))
+
+    def run(backend: str) -> torch.Tensor:
+        shape = (len(table), block, a.n_kv_heads, a.head_dim)
+        pools = [
+            (torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda"))
+            for _ in range(a.n_layers)
+        ]
+        rows = torch.arange(n, device="cuda")
+        meta = kernels.AttentionMetadata.build([n], [0], [table], "cuda")
+        prompt = model(ids[:n], rows, pools, meta, rows, rows, backend=backend)
+        at = torch.tensor([n], device="cuda")
+        meta = kernels.AttentionMetadata.build([1], [n], [table], "cuda")
+        step = model(
+            ids[n:], at, pools, meta, at, torch.tensor([0], device="cuda"), backend=backend
+        )
+        return torch.cat([prompt, step])
+
+    got, want = run("triton"), run("torch")
+    assert a.window(0) == 512 and n > a.window(0)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 1e-3, err
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.99
