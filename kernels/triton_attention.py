@@ -22,6 +22,10 @@ The launch shape (`LaunchConfig`: rows, key tile, segments, warps, stages) depen
 the host knows (tokens, sub-requests, heads, the block table's width), so it is picked once per
 step and cached, with the segment buffers, in `meta.derived`: every layer reuses it.
 
+A sliding window (a runtime argument: one compiled kernel serves every layer) hides the keys
+a query is `window` or more positions past (kernels/reference.py), and the key tiles before
+a program's first visible key are skipped: split-KV segments divide only the tiles left.
+
 An 8-bit pool (`kernels.quant.QuantizedKV`) is dequantized tile by tile as it is loaded:
 codes times the key's scale, rounded to q's dtype, exactly as the PyTorch reference does
 before its attention.
@@ -83,6 +87,7 @@ def _paged_attention_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGS, HEAD_PAD] fp32, split-KV only
     part_ml_ptr,  # [num_tokens, num_heads, NUM_SEGS, 2] fp32 (running max, sum), split-KV only
     scale_log2,
+    window,  # keys at window or more positions back are hidden (NO_WINDOW: none)
     num_seqs,
     num_heads,
     stride_qt,
@@ -144,17 +149,18 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     q_abs = pos0 + qi  # absolute position of each row's query
 
-    # Keys this tile needs: up to its last real query.
+    # Keys this tile needs: up to its last real query, from its first query's window on.
     kv_len = pos0 + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_len, TILE_N)
+    first_tile = tl.maximum(pos0 + tile * BLOCK_Q - window + 1, 0) // TILE_N
     if NUM_SEGS > 1:
         # This sub-request's own tiles split evenly: a short context leaves late segments
         # empty (they store an empty partial, which the merge weighs 0).
-        per_seg = tl.cdiv(num_tiles, NUM_SEGS)
-        t_lo = seg * per_seg
+        per_seg = tl.cdiv(num_tiles - first_tile, NUM_SEGS)
+        t_lo = first_tile + seg * per_seg
         t_hi = tl.minimum(t_lo + per_seg, num_tiles)
     else:
-        t_lo = 0
+        t_lo = first_tile
         t_hi = num_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -193,7 +199,8 @@ def _paged_attention_kernel(
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
-        visible = (kpos[None, :] <= q_abs[:, None]) & k_ok[None, :]
+        back = q_abs[:, None] - kpos[None, :]  # how far back each key is from each query
+        visible = (back >= 0) & (back < window) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of this tile yet (split-KV segments): keep exp2 finite.
@@ -280,6 +287,7 @@ def _num_sms(device: torch.device) -> int:
 PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_ROW = 16
 MAX_SEGS = 64
+NO_WINDOW = 1 << 30  # the window argument when there is none: past any position
 
 
 @dataclass(frozen=True)
@@ -387,8 +395,10 @@ def paged_attention_triton(
     num_segs: int | None = None,
     out: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim].
+    `window`: a query sees only the keys fewer than `window` positions back (None: all).
 
     `num_segs` forces the number of split-KV segments (a power of two); `config` forces the whole
     launch shape (benchmarks); None picks from the shapes. `out` (shaped like q) receives the
@@ -444,6 +454,7 @@ def paged_attention_triton(
         part_acc,
         part_ml,
         scale * LOG2E,
+        window or NO_WINDOW,
         num_seqs,
         num_heads,
         q.stride(0),

@@ -46,14 +46,16 @@ def attend_paged(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     scale: float,
+    window: int | None,
 ) -> torch.Tensor:
-    """Writes k, v [T, kv_heads, d] to their slots, then paged attention of q [T, heads, d]."""
+    """Writes k, v [T, kv_heads, d] to their slots, then paged attention of q [T, heads, d]
+    (within the layer's sliding window, if it has one)."""
     write_kv_torch(k_cache, v_cache, k, v, slots)
-    return paged_attention_torch(q, k_cache, v_cache, _step.meta, scale)
+    return paged_attention_torch(q, k_cache, v_cache, _step.meta, scale, window)
 
 
 @attend_paged.register_fake
-def _(q, k, v, k_cache, v_cache, slots, scale):
+def _(q, k, v, k_cache, v_cache, slots, scale, window):
     return torch.empty_like(q)
 
 
@@ -80,7 +82,9 @@ class CompiledForward:
     def __init__(self, model: Decoder, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.model = model
         self.layers = layers
-        model.inv_freq(torch.device("cpu"))  # cached before tracing: no guard on the cache
+        # Cached before tracing: no guard on the cache (Gemma 3: the local layers' too).
+        for local in (False, True) if model.args.rope_local_theta is not None else (False,):
+            model.inv_freq(torch.device("cpu"), local)
         for k, v in layers:
             torch._dynamo.mark_static(k)
             torch._dynamo.mark_static(v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -14,7 +15,10 @@ from engine.model.families import ACTIVATIONS, to_hf, to_own
 from engine.model.shapes import ModelArgs
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """`local`: for Gemma 3's sliding layers (their own base, never scaled)."""
+    if local:
+        args = replace(args, rope_theta=args.rope_local_theta, rope_scaling=None)
     d = args.rotary_dim
     powers = args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
     inv = 1.0 / powers
@@ -80,10 +84,27 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def make_norm(args: ModelArgs) -> nn.Module:
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scaled by 1 + weight, in float32, then cast (Llama casts first)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(args: ModelArgs, dim: int | None = None) -> nn.Module:
+    dim = dim or args.dim
     if args.spec.norm == "layer":
-        return nn.LayerNorm(args.dim, eps=args.norm_eps)
-    return RMSNorm(args.dim, args.norm_eps)
+        return nn.LayerNorm(dim, eps=args.norm_eps)
+    if args.spec.norm == "gemma":
+        return GemmaRMSNorm(dim, args.norm_eps)
+    return RMSNorm(dim, args.norm_eps)
 
 
 def add_norm(
@@ -102,6 +123,10 @@ class Block(nn.Module):
         self.args = args
         # Whether this layer rotates q and k (SmolLM3 leaves some layers without positions).
         self.uses_rope = args.spec.rope and index not in args.no_rope_layers
+        self.window = args.window(index)  # its sliding window (None: every key)
+        # Gemma 3's sliding layers rotate with a base of their own.
+        self.local_rope = self.window is not None and args.rope_local_theta is not None
+        self.sandwich = args.spec.sandwich
         self.gated = args.spec.gated_mlp
         self.act = ACTIVATIONS[args.hidden_act]
         qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
@@ -114,9 +139,12 @@ class Block(nn.Module):
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
         self.attn_norm = make_norm(args)
         self.mlp_norm = make_norm(args)
+        if self.sandwich:  # on each branch's output, before the residual add
+            self.post_attn_norm = make_norm(args)
+            self.post_mlp_norm = make_norm(args)
         if args.qk_norm:  # per head, over head_dim
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.q_norm = make_norm(args, args.head_dim)
+            self.k_norm = make_norm(args, args.head_dim)
 
     def qkv(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, ...]:
         """Queries, keys and values of normed `x`, rotated where the family uses rope."""
@@ -146,12 +174,22 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.attn_norm(x), rope)
         k_cache, v_cache = kv
         if torch.compiler.is_compiling():  # one opaque op (engine/model/compiled.py)
-            o = torch.ops.pensieve.attend_paged(q, k, v, k_cache, v_cache, slots, a.attn_scale)
+            o = torch.ops.pensieve.attend_paged(
+                q, k, v, k_cache, v_cache, slots, a.attn_scale, self.window
+            )
         else:
             kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
-            o = kernels.paged_attention(q, k_cache, v_cache, meta, a.attn_scale, backend=backend)
-        h = x + self.wo(o.reshape(t, a.n_heads * a.head_dim))
-        return h + self.mlp(self.mlp_norm(h))
+            o = self.attend(q, kv, meta, backend)
+        attn = self.wo(o.reshape(t, a.n_heads * a.head_dim))
+        h = x + (self.post_attn_norm(attn) if self.sandwich else attn)
+        m = self.mlp(self.mlp_norm(h))
+        return h + (self.post_mlp_norm(m) if self.sandwich else m)
+
+    def attend(self, q, kv, meta, backend) -> torch.Tensor:
+        k_cache, v_cache = kv
+        return kernels.paged_attention(
+            q, k_cache, v_cache, meta, self.args.attn_scale, backend=backend, window=self.window
+        )
 
     def forward_fused(self, x, delta, rope, kv, meta, slots, backend) -> tuple[torch.Tensor, ...]:
         """`forward` with fused elementwise kernels (the Triton backend on CUDA). The residual
@@ -170,11 +208,14 @@ class Block(nn.Module):
             q = kernels.rope_write_kv(
                 self.wqkv(n), cos, sin, k_cache, v_cache, slots, a.n_heads, a.n_kv_heads, a.head_dim
             )
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, a.attn_scale, backend=backend)
-        h, n = add_norm(self.mlp_norm, x, self.wo(o.reshape(t, a.n_heads * a.head_dim)))
+        o = self.attend(q, kv, meta, backend)
+        attn = self.wo(o.reshape(t, a.n_heads * a.head_dim))
+        h, n = add_norm(self.mlp_norm, x, self.post_attn_norm(attn) if self.sandwich else attn)
         if self.gated and a.hidden_act == "silu":
-            return h, self.w2(kernels.silu_mul(self.w13(n)))
-        return h, self.mlp(n)
+            m = self.w2(kernels.silu_mul(self.w13(n)))
+        else:
+            m = self.mlp(n)
+        return h, (self.post_mlp_norm(m) if self.sandwich else m)
 
 
 class Decoder(nn.Module):
@@ -192,7 +233,14 @@ class Decoder(nn.Module):
         self.norm = make_norm(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie()
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 always, whatever the dtype
+        # float32 always, whatever the dtype; by device and whether for local layers
+        self._inv_freq: dict[tuple[torch.device, bool], torch.Tensor] = {}
+        # Gemma: sqrt(dim) rounded to the embedding's dtype, as transformers multiplies
+        # (55.4256 is 55.5 in bfloat16). Plain floats: no tensor to move or to trace.
+        root = torch.tensor(args.dim**0.5, device="cpu")
+        self.embed_scale = {
+            dt: root.to(dt).item() for dt in (torch.float32, torch.bfloat16, torch.float16)
+        }
         # Fused elementwise kernels: None = for the Triton backend on CUDA only (tests force it).
         self.fused: bool | None = None
 
@@ -202,13 +250,13 @@ class Decoder(nn.Module):
         if self.args.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(self.args).to(device)
-        return self._inv_freq[device]
+    def inv_freq(self, device: torch.device, local: bool = False) -> torch.Tensor:
+        if (device, local) not in self._inv_freq:
+            self._inv_freq[device, local] = rope_inv_freq(self.args, local).to(device)
+        return self._inv_freq[device, local]
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False) -> Rope:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device, local)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         factor = rope_attention_factor(self.args)
@@ -229,10 +277,14 @@ class Decoder(nn.Module):
         backend: str | None = None,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
+        if self.args.spec.scaled_embed:
+            x = x * self.embed_scale[x.dtype]
         if self.pos_embed is None:
-            rope = self.rope(positions, x.dtype)
+            rope = local_rope = self.rope(positions, x.dtype)
+            if self.args.rope_local_theta is not None:
+                local_rope = self.rope(positions, x.dtype, local=True)
         else:
-            rope = None
+            rope = local_rope = None
             x = x + self.pos_embed(positions + self.args.spec.position_offset)
         fused = self.fused
         if fused is None:
@@ -241,7 +293,7 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             if before_attention is not None:
                 before_attention(i)  # e.g. wait for this layer's swap-in
-            r = rope if layer.uses_rope else None
+            r = (local_rope if layer.local_rope else rope) if layer.uses_rope else None
             if fused:
                 x, delta = layer.forward_fused(x, delta, r, kv_caches[i], meta, slots, backend)
             else:
@@ -251,7 +303,11 @@ class Decoder(nn.Module):
             _, x = add_norm(self.norm, x.index_select(0, logit_rows), rows)
         else:
             x = self.norm(x.index_select(0, logit_rows))
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        cap = self.args.final_softcap
+        if cap:  # in the model's dtype, as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a checkpoint in transformers' naming (strict: see engine/model/families.py)."""

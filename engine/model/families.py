@@ -44,13 +44,19 @@ class UnsupportedModel(ValueError):
 class Family:
     model_type: str
     architecture: str  # the transformers class (the oracle's, and in `to_hf` configs)
-    norm: str  # "rms" | "layer"
+    norm: str  # "rms" | "layer" | "gemma" (RMS, scaled by 1 + weight in float32)
     rope: bool  # rotary positions; else a learned position table
     gated_mlp: bool  # down(act(gate(x)) * up(x)); else fc2(act(fc1(x)))
     position_offset: int  # learned positions: table row of position 0 (OPT: 2)
     read_config: Callable[[dict], dict]  # transformers config -> ModelArgs fields
     write_config: Callable[[ModelArgs], dict]  # ModelArgs -> transformers config
     names: Callable[[ModelArgs], WeightMap]
+    # Gemma: norms after attention and after the MLP too (before the residual add)
+    sandwich: bool = False
+    scaled_embed: bool = False  # Gemma: embeddings times sqrt(dim), rounded to their dtype
+    # The reader maps every layer's sliding window as transformers does, so the context may
+    # run past it (else it stops at the window: see `ModelArgs.max_context`).
+    exact_window: bool = False
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -297,6 +303,104 @@ def _write_phi3(a: ModelArgs) -> dict:
     return config
 
 
+def _read_gemma3(config: dict) -> dict:
+    """Gemma 3's text model: sliding layers with a RoPE base of their own, global layers with
+    the model's (maybe linearly scaled), q/k norms, sandwich norms, a scaled embedding."""
+    for key in ("attn_logit_softcapping",):
+        if config.get(key) is not None:
+            raise UnsupportedModel(f"{key} is not supported (Gemma 3 leaves it unset)")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModel("use_bidirectional_attention is not supported (causal only)")
+    theta, scaling, local_theta = _gemma3_rope(config)
+    bias = bool(config.get("attention_bias", False))
+    fields = _rotary_fields("gemma3_text", config, theta, scaling, 1e-6)
+    return fields | {
+        "hidden_act": _activation(config.get("hidden_activation") or "gelu_pytorch_tanh"),
+        "tie_embeddings": config.get("tie_word_embeddings", True),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": True,
+        "sliding_window": config.get("sliding_window"),
+        "full_layers": _gemma3_full_layers(config),
+        "rope_local_theta": local_theta,
+        "query_pre_attn_scalar": config.get("query_pre_attn_scalar", 256),
+        "final_softcap": config.get("final_logit_softcapping"),
+    }
+
+
+def _gemma3_rope(config: dict) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling, local theta), from either key layout: transformers 5's
+    `rope_parameters` per layer type, or the older `rope_theta`, `rope_scaling` and
+    `rope_local_base_freq`."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+    else:
+        full, local = params or config.get("rope_scaling") or {}, {}
+    theta = full.get("rope_theta", config.get("rope_theta", 1e6))
+    local_theta = local.get("rope_theta", config.get("rope_local_base_freq", 1e4))
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise UnsupportedModel(f"rope scaling {kind!r} is not supported (only default, linear)")
+    local_kind = local.get("rope_type", local.get("type", "default"))
+    if local_kind != "default":
+        raise UnsupportedModel(f"rope scaling {local_kind!r} on sliding layers is not supported")
+    scaling = {"rope_type": "linear", "factor": full["factor"]} if kind == "linear" else None
+    return theta, scaling, local_theta
+
+
+def _gemma3_full_layers(config: dict) -> tuple[int, ...]:
+    """The layers that attend to every key: `layer_types`, or in older configs every
+    `sliding_window_pattern`-th layer (transformers' default: 6)."""
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        pattern = config.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) < n:
+        raise UnsupportedModel(f"layer_types has {len(types)} entries for {n} layers")
+    unknown = set(types[:n]) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModel(f"layer_types {sorted(unknown)} are not supported")
+    return tuple(i for i in range(n) if types[i] == "full_attention")
+
+
+def _write_gemma3(a: ModelArgs) -> dict:
+    if a.qkv_bias != a.o_bias or a.mlp_bias:
+        raise UnsupportedModel(
+            "gemma3_text has one attention_bias for q/k/v and o, none in the MLP"
+        )
+    full = {"rope_type": "default", "rope_theta": a.rope_theta}
+    if a.rope_scaling:
+        full = {**a.rope_scaling, "rope_theta": a.rope_theta}
+    local = {"rope_type": "default", "rope_theta": a.rope_local_theta}
+    return {
+        "model_type": "gemma3_text",
+        "architectures": [a.spec.architecture],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "intermediate_size": a.intermediate_size,
+        "rms_norm_eps": a.norm_eps,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "max_position_embeddings": a.max_position,
+        "tie_word_embeddings": a.tie_embeddings,
+        "hidden_activation": a.hidden_act,
+        "attention_bias": a.qkv_bias,
+        "sliding_window": a.sliding_window,
+        "layer_types": [
+            "full_attention" if i in a.full_layers else "sliding_attention"
+            for i in range(a.n_layers)
+        ],
+        "query_pre_attn_scalar": a.query_pre_attn_scalar,
+        "final_logit_softcapping": a.final_softcap,
+    }
+
+
 # ---- weight names ----------------------------------------------------------------------------
 
 
@@ -332,6 +436,18 @@ def _llama_names(a: ModelArgs, fused: bool = False) -> WeightMap:
     m["norm.weight"] = [("model.norm.weight", a.dim)]
     if not a.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", a.vocab_size)]
+    return m
+
+
+def _gemma3_names(a: ModelArgs) -> WeightMap:
+    """Llama's names, with Gemma's four norms a layer: before and after attention, before
+    and after the MLP."""
+    m = _llama_names(a)
+    for i in range(a.n_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        m[o + "post_attn_norm.weight"] = [(p + "post_attention_layernorm.weight", a.dim)]
+        m[o + "mlp_norm.weight"] = [(p + "pre_feedforward_layernorm.weight", a.dim)]
+        m[o + "post_mlp_norm.weight"] = [(p + "post_feedforward_layernorm.weight", a.dim)]
     return m
 
 
@@ -373,7 +489,7 @@ def _llama_like(model_type: str, architecture: str, **kw) -> Family:
 FAMILIES: dict[str, Family] = {
     "llama": _llama_like("llama", "LlamaForCausalLM"),
     "qwen2": _llama_like("qwen2", "Qwen2ForCausalLM"),
-    "mistral": _llama_like("mistral", "MistralForCausalLM"),
+    "mistral": _llama_like("mistral", "MistralForCausalLM", exact_window=True),
     "qwen3": _llama_like("qwen3", "Qwen3ForCausalLM"),
     "smollm3": _llama_like("smollm3", "SmolLM3ForCausalLM"),
     "phi3": _llama_like(
@@ -382,6 +498,17 @@ FAMILIES: dict[str, Family] = {
         read_config=_read_phi3,
         write_config=_write_phi3,
         names=partial(_llama_names, fused=True),
+    ),
+    "gemma3_text": _llama_like(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        norm="gemma",
+        read_config=_read_gemma3,
+        write_config=_write_gemma3,
+        names=_gemma3_names,
+        sandwich=True,
+        scaled_embed=True,
+        exact_window=True,
     ),
     "opt": Family(
         "opt",

@@ -142,13 +142,18 @@ def _bundled_tokenizer(cache_dir: str | None):
         return None
 
 
-def _fill(name: str, p: torch.Tensor, g: torch.Generator) -> None:
-    """Dummy values: N(0, 1/fan_in) for matrices, embeddings and biases; norms at 1 (their
-    biases at 0)."""
+def _fill(name: str, p: torch.Tensor, g: torch.Generator, unit: float = 1.0) -> None:
+    """Dummy values: N(0, 1/fan_in) for matrices, embeddings and biases; norms at `unit`, the
+    weight that scales by 1 (their biases at 0)."""
     if "norm." in name:
-        p.fill_(1.0 if name.endswith(".weight") else 0.0)
+        p.fill_(unit if name.endswith(".weight") else 0.0)
     else:
         p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+
+
+def _unit(args: ModelArgs) -> float:
+    """The norm weight that scales by 1: Gemma's norms scale by 1 + weight."""
+    return 0.0 if args.spec.norm == "gemma" else 1.0
 
 
 def init_dummy(model: Decoder, seed: int) -> Decoder:
@@ -157,7 +162,7 @@ def init_dummy(model: Decoder, seed: int) -> Decoder:
     g = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            _fill(name, p, g)
+            _fill(name, p, g, _unit(model.args))
     return model
 
 
@@ -198,7 +203,7 @@ def own_tensors(
         with torch.no_grad():
             for pname, p in shapes.named_parameters():  # init_dummy's order and draws
                 t = torch.empty(p.shape, dtype=dtype if here else torch.float32, device=make)
-                _fill(pname, t, g)
+                _fill(pname, t, g, _unit(args))
                 yield pname, t.to(device=device, dtype=dtype)
         return
     path = model_dir(name, cache_dir)

@@ -26,10 +26,16 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    sliding_window: int | None = None  # Mistral: keys further back than this are not attended
+    # Keys `sliding_window` or more positions back are not attended (Mistral: every layer;
+    # Gemma 3: every layer but `full_layers`).
+    sliding_window: int | None = None
+    full_layers: tuple[int, ...] = ()  # Gemma 3's global layers: no window
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q/k are not rotated
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first part of each head only
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' RoPE base (unscaled)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: the attention scale is its -1/2 power
+    final_softcap: float | None = None  # logits = c * tanh(logits / c) (Gemma 3's configs: None)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -42,7 +48,11 @@ class ModelArgs:
     @property
     def attn_scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every key)."""
+        return None if layer in self.full_layers else self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -51,13 +61,14 @@ class ModelArgs:
 
     @property
     def max_context(self) -> int:
-        """Most tokens a conversation may hold. With a sliding window the engine stops at
-        the window: up to there, windowed attention is full attention, so no turn ever needs
-        keys that the model would no longer see. LongRoPE stops at its original length: past
-        it transformers switches every frequency to the long factors mid-conversation, while
-        the keys already cached keep the short ones, a state no paged cache reproduces."""
+        """Most tokens a conversation may hold. A family whose reader knows which layers slide
+        (`Family.exact_window`: Mistral, Gemma 3) runs past its window, each layer attending
+        within its own; the others stop at the window (up to there windowed attention is full
+        attention). LongRoPE stops at its original length: past it transformers switches
+        every frequency to the long factors mid-conversation, while the keys already cached
+        keep the short ones, a state no paged cache reproduces."""
         limit = self.max_position
-        if self.sliding_window:
+        if self.sliding_window and not self.spec.exact_window:
             limit = min(limit, self.sliding_window)
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
             limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
@@ -109,6 +120,49 @@ DUMMY_SHAPES: dict[str, ModelArgs] = {
         o_bias=True,
         mlp_bias=True,
         hidden_act="relu",
+    ),
+    # Gemma 3's text models (google/gemma-3-1b-it, the text half of gemma-3-4b-it): five
+    # layers in six slide (a window of 512 / 1024 tokens), the sixth attends to everything.
+    "gemma-3-1b": ModelArgs(
+        262144,
+        1152,
+        26,
+        4,
+        1,
+        256,
+        6912,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position=32768,
+        tie_embeddings=True,
+        family="gemma3_text",
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=512,
+        full_layers=(5, 11, 17, 23),
+        qk_norm=True,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256,
+    ),
+    "gemma-3-4b": ModelArgs(
+        262208,
+        2560,
+        34,
+        8,
+        4,
+        256,
+        10240,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position=131072,
+        tie_embeddings=True,
+        family="gemma3_text",
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=1024,
+        full_layers=(5, 11, 17, 23, 29),
+        qk_norm=True,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256,
     ),
     "llama-3-8b": ModelArgs(
         128256,

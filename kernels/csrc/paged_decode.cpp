@@ -1,6 +1,8 @@
 // Paged decode attention on the CPU: each decode query reads its keys and values straight
 // from the pool's blocks (no gather into a padded copy), one (sequence, KV head) per task,
 // with an online softmax over whole blocks. float32 and bfloat16 pools; math in float32.
+// A sliding window (window > 0) starts each query at its first visible key,
+// len - window: the blocks before it are never read.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -28,7 +30,7 @@ static inline void load(const at::BFloat16* src, float* dst, int64_t n) {
 template <typename T>
 static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& blocks, const at::Tensor& lens, const at::Tensor& rows,
-                   double scale, at::Tensor& out) {
+                   double scale, int64_t window, at::Tensor& out) {
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t bs = k.size(1), kvh = k.size(2), g = heads / kvh;
   const int64_t n_seqs = rows.size(0), width = blocks.size(1);
@@ -52,18 +54,20 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.0f);
-      for (int64_t start = 0; start < len; start += bs) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t start = first / bs * bs; start < len; start += bs) {
         const int64_t cnt = std::min(bs, len - start);
+        const int64_t skip = std::max<int64_t>(0, first - start);  // keys before the window
         const int64_t block = bp[n * width + start / bs];
         TORCH_CHECK(block >= 0 && block < n_blocks, "a block id is out of the pool");
         const T* kb = kp + block * block_stride + h * d;
         const T* vb = vp + block * block_stride + h * d;
-        for (int64_t j = 0; j < cnt; ++j) load(kb + j * token_stride, x.data() + j * d, d);
+        for (int64_t j = skip; j < cnt; ++j) load(kb + j * token_stride, x.data() + j * d, d);
         for (int64_t gi = 0; gi < g; ++gi) {
           const float* qg = qf.data() + gi * d;
           float* sg = s.data() + gi * bs;
           float top = m[gi];
-          for (int64_t j = 0; j < cnt; ++j) {
+          for (int64_t j = skip; j < cnt; ++j) {
             const float* kj = x.data() + j * d;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -74,7 +78,7 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           const float corr = m[gi] == neg_inf ? 0.0f : std::exp(m[gi] - top);
           float sum = l[gi] * corr;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < cnt; ++j) {
+          for (int64_t j = skip; j < cnt; ++j) {
             sg[j] = std::exp(sg[j] - top);
             sum += sg[j];
           }
@@ -84,11 +88,11 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           m[gi] = top;
           l[gi] = sum;
         }
-        for (int64_t j = 0; j < cnt; ++j) load(vb + j * token_stride, x.data() + j * d, d);
+        for (int64_t j = skip; j < cnt; ++j) load(vb + j * token_stride, x.data() + j * d, d);
         for (int64_t gi = 0; gi < g; ++gi) {
           const float* sg = s.data() + gi * bs;
           float* ag = acc.data() + gi * d;
-          for (int64_t j = 0; j < cnt; ++j) {
+          for (int64_t j = skip; j < cnt; ++j) {
             const float p = sg[j];
             const float* vj = x.data() + j * d;
 #pragma omp simd
@@ -106,10 +110,12 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   });
 }
 
-// out[rows[n]] = attention of q[rows[n]] over the first lens[n] keys of blocks[n].
+// out[rows[n]] = attention of q[rows[n]] over the first lens[n] keys of blocks[n] (only the
+// last `window` of them where window > 0).
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& blocks, const at::Tensor& lens, const at::Tensor& rows,
-                  double scale, at::Tensor& out) {
+                  double scale, int64_t window, at::Tensor& out) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the pool differ in dtype");
@@ -126,9 +132,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     TORCH_CHECK(row >= 0 && row < q.size(0), "a row is out of range");
   }
   if (q.scalar_type() == at::kFloat) {
-    decode<float>(q, k_cache, v_cache, blocks, lens, rows, scale, out);
+    decode<float>(q, k_cache, v_cache, blocks, lens, rows, scale, window, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<at::BFloat16>(q, k_cache, v_cache, blocks, lens, rows, scale, out);
+    decode<at::BFloat16>(q, k_cache, v_cache, blocks, lens, rows, scale, window, out);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
   }

@@ -1,7 +1,7 @@
 """Model families against Hugging Face transformers: small random-weight checkpoints of Llama,
 Qwen2 (non-zero q/k/v biases), Mistral (sliding window), OPT, Qwen3 (q/k norms, head_dim
-from the config), SmolLM3 (layers without RoPE) and Phi-3 (fused checkpoints, partial rotary
-dims, LongRoPE), built and saved by transformers as safetensors dirs with the bundled
+from the config), SmolLM3 (layers without RoPE), Phi-3 (fused checkpoints, partial rotary
+dims, LongRoPE) and Gemma 3 (sliding and global layers, each with its RoPE base), built and saved by transformers as safetensors dirs with the bundled
 tokenizer; strict refusals; hub ids."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.devices import cuda, gpu
 from tests.engine.test_engine_equality import check_against_hf
 from tests.oracle import hf_greedy
 
-FAMILIES = ["llama", "qwen2", "mistral", "opt", "qwen3", "smollm3", "phi3"]
+FAMILIES = ["llama", "qwen2", "mistral", "opt", "qwen3", "smollm3", "phi3", "gemma3_text"]
 CPU = torch.device("cpu")
 SMALL = {
     "vocab_size": BUNDLED_VOCAB,
@@ -52,10 +52,12 @@ def hf_config(family: str, **kw):
         "qwen3": tf.Qwen3Config,
         "smollm3": tf.SmolLM3Config,
         "phi3": tf.Phi3Config,
+        "gemma3_text": tf.Gemma3TextConfig,
     }
     extra = {
         "qwen2": {"tie_word_embeddings": True},
-        "mistral": {"sliding_window": 512},
+        # Windows off the 32-token chunks; conversations run to ~260 tokens, past them.
+        "mistral": {"sliding_window": 48},
         "qwen3": {"head_dim": 32},  # not hidden_size / heads (16): read from the config
         # Layers 1 and 3 without RoPE (transformers' flags: 1 = rotates).
         "smollm3": {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0]},
@@ -69,6 +71,19 @@ def hf_config(family: str, **kw):
                 "long_factor": [3.0 + i for i in range(6)],
             },
             "tie_word_embeddings": True,
+        },
+        # Gemma 3: layer 2 global (linear RoPE scaling), the others slide over 24 keys with
+        # their own RoPE base; a query scale that is not head_dim's.
+        "gemma3_text": {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
         },
     }
     shape = {"num_key_value_heads": 2, "intermediate_size": 128}
@@ -212,6 +227,12 @@ def without(model: Decoder, **change) -> Decoder:
         ("phi3", "partial_rotary_factor"),
         ("phi3", "short_factor"),
         ("phi3", "attention_factor"),
+        ("mistral", {"sliding_window": None}),
+        ("gemma3_text", {"sliding_window": None}),
+        ("gemma3_text", {"rope_local_theta": None}),
+        ("gemma3_text", {"rope_scaling": None}),
+        ("gemma3_text", {"query_pre_attn_scalar": None}),
+        ("gemma3_text", {"full_layers": ()}),
     ],
 )
 def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
@@ -259,20 +280,108 @@ def test_qwen2_biases_are_loaded_and_matter(checkpoint):
     assert hf_greedy(hf, prompt, 12, set()) != with_bias
 
 
-def test_mistral_stops_at_its_sliding_window(tmp_path):
-    """Up to the window, windowed attention is full attention: the engine's context limit is
-    the window, so replies equal transformers' up to it and no turn goes past it."""
-    path = save_checkpoint(tmp_path / "m", hf_config("mistral", sliding_window=80))
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_sliding_windows_do_not_cap_the_context(family, checkpoint, tmp_path):
+    """Each layer attends within its own window, so the context runs to max_position: one
+    turn decodes from inside the window to three windows past it, equal to transformers."""
+    path = checkpoint(family)
     engine = Engine(
         EngineConfig(model=str(path), device="cpu", gpu_cache_chunks=16, cache_dir=str(tmp_path))
     )
-    assert engine.args.max_position == 1024 and engine.max_context == 80
-    prompt = list(range(100, 160))
-    r = engine.run([Turn("w", prompt, SamplingParams(max_tokens=50, ignore_eos=True))])[0]
-    assert r.finish_reason == "length" and len(prompt) + len(r.token_ids) == 80
-    assert r.token_ids == hf_greedy(hf_from(path), prompt, len(r.token_ids), set())
-    with pytest.raises(ValueError, match="limit of 80"):
-        engine.submit(Turn("w", [5], SamplingParams()))
+    assert engine.args.sliding_window < 50 and engine.max_context == 1024
+    prompt = list(range(100, 110))
+    r = engine.run([Turn("w", prompt, SamplingParams(max_tokens=140, ignore_eos=True))])[0]
+    assert r.token_ids == hf_greedy(hf_from(path), prompt, 140, set())
+
+
+@pytest.mark.timeout(300)
+def test_compiled_cpu_forward_keeps_each_layers_window(checkpoint, tmp_path):
+    """The compiled CPU forward's attention op carries each layer's window: Gemma 3 past its
+    window equals transformers there too."""
+    path = checkpoint("gemma3_text")
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            compile_cpu=True,
+            gpu_cache_chunks=16,
+            cache_dir=str(tmp_path),
+        )
+    )
+    assert engine.runner.compiled is not None
+    prompt = list(range(200, 240))
+    r = engine.run([Turn("c", prompt, SamplingParams(max_tokens=40, ignore_eos=True))])[0]
+    assert r.token_ids == hf_greedy(hf_from(path), prompt, 40, set())
+
+
+def test_gemma3_fused_path_keeps_the_sandwich_norms(checkpoint):
+    """The fused path's residual bookkeeping (CUDA's) with Gemma's norms after each branch:
+    Gemma 3 calls none of the fused kernels (its norms, q/k norms and GELU are its own), so
+    the path runs here and gives the plain path's logits."""
+    model = load(str(checkpoint("gemma3_text")), CPU, torch.float32).model
+    ids = list(range(500, 580))
+    plain = own_logits(model, ids)
+    model.fused = True
+    torch.testing.assert_close(own_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
+    with torch.device("meta"):  # as a GPU load builds it
+        assert Decoder(DUMMY_SHAPES["gemma-3-1b"]).embed_scale[torch.bfloat16] == 34.0
+
+
+def test_a_window_the_reader_cannot_place_still_caps_the_context():
+    """Qwen2's config says which layers slide in ways not read here: up to the window, every
+    layer attends to everything, so the engine stops there."""
+    config = hf_config("qwen2", use_sliding_window=True, sliding_window=80).to_dict()
+    assert ModelArgs.from_hf(config).max_context == 80
+
+
+def test_gemma3_final_softcapping_is_exact(tmp_path):
+    """final_logit_softcapping (None in Gemma 3's configs, set in Gemma 2's) is applied."""
+    path = save_checkpoint(tmp_path / "g", hf_config("gemma3_text", final_logit_softcapping=2.0))
+    model = load(str(path), CPU, torch.float32).model
+    ids = list(range(1000, 1060))
+    with torch.no_grad():
+        want = hf_from(path)(input_ids=torch.tensor([ids])).logits[0]
+    assert want.abs().max() <= 2.0
+    torch.testing.assert_close(own_logits(model, ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma3_published_config_reads_as_transformers_does():
+    """Gemma 3 4B's text config as published (the older keys: sliding_window_pattern,
+    rope_local_base_freq, rope_scaling): the same layer types, RoPE bases and scaling as
+    transformers reads, the attention scale from query_pre_attn_scalar."""
+    from transformers import Gemma3TextConfig
+
+    config = {
+        "model_type": "gemma3_text",
+        "vocab_size": 262208,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rope_theta": 1000000.0,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+    args = ModelArgs.from_hf(config)
+    hf = Gemma3TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    full = [i for i, t in enumerate(hf.layer_types) if t == "full_attention"]
+    assert args.full_layers == tuple(full) == (5, 11, 17, 23, 29)
+    assert args.rope_theta == hf.rope_parameters["full_attention"]["rope_theta"]
+    assert args.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
+    assert args.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert args.attn_scale == 256**-0.5 and args.tie_embeddings
+    assert args == DUMMY_SHAPES["gemma-3-4b"] and args.max_context == 131072
+    assert args.window(4) == 1024 and args.window(5) is None
 
 
 def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
@@ -379,6 +488,15 @@ def test_phi4_mini_config_reads_as_transformers_does():
         ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 4 layers"),
         ("phi3", {"rope_scaling": {"rope_type": "dynamic"}}, "rope scaling 'dynamic'"),
+        ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("gemma3_text", {"layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+        ("gemma3_text", {"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+        (
+            "gemma3_text",
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+            "rope scaling 'yarn'",
+        ),
     ],
 )
 def test_unsupported_variants_of_the_new_families_are_refused(family, change, message):
@@ -418,7 +536,10 @@ def test_hub_id_resolves_from_the_local_cache(checkpoint, tmp_path, monkeypatch)
         load("acme/absent", CPU, torch.float32)
 
 
-@pytest.mark.parametrize("shape, billions", [("opt-13b", 12.85), ("llama-2-70b", 69.25)])
+@pytest.mark.parametrize(
+    "shape, billions",
+    [("opt-13b", 12.85), ("llama-2-70b", 69.25), ("gemma-3-1b", 1.0), ("gemma-3-4b", 3.88)],
+)
 def test_large_dummy_shapes_match_transformers_on_the_meta_device(shape, billions):
     """The paper-scale shapes allocate nothing here; they have transformers' parameter count
     and tensor names for the same config."""
@@ -478,3 +599,37 @@ def test_cuda_greedy_equals_transformers(family, tmp_path):
         engine.cache.check()
     counters = engine.snapshot().counters
     assert counters.swapped_in_tokens > 0 and counters.recomputed_tokens > 0, counters
+
+
+@gpu
+@cuda
+def test_cuda_gemma3_dummy_shape_triton_equals_reference():
+    """Gemma 3 1B's shape on the GPU (head_dim 256, 4 query heads over 1 KV head, a window of
+    512): a 700-token prompt and then a decode step at position 700, with Triton attention
+    and the fused kernels, give the logits of the PyTorch reference path (float32)."""
+    model = load("dummy:gemma-3-1b", torch.device("cuda"), torch.float32).model
+    a, block, n = model.args, 32, 700
+    ids = torch.randint(0, a.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0))
+    ids, table = ids.cuda(), list(range(-(-(n + 1) // block)))
+
+    def run(backend: str) -> torch.Tensor:
+        shape = (len(table), block, a.n_kv_heads, a.head_dim)
+        pools = [
+            (torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda"))
+            for _ in range(a.n_layers)
+        ]
+        rows = torch.arange(n, device="cuda")
+        meta = kernels.AttentionMetadata.build([n], [0], [table], "cuda")
+        prompt = model(ids[:n], rows, pools, meta, rows, rows, backend=backend)
+        at = torch.tensor([n], device="cuda")
+        meta = kernels.AttentionMetadata.build([1], [n], [table], "cuda")
+        step = model(
+            ids[n:], at, pools, meta, at, torch.tensor([0], device="cuda"), backend=backend
+        )
+        return torch.cat([prompt, step])
+
+    got, want = run("triton"), run("torch")
+    assert a.window(0) == 512 and n > a.window(0)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 1e-3, err
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.99
