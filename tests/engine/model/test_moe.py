@@ -150,3 +150,26 @@ def test_cuda_graphs_capture_grouped_experts(tmp_path):
     )
     assert graphed.runner.graphs.replays > 0
     assert got == want
+
+
+def test_tensor_parallel_refuses_experts():
+    """Experts are not split across ranks: refused before any rank starts."""
+    with pytest.raises(ValueError, match="experts are not split across ranks"):
+        Engine(EngineConfig(model="dummy:tiny-moe", device="cpu", tensor_parallel=2))
+
+
+def test_qwen3_30b_a3b_shape_is_transformers_on_the_meta_device():
+    """The decode report's MoE shape allocates nothing here: transformers' parameter count
+    (30.5B) for the same config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    args = DUMMY_SHAPES["qwen3-30b-a3b"]
+    config = args.to_hf()
+    with torch.device("meta"):
+        ours = Decoder(args)
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(config.pop("model_type"), **config)
+        )
+    n = sum(p.numel() for p in ours.parameters())
+    assert n == sum(p.numel() for p in hf.parameters())
+    assert abs(n / 1e9 - 30.53) < 0.01, n
