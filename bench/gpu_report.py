@@ -19,7 +19,9 @@ finish within its budget (`--budget`) and records what it skipped.
   direction through the block-copy kernel and the copy engine (about a minute).
 - decode: the step time of decode-only batches (CUDA events, median of repeats) against
   the time to read the weights and the batch's KV once at the HBM bandwidth measured by a
-  large device copy.
+  large device copy; then the same of a mixture-of-experts shape (Qwen3-30B-A3B, batches
+  1 and 64 at 1k context, about 30 s), whose roofline counts the weights a step reads:
+  attention, router and the experts its batch touches (expected under uniform routing).
 - serve: pensieve, gpu-only and stateless; Poisson arrivals, exponential think time (mean
   60 s) replayed scaled: think time / k and both tiers / k. Each run sends turns for
   `--window` seconds, then waits at most `--drain` seconds and cancels what still runs
