@@ -19,7 +19,9 @@ finish within its budget (`--budget`) and records what it skipped.
   direction through the block-copy kernel and the copy engine (about a minute).
 - decode: the step time of decode-only batches (CUDA events, median of repeats) against
   the time to read the weights and the batch's KV once at the HBM bandwidth measured by a
-  large device copy.
+  large device copy; then the same of a mixture-of-experts shape (Qwen3-30B-A3B, batches
+  1 and 64 at 1k context, about 30 s), whose roofline counts the weights a step reads:
+  attention, router and the experts its batch touches (expected under uniform routing).
 - serve: pensieve, gpu-only and stateless; Poisson arrivals, exponential think time (mean
   60 s) replayed scaled: think time / k and both tiers / k. Each run sends turns for
   `--window` seconds, then waits at most `--drain` seconds and cancels what still runs
@@ -79,6 +81,11 @@ class Settings:
     contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     decode_steps: int = 20
     copy_mib: int = 4096
+    # decode of a mixture-of-experts shape after the dense one (about 30 s on an H100): its
+    # roofline counts the weights a step reads ("" leaves it out)
+    moe_model: str = "dummy:qwen3-30b-a3b"
+    moe_batches: list[int] = field(default_factory=lambda: [1, 64])
+    moe_context: int = 1024
     # serve
     sample: str = str(SAMPLE.relative_to(ROOT))  # relative to the checkout
     # Sized with the simulator (`python -m bench.sim --gpu-serve --device h100`): at 32/s a
@@ -168,6 +175,9 @@ def dry_settings(model: str) -> Settings:
         contexts=[64, 128],
         decode_steps=3,
         copy_mib=16,
+        moe_model="dummy:tiny-moe",
+        moe_batches=[1, 4],
+        moe_context=64,
         conversations=6,
         scale=30.0,  # think 2 s: returning turns within the short windows
         gpu_cache_gb=0.12,  # / k: ~32 chunks of dummy:tiny
@@ -250,12 +260,26 @@ def hbm_bandwidth(device, mib: int) -> dict[str, float]:
     return {"bytes": 2 * (mib << 20), "seconds": t, "bytes_per_s": 2 * (mib << 20) / t}
 
 
-def weight_bytes(a, element_size: int) -> int:
-    """Bytes a decode step reads of the weights: every layer's projections and MLP and the
-    LM head (of the embedding table only a few rows are gathered; norms are negligible)."""
+def weight_bytes(a, element_size: int, batch: int = 1) -> int:
+    """Bytes a decode step of `batch` tokens reads of the weights: every layer's projections
+    and MLP and the LM head (of the embedding table only a few rows are gathered; norms are
+    negligible); of a MoE layer the attention, the router and the experts the batch touches
+    (`experts_touched`), not all of them."""
     from bench.mfu import linear_flops_per_token
 
-    return (linear_flops_per_token(a) // 2 + a.dim * a.vocab_size) * element_size
+    params = linear_flops_per_token(a) // 2 + a.dim * a.vocab_size  # top-k experts a layer
+    moe_layers = sum(a.is_moe_layer(i) for i in range(a.n_layers))
+    extra = experts_touched(a, batch) - a.top_k
+    params += round(moe_layers * extra * 3 * a.dim * a.moe_intermediate_size)
+    return params * element_size
+
+
+def experts_touched(a, batch: int) -> float:
+    """Distinct experts a MoE layer runs for `batch` tokens, expected under uniform routing
+    (dummy weights route about uniformly): E (1 - (1 - k/E)^batch), between k and min(E, kB)."""
+    if not a.n_experts:
+        return 0.0
+    return a.n_experts * (1 - (1 - a.top_k / a.n_experts) ** batch)
 
 
 def _step_time(engine, steps: int) -> list[float]:
@@ -324,54 +348,79 @@ def decode_point(engine, batch: int, context: int, steps: int, tag: str) -> dict
     }
 
 
-def part_decode(s: Settings, budget: float) -> dict[str, Any]:
+def _decode_engine(s: Settings, model: str, batches: list[int]):
     from engine import Engine, EngineConfig
-    from engine.kv_pool import KVPool
 
-    engine = Engine(
+    return Engine(
         EngineConfig(
-            model=s.model,
+            model=model,
             device=s.device,
             dtype=s.dtype,
             cache_mode="gpu",
             gpu_cache_chunks=None if not s.dry else 64,
             cpu_cache_chunks=0,
             max_batch_tokens=s.max_batch_tokens,
-            max_running=max(s.batches),
+            max_running=max(batches),
         )
     )
+
+
+def decode_rows(engine, s, contexts, batches, bw, budget, moe: bool) -> list[dict[str, Any]]:
+    """The decode points of one engine, each against its roofline: the weights a step reads
+    (of a MoE model, those of the experts its batch touches) and the batch's KV, once at the
+    measured bandwidth."""
+    from engine.kv_pool import KVPool
+
+    chunk = engine.config.chunk_size
+    kv_token = KVPool.bytes_per_block(engine.args, chunk, engine.dtype) / chunk
+    blocks = engine.pool.gpu.shape[2]
+    usable = int(blocks * (1 - engine.config.admit_reserve)) - 1
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            need = batch * -(-(context + s.decode_steps + 8) // chunk)
+            row: dict[str, Any] = {"batch": batch, "context": context, "kv_blocks": need}
+            if moe:
+                row["experts_touched"] = experts_touched(engine.args, batch)
+            if need > usable:
+                row["skipped"] = f"KV needs {need} blocks, the pool has {usable}"
+            elif time.monotonic() > budget:
+                row["skipped"] = "part budget spent"
+            else:
+                tag = f"{'m' if moe else 'd'}{batch}"
+                row.update(decode_point(engine, batch, context, s.decode_steps, tag))
+                kv = batch * (context + s.decode_steps // 2) * kv_token
+                wbytes = weight_bytes(engine.args, engine.dtype.itemsize, batch)
+                roof = (wbytes + kv) / bw["bytes_per_s"]
+                row.update(
+                    roofline_s=roof,
+                    ratio=row["seconds"] / roof,
+                    tokens_per_s=batch / row["seconds"],
+                    kv_bytes=kv,
+                )
+                if moe:
+                    row["weight_bytes"] = wbytes
+            rows.append(row)
+            _log(("moe " if moe else "") + _decode_line(row))
+    return rows
+
+
+def part_decode(s: Settings, budget: float) -> dict[str, Any]:
+    from engine.kv_pool import KVPool
+
+    engine = _decode_engine(s, s.model, s.batches)
     try:
         chunk = engine.config.chunk_size
         kv_token = KVPool.bytes_per_block(engine.args, chunk, engine.dtype) / chunk
         blocks = engine.pool.gpu.shape[2]
-        usable = int(blocks * (1 - engine.config.admit_reserve)) - 1
         bw = hbm_bandwidth(engine.device, s.copy_mib)
         wbytes = weight_bytes(engine.args, engine.dtype.itemsize)
         _log(f"HBM copy {bw['bytes_per_s'] / 1e9:.0f} GB/s; weights {wbytes / 1e9:.2f} GB")
-        rows = []
-        for context in s.contexts:
-            for batch in s.batches:
-                need = batch * -(-(context + s.decode_steps + 8) // chunk)
-                row: dict[str, Any] = {"batch": batch, "context": context, "kv_blocks": need}
-                if need > usable:
-                    row["skipped"] = f"KV needs {need} blocks, the pool has {usable}"
-                elif time.monotonic() > budget:
-                    row["skipped"] = "part budget spent"
-                else:
-                    row.update(decode_point(engine, batch, context, s.decode_steps, f"d{batch}"))
-                    kv = batch * (context + s.decode_steps // 2) * kv_token
-                    roof = (wbytes + kv) / bw["bytes_per_s"]
-                    row.update(
-                        roofline_s=roof,
-                        ratio=row["seconds"] / roof,
-                        tokens_per_s=batch / row["seconds"],
-                        kv_bytes=kv,
-                    )
-                rows.append(row)
-                _log(_decode_line(row))
+        rows = decode_rows(engine, s, s.contexts, s.batches, bw, budget, moe=False)
     finally:
         engine.close()
-    return {
+    del engine
+    out = {
         "hbm": bw,
         "weight_bytes": wbytes,
         "kv_bytes_per_token": kv_token,
@@ -379,6 +428,40 @@ def part_decode(s: Settings, budget: float) -> dict[str, Any]:
         "points": rows,
         "goal_ratio_at_64": 1.3,
     }
+    if s.moe_model:
+        out["moe"] = decode_moe(s, bw, budget)
+    return out
+
+
+def decode_moe(s: Settings, bw: dict[str, float], budget: float) -> dict[str, Any]:
+    """The MoE shape's points, on an engine of its own (the dense one freed first)."""
+    import gc
+
+    import torch
+
+    from engine.kv_pool import KVPool
+    from engine.model.loader import model_args
+    from engine.model.moe import pick
+
+    a = model_args(s.moe_model)
+    out: dict[str, Any] = {"model": s.moe_model, "all_weight_bytes": None, "points": []}
+    if time.monotonic() > budget - 20:  # no time left to build its engine and time a step
+        out["skipped"] = "part budget spent"
+        return out
+    gc.collect()
+    if s.device == "cuda":
+        torch.cuda.empty_cache()
+    engine = _decode_engine(s, s.moe_model, s.moe_batches)
+    try:
+        chunk = engine.config.chunk_size
+        out["all_weight_bytes"] = weight_bytes(a, engine.dtype.itemsize, 1 << 20)  # every expert
+        out["kv_bytes_per_token"] = KVPool.bytes_per_block(a, chunk, engine.dtype) / chunk
+        out["experts_path"] = pick(engine.device.type, engine.dtype)  # grouped or loop
+        ctx = [s.moe_context]
+        out["points"] = decode_rows(engine, s, ctx, s.moe_batches, bw, budget, moe=True)
+    finally:
+        engine.close()
+    return out
 
 
 def _decode_line(r: dict[str, Any]) -> str:
@@ -979,6 +1062,7 @@ def summary(report: dict[str, Any]) -> str:
     if dec:
         lines.append(f"  HBM copy {dec['hbm']['bytes_per_s'] / 1e9:.0f} GB/s")
         lines += ["  " + _decode_line(r) for r in dec["points"]]
+        lines += ["  moe " + _decode_line(r) for r in dec.get("moe", {}).get("points", [])]
     prof = report.get("profile")
     if prof:
         lines += ["  " + _profile_line(m, r) for m, r in prof["modes"].items()]
@@ -1047,6 +1131,9 @@ def plot(report: dict[str, Any], path: Path) -> list[Path]:
         for r in dec["points"]:
             if "seconds" in r:
                 rows.append({"name": f"b{r['batch']} c{r['context']}", "x": r["ratio"]})
+        for r in dec.get("moe", {}).get("points", []):
+            if "seconds" in r:
+                rows.append({"name": f"moe b{r['batch']} c{r['context']}", "x": r["ratio"]})
         title = f"decode step / roofline ({report['environment']['device']})"
         out.append(
             plot_bars(

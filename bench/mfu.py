@@ -31,11 +31,14 @@ from bench.lib.pools import model_args
 
 
 def linear_flops_per_token(a) -> int:
-    """2 flops per weight of every layer's projections and MLP (embeddings are lookups)."""
+    """2 flops per weight of every layer's projections and MLP (embeddings are lookups); of
+    a MoE layer, the router and the token's top-k experts."""
     qkv = a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
     out = a.n_heads * a.head_dim * a.dim
     mlp = (3 if a.spec.gated_mlp else 2) * a.dim * a.intermediate_size
-    return 2 * a.n_layers * (qkv + out + mlp)
+    moe = a.dim * a.n_experts + a.top_k * 3 * a.dim * a.moe_intermediate_size
+    mlps = sum(moe if a.is_moe_layer(i) else mlp for i in range(a.n_layers))
+    return 2 * (a.n_layers * (qkv + out) + mlps)
 
 
 def prefill_flops(a, prompt: int, sampled_rows: int = 1) -> int:

@@ -15,6 +15,7 @@ from engine.graphs import StepGraphs, buckets
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward, usable
 from engine.model.loader import Loaded, cache_root, load
+from engine.model.moe import graph_safe
 from engine.model.packed import pack_linears
 from engine.runner import Runner
 from engine.types import EngineConfig
@@ -119,8 +120,10 @@ class Local(Backend):
 
     @property
     def graphs_enabled(self) -> bool:
-        """Steps from CUDA graphs: asked for, on CUDA, with the triton backend."""
-        return self.config.cuda_graphs and self.gpu and self.attention == "triton"
+        """Steps from CUDA graphs: asked for, on CUDA, with the triton backend, and experts
+        (if any) that run without host syncs."""
+        c, safe = self.config, graph_safe(self.args.n_experts, self.device, self.dtype)
+        return c.cuda_graphs and self.gpu and self.attention == "triton" and safe
 
     def finish(self, runner: Runner, pool: KVPool, max_context: int, gpu_blocks: int) -> None:
         """The compiled CPU forward and the CUDA graphs, where asked for: they need the pool."""

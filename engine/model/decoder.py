@@ -12,6 +12,7 @@ from torch import nn
 
 import kernels
 from engine.model.families import ACTIVATIONS, to_hf, to_own
+from engine.model.moe import MoE
 from engine.model.shapes import ModelArgs
 
 
@@ -132,11 +133,15 @@ class Block(nn.Module):
         qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
-        if self.gated:
-            self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
-        else:
-            self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        # Routed experts in place of the dense MLP (Qwen3-MoE; engine/model/moe.py)
+        self.moe = MoE(args) if args.is_moe_layer(index) else None
+        if self.moe is None:
+            ffn = args.intermediate_size
+            if self.gated:
+                self.w13 = nn.Linear(args.dim, 2 * ffn, bias=args.mlp_bias)
+            else:
+                self.w1 = nn.Linear(args.dim, ffn, bias=args.mlp_bias)
+            self.w2 = nn.Linear(ffn, args.dim, bias=args.mlp_bias)
         self.attn_norm = make_norm(args)
         self.mlp_norm = make_norm(args)
         if self.sandwich:  # on each branch's output, before the residual add
@@ -163,6 +168,8 @@ class Block(nn.Module):
         return q, k, v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x)
         if self.gated:
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(self.act(gate) * up)
@@ -211,7 +218,7 @@ class Block(nn.Module):
         o = self.attend(q, kv, meta, backend)
         attn = self.wo(o.reshape(t, a.n_heads * a.head_dim))
         h, n = add_norm(self.mlp_norm, x, self.post_attn_norm(attn) if self.sandwich else attn)
-        if self.gated and a.hidden_act == "silu":
+        if self.gated and a.hidden_act == "silu" and self.moe is None:
             m = self.w2(kernels.silu_mul(self.w13(n)))
         else:
             m = self.mlp(n)

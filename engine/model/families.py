@@ -10,7 +10,7 @@ dropped silently; only buffers that are not weights (`_NOT_WEIGHTS`) are skipped
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -112,7 +112,7 @@ def _read_llama_like(model_type: str, config: dict) -> dict:
             fields["sliding_window"] = config.get("sliding_window")
     elif model_type == "mistral":
         fields["sliding_window"] = config.get("sliding_window")
-    elif model_type == "qwen3":  # q/k norms; one attention_bias for q/k/v and o
+    elif model_type in ("qwen3", "qwen3_moe"):  # q/k norms; one attention_bias for q/k/v and o
         bias = bool(config.get("attention_bias", False))
         fields |= {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
         if config.get("use_sliding_window"):
@@ -171,7 +171,7 @@ def _write_llama_like(a: ModelArgs) -> dict:
         config |= {"sliding_window": a.sliding_window}
     elif a.family == "mistral":
         config["sliding_window"] = a.sliding_window
-    elif a.family in ("qwen3", "smollm3"):
+    elif a.family in ("qwen3", "smollm3", "qwen3_moe"):
         if a.qkv_bias != a.o_bias:
             raise UnsupportedModel(f"a {a.family} config has one attention_bias for q/k/v and o")
         config |= {"attention_bias": a.qkv_bias, "use_sliding_window": a.sliding_window is not None}
@@ -401,6 +401,55 @@ def _write_gemma3(a: ModelArgs) -> dict:
     }
 
 
+# Keys of MoE configs that change the math, not implemented here, with the value that means
+# "not used": a config with another value is refused by the key's name. (Keys for training
+# only, as output_router_logits and router_aux_loss_coef, change nothing at inference.)
+_MOE_UNUSED = {
+    "shared_expert_intermediate_size": 0,  # Qwen2-MoE's shared expert
+    "n_shared_experts": 0,
+    "num_shared_experts": 0,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "n_group": 1,  # grouped top-k routing (DeepSeek-V3)
+    "topk_group": 1,
+    "first_k_dense_replace": 0,
+}
+
+
+def _read_qwen3_moe(config: dict) -> dict:
+    """Qwen3's attention with routed experts: `num_experts_per_tok` of `num_experts` a token,
+    dense MLPs in `mlp_only_layers` and off the `decoder_sparse_step` grid, as transformers
+    builds them."""
+    for key, unused in _MOE_UNUSED.items():
+        if config.get(key) not in (None, unused):
+            raise UnsupportedModel(f"{key}={config[key]!r} is not supported (only {unused!r})")
+    fields = _read_llama_like("qwen3_moe", config)
+    experts = config.get("num_experts", config.get("num_local_experts", 0))  # its alias
+    top_k, step = config["num_experts_per_tok"], config.get("decoder_sparse_step", 1)
+    if not 0 < top_k <= experts:
+        raise UnsupportedModel(f"num_experts_per_tok {top_k} of {experts} experts")
+    only = set(config.get("mlp_only_layers") or [])
+    dense = [i for i in range(fields["n_layers"]) if i in only or (i + 1) % step]
+    return fields | {
+        "n_experts": experts,
+        "top_k": top_k,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "dense_layers": tuple(dense),
+    }
+
+
+def _write_qwen3_moe(a: ModelArgs) -> dict:
+    return _write_llama_like(a) | {
+        "num_experts": a.n_experts,
+        "num_experts_per_tok": a.top_k,
+        "norm_topk_prob": a.norm_topk_prob,
+        "moe_intermediate_size": a.moe_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(a.dense_layers),
+    }
+
+
 # ---- weight names ----------------------------------------------------------------------------
 
 
@@ -449,6 +498,41 @@ def _gemma3_names(a: ModelArgs) -> WeightMap:
         m[o + "mlp_norm.weight"] = [(p + "pre_feedforward_layernorm.weight", a.dim)]
         m[o + "post_mlp_norm.weight"] = [(p + "post_feedforward_layernorm.weight", a.dim)]
     return m
+
+
+def _moe_names(a: ModelArgs) -> WeightMap:
+    """Llama's names with experts in place of the MLP of MoE layers: the router `mlp.gate`
+    and each expert's gate/up/down (as the hub's checkpoints and transformers' saves name
+    them). Own tensors hold the experts stacked: `w13` expert by expert [gate | up] rows,
+    `w2` expert by expert."""
+    m = _llama_names(a)
+    for i in range(a.n_layers):
+        if not a.is_moe_layer(i):
+            continue
+        p, o = f"model.layers.{i}.mlp.", f"layers.{i}."
+        del m[o + "w13.weight"], m[o + "w2.weight"]
+        m[o + "moe.router.weight"] = [(p + "gate.weight", a.n_experts)]
+        each = [f"{p}experts.{e}." for e in range(a.n_experts)]
+        ffn = a.moe_intermediate_size
+        m[o + "moe.w13"] = [
+            (x + w + ".weight", ffn) for x in each for w in ("gate_proj", "up_proj")
+        ]
+        m[o + "moe.w2"] = [(x + "down_proj.weight", a.dim) for x in each]
+    return m
+
+
+def _fused_experts(wmap: WeightMap, names: Collection[str]) -> WeightMap:
+    """Where a checkpoint holds a layer's experts fused, as transformers 5 keeps them in
+    memory (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]: the same rows),
+    read those instead of the experts one by one."""
+    out = dict(wmap)
+    for own, parts in wmap.items():
+        if own.endswith((".moe.w13", ".moe.w2")) and parts[0][0] not in names:
+            base = parts[0][0].split("experts.")[0] + "experts."
+            fused = base + ("gate_up_proj" if own.endswith("w13") else "down_proj")
+            if fused in names:
+                out[own] = [(fused, len(parts) // (2 if own.endswith("w13") else 1))]
+    return out
 
 
 def _opt_names(a: ModelArgs) -> WeightMap:
@@ -521,6 +605,13 @@ FAMILIES: dict[str, Family] = {
         write_config=_write_opt,
         names=_opt_names,
     ),
+    "qwen3_moe": _llama_like(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        read_config=_read_qwen3_moe,
+        write_config=_write_qwen3_moe,
+        names=_moe_names,
+    ),
 }
 
 
@@ -556,7 +647,7 @@ def iter_own(
     if not any(k.startswith("model.") for k in state):  # saved from the base model (OPTModel)
         base = state
         state = _Renamed({(k if k == "lm_head.weight" else "model." + k): k for k in base}, base)
-    wmap = args.spec.names(args)
+    wmap = _fused_experts(args.spec.names(args), state.keys())
     wanted = {name for parts in wmap.values() for name, _ in parts}
     missing = sorted(wanted - state.keys())
     unused = sorted(k for k in state.keys() - wanted if not k.endswith(_NOT_WEIGHTS))
@@ -581,6 +672,7 @@ def iter_own(
                 raise UnsupportedModel(
                     f"{hf} has shape {tuple(t.shape)}, the config implies {rows} rows"
                 )
+        tensors = [t.flatten(0, 1) if t.dim() == 3 else t for t in tensors]  # fused experts
         yield name, tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 

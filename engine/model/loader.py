@@ -108,6 +108,9 @@ class Checkpoint(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.where[name].get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self.where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.where)
 

@@ -36,6 +36,12 @@ class ModelArgs:
     rope_local_theta: float | None = None  # Gemma 3: the windowed layers' RoPE base (unscaled)
     query_pre_attn_scalar: float | None = None  # Gemma 3: the attention scale is its -1/2 power
     final_softcap: float | None = None  # logits = c * tanh(logits / c) (Gemma 3's configs: None)
+    # Mixture of experts (Qwen3-MoE): each token's MLP is its top_k of n_experts routed experts
+    n_experts: int = 0  # 0: every layer's MLP is dense
+    top_k: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    moe_intermediate_size: int = 0  # each expert's hidden width
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP instead
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -44,6 +50,9 @@ class ModelArgs:
     @property
     def spec(self) -> Family:
         return FAMILIES[self.family]
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i not in self.dense_layers
 
     @property
     def attn_scale(self) -> float:
@@ -175,5 +184,41 @@ DUMMY_SHAPES: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         rope_scaling=_LLAMA3_ROPE,
         max_position=131072,
+    ),
+    # Qwen3-30B-A3B: 128 routed experts, 8 a token (about 3.3B of 30.5B weights active)
+    "qwen3-30b-a3b": ModelArgs(
+        151936,
+        2048,
+        48,
+        32,
+        4,
+        128,
+        6144,  # a dense layer's width: none here
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position=40960,
+        family="qwen3_moe",
+        qk_norm=True,
+        n_experts=128,
+        top_k=8,
+        norm_topk_prob=True,
+        moe_intermediate_size=768,
+    ),
+    # dummy:tiny with experts (8, 2 a token) in three of its four layers: the dry runs' MoE
+    "tiny-moe": ModelArgs(
+        BUNDLED_VOCAB,
+        256,
+        4,
+        4,
+        2,
+        64,
+        512,
+        family="qwen3_moe",
+        qk_norm=True,
+        n_experts=8,
+        top_k=2,
+        norm_topk_prob=True,
+        moe_intermediate_size=128,
+        dense_layers=(3,),
     ),
 }

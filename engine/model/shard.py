@@ -25,6 +25,11 @@ def check_divisible(args: ModelArgs, world: int) -> None:
     """Refuse, with the reason, a shape that cannot be split `world` ways."""
     if world < 1:
         raise ValueError(f"tensor_parallel must be at least 1, got {world}")
+    if args.n_experts and world > 1:
+        raise ValueError(
+            f"tensor_parallel={world}: a {args.family} model's experts are not split across "
+            "ranks (mixture-of-experts runs on one GPU)"
+        )
     for what, n in (
         ("attention heads", args.n_heads),
         ("KV heads", args.n_kv_heads),

@@ -1,4 +1,5 @@
-"""The GPU report's plumbing: every part as a dry run on the CPU (dummy:tiny), and its JSON."""
+"""The GPU report's plumbing: every part as a dry run on the CPU (dummy:tiny; the decode part's
+MoE point on dummy:tiny-moe), and its JSON."""
 
 from __future__ import annotations
 
@@ -39,6 +40,19 @@ def test_dry_run_of_every_part_writes_one_report(tmp_path) -> None:
         assert p["roofline_s"] == pytest.approx(
             (dec["weight_bytes"] + kv) / dec["hbm"]["bytes_per_s"]
         )
+    moe = dec["moe"]  # dummy:tiny-moe: 8 experts, 2 a token, in 3 of 4 layers
+    assert moe["model"] == "dummy:tiny-moe" and moe["experts_path"] == "loop"
+    assert [(p["batch"], p["context"]) for p in moe["points"]] == [(1, 64), (4, 64)]
+    expert = 3 * 256 * 128 * 4  # one expert's bytes (float32)
+    one, four = moe["points"]
+    assert one["experts_touched"] == pytest.approx(2) and 2 < four["experts_touched"] < 8
+    extra = 3 * (four["experts_touched"] - 2) * expert  # experts past the top 2, 3 layers
+    assert four["weight_bytes"] - one["weight_bytes"] == pytest.approx(extra, abs=4)
+    assert one["weight_bytes"] < moe["all_weight_bytes"] - 3 * 6 * expert + 4
+    for p in moe["points"]:
+        kv = p["batch"] * (p["context"] + 1) * moe["kv_bytes_per_token"]
+        want = (p["weight_bytes"] + kv) / dec["hbm"]["bytes_per_s"]
+        assert p["roofline_s"] == pytest.approx(want) and p["seconds"] > 0
 
     sv = r["serve"]
     assert {x["mode"] for x in sv["runs"]} == {"stateless", "gpu", "pensieve"}

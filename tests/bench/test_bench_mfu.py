@@ -29,6 +29,25 @@ def test_linear_flops_are_two_per_layer_weight(shape: str) -> None:
     assert mfu.linear_flops_per_token(args) == 2 * weights
 
 
+@pytest.mark.parametrize("shape", ["tiny-moe", "qwen3-30b-a3b"])
+def test_moe_linear_flops_count_the_router_and_a_tokens_experts(shape: str) -> None:
+    """Of a MoE layer's weights a token multiplies the router's and its top-k experts'."""
+    import torch
+
+    args = DUMMY_SHAPES[shape]
+    with torch.device("meta"):
+        model = Decoder(args)
+    weights = 0
+    for name, p in model.layers.named_parameters():
+        if "norm" in name:
+            continue
+        share = args.top_k / args.n_experts if name.endswith(("moe.w13", "moe.w2")) else 1
+        weights += round(p.numel() * share)
+    assert mfu.linear_flops_per_token(args) == 2 * weights
+    if shape == "qwen3-30b-a3b":  # 3.3B active with the embeddings, as Qwen says
+        assert abs((weights + 2 * args.dim * args.vocab_size) / 1e9 - 3.35) < 0.01
+
+
 def test_prefill_flops_count_every_causal_key() -> None:
     a = DUMMY_SHAPES["tiny"]
     prompt = 37

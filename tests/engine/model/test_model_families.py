@@ -26,7 +26,17 @@ from tests.devices import cuda, gpu
 from tests.engine.test_engine_equality import check_against_hf
 from tests.oracle import hf_greedy
 
-FAMILIES = ["llama", "qwen2", "mistral", "opt", "qwen3", "smollm3", "phi3", "gemma3_text"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "mistral",
+    "opt",
+    "qwen3",
+    "smollm3",
+    "phi3",
+    "gemma3_text",
+    "qwen3_moe",
+]
 CPU = torch.device("cpu")
 SMALL = {
     "vocab_size": BUNDLED_VOCAB,
@@ -53,6 +63,7 @@ def hf_config(family: str, **kw):
         "smollm3": tf.SmolLM3Config,
         "phi3": tf.Phi3Config,
         "gemma3_text": tf.Gemma3TextConfig,
+        "qwen3_moe": tf.Qwen3MoeConfig,
     }
     extra = {
         "qwen2": {"tie_word_embeddings": True},
@@ -84,6 +95,16 @@ def hf_config(family: str, **kw):
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
+        },
+        # 8 experts, 2 a token, renormalised; layer 1 dense (MoE's defaults are a 30B shape)
+        "qwen3_moe": {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
         },
     }
     shape = {"num_key_value_heads": 2, "intermediate_size": 128}
@@ -233,6 +254,7 @@ def without(model: Decoder, **change) -> Decoder:
         ("gemma3_text", {"rope_scaling": None}),
         ("gemma3_text", {"query_pre_attn_scalar": None}),
         ("gemma3_text", {"full_layers": ()}),
+        ("qwen3_moe", {"norm_topk_prob": False}),
     ],
 )
 def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
@@ -261,6 +283,44 @@ def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
     else:
         off = without(model, **change)
     assert (own_logits(off, ids) - want).abs().max() > 1e-2
+
+
+def test_qwen3_moe_unnormalised_routing_equals_transformers(tmp_path):
+    """norm_topk_prob off (the top-k softmax weights as they are), through swaps and drops."""
+    path = save_checkpoint(tmp_path / "raw", hf_config("qwen3_moe", norm_topk_prob=False))
+    test_greedy_equality_through_swaps_and_drops("qwen3_moe", lambda _: path, tmp_path)
+
+
+def test_qwen3_moe_reads_fused_experts_and_its_config_aliases(checkpoint, tmp_path):
+    """Experts fused as transformers 5 holds them ([E, 2I, H] gate/up, [E, H, I] down) load
+    the same weights as one tensor per expert (the hub's names, what transformers saves);
+    `num_local_experts` (transformers' alias) reads as `num_experts`; dense layers follow
+    `mlp_only_layers` and `decoder_sparse_step`; training-only keys are accepted."""
+    src = checkpoint("qwen3_moe")
+
+    def fuse(state: dict) -> dict:
+        out = {k: v for k, v in state.items() if ".experts." not in k}
+        for i in (0, 2):
+            p = f"model.layers.{i}.mlp.experts."
+            each = [
+                [state[f"{p}{e}.{w}_proj.weight"] for w in ("gate", "up", "down")] for e in range(8)
+            ]
+            out[p + "gate_up_proj"] = torch.stack([torch.cat(x[:2]) for x in each])
+            out[p + "down_proj"] = torch.stack([x[2] for x in each])
+        return out
+
+    fused = _rewrite(src, tmp_path / "fused", tensors=fuse)
+    a, b = load(str(src), CPU, torch.float32).model, load(str(fused), CPU, torch.float32).model
+    assert a.args == b.args and a.args.dense_layers == (1,) and b.layers[1].moe is None
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+
+    config = hf_config("qwen3_moe").to_dict()
+    config["num_experts"] = config.pop("num_local_experts", config.get("num_experts"))
+    config |= {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    args = ModelArgs.from_hf(config | {"mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert args.n_experts == 8 and args.dense_layers == (0, 2)
+    assert ModelArgs.from_hf(args.to_hf()) == args
 
 
 def test_qwen2_biases_are_loaded_and_matter(checkpoint):
@@ -497,6 +557,13 @@ def test_phi4_mini_config_reads_as_transformers_does():
             {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
             "rope scaling 'yarn'",
         ),
+        (
+            "qwen3_moe",
+            {"shared_expert_intermediate_size": 64},
+            "shared_expert_intermediate_size=64",
+        ),
+        ("qwen3_moe", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 of 8 experts"),
     ],
 )
 def test_unsupported_variants_of_the_new_families_are_refused(family, change, message):
