@@ -17,6 +17,13 @@ SERVER_FLAGS = (
     ("database_url", str, "SQLAlchemy async URL (default: SQLite under ./data)"),
     ("database_timeout_s", float, "bound of each database connect, statement and checkout"),
     ("redis_url", str, "Redis URL for activity times (default: none, in-process)"),
+    ("chat_template", str, "a Jinja chat template file to serve instead of the model's own"),
+    (
+        "reencode_replies",
+        bool,
+        "re-encode a reply the template renders differently in history "
+        "(a thinking model's) when it ends, so the next turn reuses the history (default on)",
+    ),
 )
 REPLICA_FLAGS = (
     ("cluster", bool, "run as a replica: join the conversation directory in Redis"),

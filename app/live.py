@@ -104,6 +104,7 @@ def done_frame(done: Done) -> dict:
             "recomputed_tokens": s.recomputed_tokens,
             "prefetched_tokens": s.prefetched_tokens,
             "disk_tokens": s.disk_tokens,
+            "reencoded_tokens": done.reencoded,
         },
         "timing": {
             "ttft_ms": round(done.ttft_s * 1000, 1),

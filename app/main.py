@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
@@ -51,9 +52,12 @@ async def lifespan(app: Starlette):
                 log.warning(
                     "Redis at %s is down; serving on local activity times", settings.redis_url
                 )
+        template = Path(settings.chat_template).read_text() if settings.chat_template else None
         engine = AsyncEngine(config, history=store.token_history(), clock=clock)
         await engine.start()
         stack.push_async_callback(engine.stop)
+        if template is not None:  # rendered by the app only: the engine sees token ids
+            engine.tokenizer.chat_template = template
         admin_token = settings.admin_token
         if not admin_token:
             # Never logged: the operator reads it from a file only its user can read.

@@ -75,6 +75,10 @@ class EngineCollector:
                 "pensieve:shared_tokens",
                 "Prompt tokens of new conversations found in chunks shared with others.",
             ),
+            "reencoded_tokens": (
+                "pensieve:reencoded_tokens",
+                "Reply tokens re-encoded as the chat template renders them in history.",
+            ),
         }
         for key, (name, doc) in simple.items():
             yield CounterMetricFamily(name, doc, value=getattr(c, key))

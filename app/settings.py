@@ -98,6 +98,11 @@ class ServerSettings(BaseSettings):
     max_tokens_limit: int = Field(2048, ge=1)
     system_prompt: str | None = None  # default for new chats; None: the model template's own
     cookie_secure: bool = False  # mark cookies Secure (set behind HTTPS)
+    # A Jinja chat template file to use instead of the model's own (as vLLM's --chat-template)
+    chat_template: str | None = None
+    # A reply the template renders differently in history (a thinking model's, without its
+    # thinking) is re-encoded that way when it ends, so the next turn reuses the history
+    reencode_replies: bool = True
 
     max_body_bytes: int = Field(64 * 1024, ge=1)  # largest REST request body
     # Largest /v1 request body: OpenAI clients resend the whole chat every turn.

@@ -179,6 +179,15 @@ class AsyncEngine:
         self._post(("fork", parent_id, child_id, list(token_ids), parent_len, fut))
         return fut
 
+    def rewrite(
+        self, conversation_id: str, keep: int, token_ids: list[int], length: int
+    ) -> asyncio.Future:
+        """Replace the stream's tokens after `keep` with `token_ids` (see `Engine.rewrite`);
+        await True, or False where nothing changed."""
+        fut = self._loop.create_future()
+        self._post(("rewrite", conversation_id, keep, list(token_ids), length, fut))
+        return fut
+
     def seed(self, seeds) -> asyncio.Future:
         """Place conversations in the tiers as a given state says, on the loop thread (see
         `Engine.seed`: for measurement; refused while turns are in flight); await it."""
@@ -290,7 +299,7 @@ class AsyncEngine:
             if item[0] == "submit":  # accepted, never queued: its claim goes here
                 self.engine.claims.release(item[1].turn.conversation_id)
                 self._call(self._end, item[1], None, error)
-            elif item[0] in ("free", "fork", "seed"):
+            elif item[0] in ("free", "fork", "seed", "rewrite"):
                 self._call(_resolve, item[-1], None, error)
 
     def _drain(self) -> None:
@@ -329,6 +338,13 @@ class AsyncEngine:
                 try:
                     self.engine.seed(seeds)
                     self._call(_resolve, fut, None, None)
+                except Exception as e:
+                    self._call(_resolve, fut, None, e)
+            elif kind == "rewrite":
+                _, cid, keep, tokens, length, fut = item
+                try:
+                    done = self.engine.rewrite(cid, keep, tokens, length)
+                    self._call(_resolve, fut, done, None)
                 except Exception as e:
                     self._call(_resolve, fut, None, e)
             elif kind == "fork":

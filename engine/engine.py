@@ -314,6 +314,31 @@ class Engine:
             self.clock.touch(child_id, self.now())
             return linked
 
+    def rewrite(self, conversation_id: str, keep: int, token_ids: list[int], length: int) -> bool:
+        """Replace the stream's tokens after its first `keep` with `token_ids`, whose KV the
+        next turn computes: a thinking reply re-encoded as the chat template renders it in
+        history. `length`: the stream's length in the caller's history before the change.
+        False (nothing changed) for an unknown or busy conversation, or another length."""
+        with self.lock:
+            state = self.streams.get(conversation_id)
+            if (
+                state is None
+                or conversation_id in self.claims
+                or state.length != length
+                or not 0 <= keep <= length
+            ):
+                return False
+            self.scheduler.supersede(conversation_id, keep=False)  # its context changes
+            resync(state, keep, self.cache)  # the cut, as when a caller's history is shorter
+            extend_hashes(state, keep, list(token_ids), None, self.cache.chunk_size)
+            state.tail += token_ids
+            state.length += len(token_ids)
+            if self.owns_history:
+                self.history.truncate(conversation_id, keep)
+                self.history.append(conversation_id, list(token_ids))
+            self.counters.reencoded_tokens += len(token_ids)
+            return True
+
     def seed(self, seeds: Iterable[Seed]) -> None:
         """Place conversations in the tiers as a given state says, without running their
         turns (`engine/seed.py`): each one's next turn goes on from there. For measurement:

@@ -42,6 +42,9 @@ class EngineCounters:
     prefetched_tokens: int = 0  # context brought back to the GPU ahead of a turn (typing)
     disk_tokens: int = 0  # context read back from the disk tier instead of recomputed
     spilled_tokens: int = 0  # dropped from memory and queued for the disk tier
+    # Reply tokens re-encoded as the chat template renders them in history (a thinking
+    # reply without its thinking, `Engine.rewrite`): the next turn computes them
+    reencoded_tokens: int = 0
     # Chunks copied to the CPU ahead of time (in the background), and what became of them:
     # GPU block reclaimed later with no copy then (the copy spared a synchronous swap-out
     # or a drop), read back by a swap-in (after a reclaim), or the copy given up while the

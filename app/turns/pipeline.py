@@ -21,6 +21,7 @@ from app.frames import TurnRequest
 from app.services import Services
 from app.turns import matching, toolcalls
 from app.turns.detok import Detokenizer
+from app.turns.reencode import Reencoded, reencode
 from app.turns.window import NoRoom, Plan, plan_turn
 from engine.cache.pins import PinRefused
 from engine.errors import ConversationBusy, EngineOverloaded
@@ -53,6 +54,7 @@ class Done:
     out: Streamed
     ttft_s: float
     total_s: float
+    reencoded: int = 0  # reply tokens re-encoded as the template renders them in history
 
 
 class Sink(Protocol):
@@ -111,10 +113,12 @@ class ChatTurn:
             return
         out = await self._stream(stream)
         if out is not None:
-            out = await self.sink.finish(out)
+            finished = await self.sink.finish(out)
             if req.tools:
-                self._await_tools(out)
-            await self._commit(plan, out, t0, chain)
+                self._await_tools(finished)
+            # a reply a stop string cut is stored as cut: its tokens are not its text
+            redo = await self._reencode(plan, out, req.tools) if finished == out else None
+            await self._commit(plan, finished, t0, chain, redo)
 
     def _await_tools(self, out: Streamed) -> None:
         """A reply that calls tools: its conversation waits for their results (the eviction
@@ -285,17 +289,51 @@ class ChatTurn:
         except DB_ERRORS:  # a question without a reply: the next turn renders it all the same
             log.warning("could not record the failed turn of %s", cid)
 
-    async def _commit(self, plan: Plan, out: Streamed, t0: float, chain: str) -> None:
-        """Store the reply (with the chat's prefix hash through it), then report it done."""
-        sv, cid = self.sv, self.conversation_id
+    async def _reencode(self, plan: Plan, out: Streamed, tools) -> Reencoded | None:
+        """The turn as the chat template renders it in history, where that differs from
+        the tokens generated (a thinking reply: app/turns/reencode.py); None: as generated."""
+        sv = self.sv
+        if not sv.settings.reencode_replies or not plan.messages:
+            return None
+        engine = sv.engine
         try:
+            return await asyncio.to_thread(
+                reencode,
+                engine.tokenizer,
+                plan.messages,
+                plan.stream,
+                plan.context_len,
+                out.text,
+                out.token_ids,
+                set(engine.stop_token_ids),
+                tools,
+            )
+        except Exception:  # the stream stays as generated: the next turn cuts it back
+            log.exception("could not re-encode the reply of %s", self.conversation_id)
+            return None
+
+    async def _commit(
+        self, plan: Plan, out: Streamed, t0: float, chain: str, redo: Reencoded | None = None
+    ) -> None:
+        """Store the reply (with the chat's prefix hash through it), then report it done.
+        `redo`: the turn re-encoded as its template renders it in history: the stored
+        stream is cut back to where it differs and goes on with those tokens, in SQL and
+        in the engine, whose next turn computes them."""
+        sv, cid = self.sv, self.conversation_id
+        start = plan.context_len + len(plan.prompt)
+        token_ids = out.token_ids
+        try:
+            if redo is not None:
+                if redo.keep < start:  # the turn's prompt rendered differently too
+                    await sv.store.truncate(cid, redo.keep)
+                start, token_ids = redo.keep, redo.token_ids
             reply = await sv.store.append_message(
                 cid,
                 "assistant",
                 out.text,
-                out.token_ids,
+                token_ids,
                 finish_reason=out.finish_reason,
-                expected_start=plan.context_len + len(plan.prompt),
+                expected_start=start,
                 # a resent copy of a reply with calls is compared in canonical form
                 prefix_hash=matching.extend(
                     chain, "assistant", toolcalls.as_sent("assistant", out.text)
@@ -311,8 +349,15 @@ class ChatTurn:
                 "the database is unavailable right now; this reply was not saved, "
                 "try again shortly",
             )
+        reencoded = 0
+        if redo is not None:
+            generated = plan.context_len + len(plan.prompt) + len(out.token_ids)
+            if await sv.engine.rewrite(cid, redo.keep, redo.token_ids, generated):
+                reencoded = len(redo.token_ids)
+            else:  # the engine's copy is not what SQL holds now: rebuilt from SQL
+                await sv.engine.free(cid)
         sv.clock.touch(cid)
         end = time.perf_counter()
         ttft = (out.first_token_at or end) - t0
         sv.metrics.observe_turn(ttft, end - t0, out.finish_reason)
-        await self.sink.done(Done(reply.id, plan, out, ttft, end - t0))
+        await self.sink.done(Done(reply.id, plan, out, ttft, end - t0, reencoded))

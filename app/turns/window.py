@@ -7,7 +7,7 @@ the stored history; only the model no longer sees them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from app.turns.prompt import chat_messages, encode, render, render_delta, text_of
@@ -36,6 +36,10 @@ class Plan:
     fresh: bool  # the prompt opens a new window
     turns_left_out: int  # earlier turns the model no longer sees
     max_tokens: int  # the reply's budget within the limit
+    # The template's input for this turn and the window's tokens through its prompt: what
+    # the reply is re-encoded against when it ends (app/turns/reencode.py)
+    messages: list[dict] = field(default_factory=list)
+    stream: list[int] = field(default_factory=list)
 
 
 def _turns(history: list[StoredMessage], end: int) -> int:
@@ -104,14 +108,16 @@ def plan_turn(
             False,
             _turns(history, start),
             min(max_tokens, room),
+            msgs,
+            stored[: delta.context_len] + delta.token_ids,
         )
 
     # A fresh window: the system prompt, the latest whole turns that fit, the new message.
+    def fresh(s: int) -> list[dict]:
+        return chat_messages(system, _pairs(history, s, len(history)) + before, content, role)
+
     def prompt(s: int) -> list[int]:
-        pairs = _pairs(history, s, len(history)) + before
-        return encode(
-            tokenizer, render(tokenizer, chat_messages(system, pairs, content, role), tools)
-        )
+        return encode(tokenizer, render(tokenizer, fresh(s), tools))
 
     starts = [s for s in range(start, len(history)) if history[s].role == "user"]
     starts.append(len(history))
@@ -129,6 +135,5 @@ def plan_turn(
             f"the message needs {len(ids)} tokens with the system prompt and {needed} for the "
             f"reply; a chat can hold {limit} tokens here"
         )
-    return Plan(
-        ids, 0, len(stored), True, _turns(history, starts[lo]), min(max_tokens, limit - len(ids))
-    )
+    left_out, room = _turns(history, starts[lo]), min(max_tokens, limit - len(ids))
+    return Plan(ids, 0, len(stored), True, left_out, room, fresh(starts[lo]), ids)

@@ -58,6 +58,7 @@ async def test_stream_done_and_history(server, token):
             "recomputed_tokens",
             "prefetched_tokens",
             "disk_tokens",
+            "reencoded_tokens",
         }
         assert 1 <= d["usage"]["completion_tokens"] <= 12
         assert 0 < d["timing"]["ttft_ms"] <= d["timing"]["total_ms"]
