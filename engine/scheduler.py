@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter
 
-from engine.cache.manager import KVCacheManager
+from engine.cache.manager import KVCacheManager, NoRoom
 from engine.copies import CopyPlan
 from engine.prefetch import Prefetcher
 from engine.request import PrefetchEnd, Request, Status
@@ -311,8 +311,12 @@ class Scheduler:
                     if not prefetch and self._yield_prefetch(plan):
                         continue  # a running prefetch gave its room back: look again
                     break
+                try:
+                    self._start(req, plan)
+                except NoRoom as e:  # it waits; what was evicted still moves
+                    plan.before.extend(e.copies)
+                    break
                 queue.popleft()
-                self._start(req, plan)
                 budget -= self._take(req, self._budget(req, budget), plan)
         finally:  # whatever happens, a turn whose history is being read stays queued
             queue.extendleft(reversed(skipped))

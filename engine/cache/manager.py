@@ -35,6 +35,16 @@ from engine.types import CacheMode
 __all__ = ["Admission", "KVCacheManager", "chain_hashes"]
 
 
+class NoRoom(MemoryError):
+    """An admission found less room than `can_admit` foresaw (a client's pins hold blocks it
+    could not count exactly): the turn waits. `copies`: the swap-outs of what was evicted
+    before the room ran out, to run all the same (those chunks have left their blocks)."""
+
+    def __init__(self, need: int, copies: CopyPlan) -> None:
+        super().__init__(f"no room on the GPU for {need} blocks")
+        self.copies = copies
+
+
 @dataclass
 class Admission:
     cached_tokens: int  # context already on the GPU
@@ -290,7 +300,8 @@ class KVCacheManager:
         need = self.blocks_needed(t, upto)
         if not self.evictor.make_room_gpu(need, copies, UNEXPECTED if prefetch else None):
             self.tiers.set_pinned(t, False)
-            raise MemoryError(f"no room on the GPU for {need} blocks")
+            self.order.changed(t)
+            raise NoRoom(need, copies)
         t.tokens = kv_len
         cached = max(0, min(kv_len, len(t.chunks) * cs) - t.n_off_gpu * cs)
         swapped = recompute = from_disk = 0

@@ -116,3 +116,25 @@ def test_tool_gaps_are_learned_apart_from_people_gaps():
     assert len(returns.gaps) == 0 and len(engine.cache.policy.tools.gaps["search"]) == 1
     ask(engine, "agent", 5)  # a person's answer this time
     assert len(returns.gaps) == 1
+
+
+def test_an_admission_short_of_room_waits_instead_of_failing_the_step(monkeypatch):
+    """Where pins hold more blocks than admission foresaw, the turn waits (the step goes
+    on, what was evicted is still copied) and runs once the pins let go."""
+    engine = make()
+    for k in range(4):  # 3 chunks each: 12 pinned chunks in a 12 + 4 chunk cache
+        ask(engine, f"agent{k}", 90, Retention(ttl_s=600, owner="alice"), seed=k)
+    monkeypatch.setattr(engine.cache, "can_admit", lambda t, upto: True)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    req = engine.submit(Turn("chat", [(7 * i) % 200 + 10 for i in range(200)], sampling))
+    engine.step()
+    assert req.status == Status.WAITING
+    engine.cache.check()
+    monkeypatch.undo()
+    for k in range(4):
+        engine.unpin(f"agent{k}")
+    while engine.has_work():
+        engine.step()
+    engine.flush()
+    assert req.status == Status.FINISHED
+    engine.cache.check()
