@@ -11,16 +11,20 @@ on a simulated H100 (`engine/sim`), the real scheduler, cache and policy. At equ
 its tool runs:
 
 - `cost-t`: the default value Cost/T; the client does not report its tool calls.
-- `tool-aware`: the same, with each tool call reported (`Engine.tools_called`): a waiting
-  agent is worth Cost over its tool's expected time still to come, learned per tool name.
+- `tool-aware`: the same, with each tool call reported (`Engine.tools_called`, as the API
+  does for a reply that calls tools): a waiting agent is held in memory for the 90th
+  percentile of the tool gaps seen (and until its next turn runs), and is worth Cost over
+  its tool's expected time still to come, learned per tool name. No hint from the client.
 - `ttl-pin`: a fixed TTL pin after every tool-call turn (`Turn.retention`), as Continuum
-  (arXiv 2511.02230) pins; tool calls not reported.
+  (arXiv 2511.02230) pins; tool calls not reported; no pin after the answer.
 - `lru`: least recently used.
 - `hints`: the tool-aware value plus a pin of the tool's expected duration, sent by the agent
   (`retention.ttl_s`), as a client that knows its tools would.
 - `oracle`: both tiers hold every conversation: nothing is ever evicted or swapped.
 
-Pinning modes end a session with `ttl_s` 0 (the client knows its job is done). Memory is
+`hints` ends a session with `ttl_s` 0 (the client knows its job is done); no other mode
+has that hint (an earlier version gave it to `ttl-pin` too: its edge over `tool-aware` was
+mostly that, not its pins). Memory is
 swept as a share of every conversation's full context (`--memory`, the GPU tier; the CPU
 tier `--cpu-ratio` times it); then the memory where `ttl-pin`'s p90 job completion time is
 1.2x the oracle's is interpolated and run too: the issue's goal is read there.
@@ -125,8 +129,9 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
     def retention(conversation: str, index: int) -> Retention | None:
         if mode.pin is None or not work.is_agent(conversation):
             return None
-        if work.is_last(conversation, index):
-            return Retention(ttl_s=0.0)  # the job is done: its chunks go first
+        if work.is_last(conversation, index):  # the answer: no tool call, so no pin
+            # an agent that hints says its job is done: its chunks go first
+            return Retention(ttl_s=0.0) if mode.pin == "hint" else None
         tool = work.tool_of(conversation, index)
         assert tool is not None
         return Retention(ttl_s=ttl_s if mode.pin == "ttl" else tool.mean_s)

@@ -184,6 +184,7 @@ class Engine:
         except BaseException:
             self.claims.release(turn.conversation_id)
             self.cache.policy.unexpect(turn.conversation_id)
+            self.cache.policy.pins.unhold(turn.conversation_id)
             raise
 
     def queued(self) -> int:
@@ -202,6 +203,7 @@ class Engine:
         except BaseException:
             self.claims.release(turn.conversation_id)
             self.cache.policy.unexpect(turn.conversation_id)
+            self.cache.policy.pins.unhold(turn.conversation_id)
             raise
 
     def _queue(self, turn: Turn, on_token: Callable[[int], None] | None) -> Request:
@@ -237,6 +239,9 @@ class Engine:
             # Queued, it is about to run: its chunks are the last idle ones to go (by its
             # idle time alone, `returns` and the tool value would value it as idle)
             policy.expect(state.id, math.inf)
+            hold = policy.tools.hold_s()
+            if hold is not None:  # a tool wait's hold: renewed while the turn waits to run
+                policy.pins.hold_queued(state.id, now, hold)
             prompt = list(turn.prompt_token_ids)
             chain, shared = [], 0
             if state.length == 0:
@@ -350,16 +355,20 @@ class Engine:
 
     def tools_called(self, conversation_id: str, tools: list[str]) -> None:
         """The conversation's last turn ended calling `tools`: it waits for their results,
-        expected back in the time those tools took before (`engine/cache/toolwait.py`)."""
+        expected back in the time those tools took before, its KV held in memory meanwhile
+        (`engine/cache/toolwait.py`)."""
         with self.lock:
             state = self.streams.get(conversation_id)
             if state is None or conversation_id in self.claims:
                 return
             since = state.idle_since if state.idle_since is not None else self.now()
-            tools_wait = self.cache.policy.tools
-            if not tools_wait.is_waiting(conversation_id):  # its end was a tool call's
-                self.cache.policy.returns.retract()
-            tools_wait.wait(conversation_id, tools, since)
+            policy = self.cache.policy
+            if not policy.tools.is_waiting(conversation_id):  # its end was a tool call's
+                policy.returns.retract()
+            policy.tools.wait(conversation_id, tools, since)
+            hold = policy.tools.hold_s()
+            if hold is not None:  # most results come back within it: keep its KV till then
+                policy.pins.hold(conversation_id, since + hold)
 
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin and priority go at once (its client deleted it)."""
@@ -383,6 +392,7 @@ class Engine:
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
             self.cache.policy.tools.forget(conversation_id)
+            self.cache.policy.pins.unhold(conversation_id)
             if erase:  # deleted: its pin goes too (a cache reset keeps it for the next turn)
                 self.cache.policy.pins.release(conversation_id)
             if self.owns_history:
@@ -548,6 +558,7 @@ class Engine:
         self.clock.touch(state.id, now)
         state.idle_since = now
         self.cache.policy.unexpect(state.id)
+        self.cache.policy.pins.unhold(state.id)
         self.cache.ended()
         retention.settle(self, req, now)
         if self.owns_history:

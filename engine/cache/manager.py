@@ -224,10 +224,10 @@ class KVCacheManager:
         front first: once those blocks run out, its GPU chunks from its first one without a
         CPU copy on stay. 0 without pins; else O(tables) plus the chunks of those held."""
         pins = self.policy.pins
-        if not pins.pins:
+        if not pins.pins and not pins.holds:
             return 0
         now = self.order.step_now
-        held = [t for cid in list(pins.pins)
+        held = [t for cid in pins.holding()
                 if (t := self.tables.get(cid)) is not None and t is not but and not t.pinned
                 and pins.held(cid, now)]  # fmt: skip
         if not held:

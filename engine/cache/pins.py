@@ -7,6 +7,11 @@ every unpinned one, and the evictor never drops it (it may move from the GPU to 
 tier). A pin past its owner's cap is refused when its turn is accepted; room is never made
 by evicting another pin. Expired pins are forgotten when met.
 
+The server holds a conversation the same way, with no client asking, while it waits for a
+tool's result (`hold`, see engine/cache/toolwait.py): for a time learned from the tool gaps
+seen, renewed once when its next turn comes, let go when that turn ends. A hold counts
+against no owner and is not a pin in the stats.
+
 The front (the event loop) reserves while the engine's loop thread settles, releases and
 reads: changes take a lock, reads of one pin are single dict lookups.
 """
@@ -37,6 +42,7 @@ class Pins:
         self.pins: dict[str, Pin] = {}
         self.priority: dict[str, int] = {}  # conversations with a non-neutral priority
         self.done: set[str] = set()  # ttl_s 0: the session is over, its chunks go first
+        self.holds: dict[str, float] = {}  # the server's holds of tool waits: until when
         self.changes = 0  # the eviction order is stale when this moves
         self._lock = threading.Lock()
 
@@ -44,7 +50,13 @@ class Pins:
 
     def held(self, conversation_id: str, now: float) -> bool:
         pin = self.pins.get(conversation_id)
-        return pin is not None and pin.until > now
+        if pin is not None and pin.until > now:
+            return True
+        return self.holds.get(conversation_id, 0.0) > now
+
+    def holding(self) -> list[str]:
+        """Conversations with a pin or a hold, live or not (`held` says which are)."""
+        return [*self.pins, *(cid for cid in self.holds if cid not in self.pins)]
 
     def factor(self, conversation_id: str) -> float:
         """The weight of its eviction value: 0 for a finished session, priority / 50 else."""
@@ -91,6 +103,27 @@ class Pins:
             pin.bytes = size
             self.changes += 1
 
+    def hold(self, conversation_id: str, until: float) -> None:
+        """The server holds the conversation until then (a tool wait's hold)."""
+        with self._lock:
+            self.holds[conversation_id] = until
+            self.changes += 1
+
+    def hold_queued(self, conversation_id: str, now: float, hold_s: float) -> None:
+        """Its next turn came while held: the hold runs `hold_s` again from now, so the turn
+        does not lose its context while it waits to run (not longer: queued turns that each
+        held room the first one needs would wait for each other forever)."""
+        with self._lock:
+            until = self.holds.get(conversation_id, 0.0)
+            if until > now:
+                self.holds[conversation_id] = max(until, now + hold_s)
+                self.changes += 1
+
+    def unhold(self, conversation_id: str) -> None:
+        with self._lock:
+            if self.holds.pop(conversation_id, None) is not None:
+                self.changes += 1
+
     def finish(self, conversation_id: str) -> None:
         """ttl_s 0: the session is over, its pin goes and its chunks go first."""
         with self._lock:
@@ -109,6 +142,7 @@ class Pins:
         """Forget the conversation's pin and priority (it was deleted)."""
         with self._lock:
             self._drop(conversation_id)
+            self.holds.pop(conversation_id, None)
             self.done.discard(conversation_id)
             self.changes += 1
 

@@ -3,6 +3,12 @@ calls' results do. How long that takes is learned per tool name from the gaps se
 such a turn's end and the next turn's arrival, as the `returns` value learns idle gaps
 (engine/cache/returns.py); no hint from the client is needed.
 
+While a conversation waits, the server holds it (`Pins.hold`: kept in memory as a client's
+pin would keep it) for `hold_s`: the 90th percentile of every tool's gaps seen, so that
+most results come back to their KV. One time for every tool, not each tool's own: the
+holds of slow tools would then outlast those of fast ones, whose agents come back sooner
+and lose their KV to them (in the agent benchmark that held more and recomputed more).
+
 `remaining` is the expected wait still to come, E[gap - T | gap > T] over the tool's recent
 gaps, having waited T already: `Policy.value` holds a waiting conversation's chunks as
 worth Cost / min(T, remaining), never less than an idle chat's Cost / T. Once the wait has
@@ -18,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 
 ANY = ""  # the gaps of every tool: used for a tool seen too rarely on its own
+HOLD_Q = 0.9  # a waiting conversation is held for this quantile of the tool gaps seen
 
 
 class ToolWaits:
@@ -70,6 +77,15 @@ class ToolWaits:
                 return None
             longest = max(longest, r)
         return longest
+
+    def hold_s(self) -> float | None:
+        """How long to hold a conversation that starts waiting for a tool (None: too few
+        gaps seen yet)."""
+        table = self._table(ANY)
+        if table is None:
+            return None
+        gaps = table[0]
+        return gaps[min(len(gaps) - 1, int(HOLD_Q * len(gaps)))]
 
     def _residual(self, name: str, t: float) -> float | None:
         """E[gap - t | gap > t] over the tool's gaps (every tool's, if it was seen rarely)."""

@@ -138,3 +138,19 @@ def test_an_admission_short_of_room_waits_instead_of_failing_the_step(monkeypatc
     engine.flush()
     assert req.status == Status.FINISHED
     engine.cache.check()
+
+
+def test_a_tool_wait_is_held_for_the_gaps_seen_and_let_go_when_its_next_turn_ends():
+    engine = make()
+    pins = engine.cache.policy.pins
+    ask(engine, "agent", 20)
+    for k in range(4):  # four tool gaps seen: what holds are sized by
+        engine.tools_called("agent", ["search"])
+        ask(engine, "agent", 5, seed=k)
+    engine.tools_called("agent", ["search"])
+    hold, since = engine.cache.policy.tools.hold_s(), engine.streams["agent"].idle_since
+    assert hold is not None and pins.held("agent", since)
+    assert pins.holds["agent"] == pytest.approx(since + hold)
+    ask(engine, "agent", 5)
+    assert not pins.held("agent", engine.now())
+    assert engine.snapshot().pins.conversations == 0  # a hold is not a client's pin

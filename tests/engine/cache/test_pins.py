@@ -144,3 +144,26 @@ def test_room_is_made_past_a_pinned_conversation_that_cannot_move():
     assert m.table("front").tiers() == ["gpu", "gpu"]
     assert m.table("backed").tiers() == ["cpu", "cpu"]
     m.check()
+
+
+def test_a_hold_keeps_a_tool_wait_until_it_ends_renewed_once_by_the_next_turn():
+    pins = Pins()
+    pins.hold("agent", until=10.0)
+    assert pins.held("agent", 9.9) and not pins.held("agent", 10.0)
+    assert pins.holding() == ["agent"] and pins.live(0.0) == {}  # not a client's pin
+    pins.hold_queued("agent", now=9.0, hold_s=5.0)  # its next turn came: runs 5 s from then
+    assert pins.held("agent", 13.9) and not pins.held("agent", 14.0)
+    pins.hold_queued("late", now=9.0, hold_s=5.0)  # never held: nothing to renew
+    assert not pins.held("late", 9.0)
+    pins.unhold("agent")  # its turn ended
+    assert not pins.held("agent", 9.0) and pins.holding() == []
+
+
+def test_a_held_conversation_keeps_its_chunks_while_others_are_evicted():
+    m, clock, now = manager(gpu=6, cpu=3)
+    turn(m, clock, "agent", 12, when=900.0)  # 3 chunks, idle for 100 s: the paper drops it first
+    m.policy.pins.hold("agent", now() + 5.0)
+    turn(m, clock, "chat", 12, when=999.0)
+    turn(m, clock, "third", 16, when=1000.0)
+    assert "dropped" not in m.table("agent").tiers()
+    assert m.table("chat").tiers()[0] == "dropped"
