@@ -141,11 +141,16 @@ def _smollm3_no_rope(config: dict) -> tuple[int, ...]:
     return tuple(i for i in range(n) if not flags[i])
 
 
-def _write_llama_like(a: ModelArgs) -> dict:
-    rope = {"rope_type": "default", "rope_theta": a.rope_theta}
+def _rope_parameters(a: ModelArgs) -> dict:
+    """The (global) RoPE as transformers 5 writes it: its type, scaling and base."""
     if a.rope_scaling:
-        rope = {**a.rope_scaling, "rope_theta": a.rope_theta}
-    config = {
+        return {**a.rope_scaling, "rope_theta": a.rope_theta}
+    return {"rope_type": "default", "rope_theta": a.rope_theta}
+
+
+def _rms_decoder_config(a: ModelArgs) -> dict:
+    """The fields every RMS-normed decoder family writes alike."""
+    return {
         "model_type": a.family,
         "architectures": [a.spec.architecture],
         "vocab_size": a.vocab_size,
@@ -156,10 +161,15 @@ def _write_llama_like(a: ModelArgs) -> dict:
         "head_dim": a.head_dim,
         "intermediate_size": a.intermediate_size,
         "rms_norm_eps": a.norm_eps,
-        "rope_theta": a.rope_theta,
-        "rope_parameters": rope,
         "max_position_embeddings": a.max_position,
         "tie_word_embeddings": a.tie_embeddings,
+    }
+
+
+def _write_llama_like(a: ModelArgs) -> dict:
+    config = _rms_decoder_config(a) | {
+        "rope_theta": a.rope_theta,
+        "rope_parameters": _rope_parameters(a),
         "hidden_act": a.hidden_act,
     }
     if a.family == "llama":
@@ -371,24 +381,9 @@ def _write_gemma3(a: ModelArgs) -> dict:
         raise UnsupportedModel(
             "gemma3_text has one attention_bias for q/k/v and o, none in the MLP"
         )
-    full = {"rope_type": "default", "rope_theta": a.rope_theta}
-    if a.rope_scaling:
-        full = {**a.rope_scaling, "rope_theta": a.rope_theta}
     local = {"rope_type": "default", "rope_theta": a.rope_local_theta}
-    return {
-        "model_type": "gemma3_text",
-        "architectures": [a.spec.architecture],
-        "vocab_size": a.vocab_size,
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.intermediate_size,
-        "rms_norm_eps": a.norm_eps,
-        "rope_parameters": {"full_attention": full, "sliding_attention": local},
-        "max_position_embeddings": a.max_position,
-        "tie_word_embeddings": a.tie_embeddings,
+    return _rms_decoder_config(a) | {
+        "rope_parameters": {"full_attention": _rope_parameters(a), "sliding_attention": local},
         "hidden_activation": a.hidden_act,
         "attention_bias": a.qkv_bias,
         "sliding_window": a.sliding_window,
