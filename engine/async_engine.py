@@ -166,33 +166,32 @@ class AsyncEngine:
     def free(self, conversation_id: str, erase: bool = False) -> asyncio.Future:
         """Forget a conversation's cache (`erase`: its disk tier files too, a deleted
         chat's); await the result to know it is done."""
-        fut = self._loop.create_future()
-        self._post(("free", conversation_id, erase, fut))
-        return fut
+        return self._on_loop(self.engine.free, conversation_id, erase)
 
     def fork(
         self, parent_id: str, child_id: str, token_ids: list[int], parent_len: int | None = None
     ) -> asyncio.Future:
         """Start `child_id` on the parent's first tokens, linking the parent's chunks (see
         `Engine.fork`); await the positions linked (0: the child recomputes)."""
-        fut = self._loop.create_future()
-        self._post(("fork", parent_id, child_id, list(token_ids), parent_len, fut))
-        return fut
+        return self._on_loop(self.engine.fork, parent_id, child_id, list(token_ids), parent_len)
 
     def rewrite(
         self, conversation_id: str, keep: int, token_ids: list[int], length: int
     ) -> asyncio.Future:
         """Replace the stream's tokens after `keep` with `token_ids` (see `Engine.rewrite`);
         await True, or False where nothing changed."""
-        fut = self._loop.create_future()
-        self._post(("rewrite", conversation_id, keep, list(token_ids), length, fut))
-        return fut
+        return self._on_loop(self.engine.rewrite, conversation_id, keep, list(token_ids), length)
 
     def seed(self, seeds) -> asyncio.Future:
         """Place conversations in the tiers as a given state says, on the loop thread (see
         `Engine.seed`: for measurement; refused while turns are in flight); await it."""
+        return self._on_loop(self.engine.seed, list(seeds))
+
+    def _on_loop(self, fn, *args) -> asyncio.Future:
+        """Call `fn(*args)` (an engine method) on the loop thread, between steps; await its
+        result (or its exception)."""
         fut = self._loop.create_future()
-        self._post(("seed", list(seeds), fut))
+        self._post(("run", fn, args, fut))
         return fut
 
     def prefetch(self, conversation_id: str) -> None:
@@ -299,7 +298,7 @@ class AsyncEngine:
             if item[0] == "submit":  # accepted, never queued: its claim goes here
                 self.engine.claims.release(item[1].turn.conversation_id)
                 self._call(self._end, item[1], None, error)
-            elif item[0] in ("free", "fork", "seed", "rewrite"):
+            elif item[0] == "run":
                 self._call(_resolve, item[-1], None, error)
 
     def _drain(self) -> None:
@@ -326,32 +325,10 @@ class AsyncEngine:
                     self.engine.tools_called(item[1], item[2])
                 except Exception:  # a hint for the eviction order only
                     log.exception("tool wait of %s failed", item[1])
-            elif kind == "free":
-                _, cid, erase, fut = item
+            elif kind == "run":
+                _, fn, args, fut = item
                 try:
-                    self.engine.free(cid, erase)
-                    self._call(_resolve, fut, None, None)
-                except Exception as e:
-                    self._call(_resolve, fut, None, e)
-            elif kind == "seed":
-                _, seeds, fut = item
-                try:
-                    self.engine.seed(seeds)
-                    self._call(_resolve, fut, None, None)
-                except Exception as e:
-                    self._call(_resolve, fut, None, e)
-            elif kind == "rewrite":
-                _, cid, keep, tokens, length, fut = item
-                try:
-                    done = self.engine.rewrite(cid, keep, tokens, length)
-                    self._call(_resolve, fut, done, None)
-                except Exception as e:
-                    self._call(_resolve, fut, None, e)
-            elif kind == "fork":
-                _, parent, child, tokens, parent_len, fut = item
-                try:
-                    linked = self.engine.fork(parent, child, tokens, parent_len)
-                    self._call(_resolve, fut, linked, None)
+                    self._call(_resolve, fut, fn(*args), None)
                 except Exception as e:
                     self._call(_resolve, fut, None, e)
 
