@@ -46,6 +46,9 @@ ENGINE_HELP: dict[str, str] = {
     "compile_cpu": "CPU: compile the forward with torch.compile at start (faster steps)",
     "share_prefixes": "pensieve mode: store chunks of first prompts equal across conversations "
     "(a system prompt) once, and link them instead of computing them",
+    "tool_holds": "hold a conversation waiting for a tool's result in memory for the 90th "
+    "percentile of the tool gaps seen (saves recompute where memory is short; turns queue "
+    "behind holds where it is far too short)",
     "cuda_graphs": "replay steps without a swap-in from CUDA graphs captured per bucket of "
     "positions and turns (CUDA with the triton backend, one rank)",
     "cuda_graph_tokens": "largest mixed prompt and decode step replayed from a CUDA graph, in "

@@ -366,7 +366,7 @@ class Engine:
             if not policy.tools.is_waiting(conversation_id):  # its end was a tool call's
                 policy.returns.retract()
             policy.tools.wait(conversation_id, tools, since)
-            hold = policy.tools.hold_s()
+            hold = policy.tools.hold_s() if self.config.tool_holds else None
             if hold is not None:  # most results come back within it: keep its KV till then
                 policy.pins.hold(conversation_id, since + hold)
 

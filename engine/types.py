@@ -64,6 +64,11 @@ class EngineConfig:
     # pensieve mode: full chunks of first prompts that are equal across conversations (a
     # system prompt) are stored once and linked by new conversations instead of computed
     share_prefixes: bool = True
+    # A conversation waiting for a tool's result is held in memory (as a client's pin holds
+    # it: never dropped, admission waits) for the 90th percentile of the tool gaps seen. Off
+    # by default: it saves recompute where memory holds most waiting agents, and makes turns
+    # queue behind the holds where it is far too small (bench/README.md, "Agents")
+    tool_holds: bool = False
     # Ranks the model is split across (heads, KV heads, MLP, vocabulary): worker processes
     # over torch.distributed, one GPU each on CUDA; 1: no workers, one process as before
     tensor_parallel: int = 1

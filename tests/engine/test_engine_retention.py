@@ -141,7 +141,7 @@ def test_an_admission_short_of_room_waits_instead_of_failing_the_step(monkeypatc
 
 
 def test_a_tool_wait_is_held_for_the_gaps_seen_and_let_go_when_its_next_turn_ends():
-    engine = make()
+    engine = make(tool_holds=True)
     pins = engine.cache.policy.pins
     ask(engine, "agent", 20)
     for k in range(4):  # four tool gaps seen: what holds are sized by
@@ -154,3 +154,14 @@ def test_a_tool_wait_is_held_for_the_gaps_seen_and_let_go_when_its_next_turn_end
     ask(engine, "agent", 5)
     assert not pins.held("agent", engine.now())
     assert engine.snapshot().pins.conversations == 0  # a hold is not a client's pin
+
+
+def test_no_tool_wait_is_held_unless_asked():
+    engine = make()
+    ask(engine, "agent", 20)
+    for k in range(5):
+        engine.tools_called("agent", ["search"])
+        ask(engine, "agent", 5, seed=k)
+    engine.tools_called("agent", ["search"])
+    assert engine.cache.policy.tools.hold_s() is not None
+    assert not engine.cache.policy.pins.held("agent", engine.streams["agent"].idle_since)
