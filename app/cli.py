@@ -96,13 +96,13 @@ def serve(args: argparse.Namespace) -> None:
     from store.db import check_database
 
     settings = _settings(args)
+    # Fail in one line, before the model loads, when the database cannot be reached.
+    asyncio.run(check_database(settings.database_url, settings.database_timeout_s))
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = _with_serving_dtype(settings)
-    # Fail in one line, before the model loads, when the database cannot be reached.
-    asyncio.run(check_database(settings.database_url, settings.database_timeout_s))
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,

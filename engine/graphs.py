@@ -74,8 +74,11 @@ def buckets(max_turns: int, max_tokens: int) -> list[Bucket]:
 
 def bucket_for(tokens: int, seqs: int, sizes: list[Bucket]) -> Bucket | None:
     """The smallest bucket that holds `tokens` positions over `seqs` sub-requests; None: none
-    does."""
+    does. A step with a prompt piece (more positions than sub-requests) only goes to a mixed
+    bucket: decode buckets (B, B) are for decode steps (`cuda_graph_tokens` 0 means that)."""
     for b in sorted(sizes):
+        if tokens > seqs and b.tokens == b.seqs:
+            continue
         if b.tokens >= tokens and b.seqs >= seqs:
             return b
     return None

@@ -42,7 +42,8 @@ def test_mixed_buckets_double_past_the_decode_ones():
     sizes = buckets(4, 20)
     assert sizes[3:] == [Bucket(8, 4), Bucket(16, 4), Bucket(32, 4)]
     assert bucket_for(3, 3, sizes) == Bucket(4, 4)  # decode
-    assert bucket_for(3, 1, sizes) == Bucket(4, 4)  # a 3-token prompt fits a decode bucket
+    assert bucket_for(3, 1, sizes) == Bucket(8, 4)  # a prompt piece: a mixed bucket only
+    assert bucket_for(3, 1, buckets(4, 0)) is None  # decode buckets only: it runs eagerly
     assert bucket_for(9, 2, sizes) == Bucket(16, 4)
     assert bucket_for(9, 5, sizes) is None  # more turns than any bucket holds
     assert bucket_for(33, 1, sizes) is None
