@@ -187,12 +187,13 @@ def test_greedy_equality_through_swaps_and_drops(family, checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_equal_transformers(checkpoint, tmp_path):
-    """Tensor parallelism (gloo, 2 ranks) on a new family: Phi-3's fused q/k/v and gate/up
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+def test_two_ranks_equal_transformers(checkpoint, tmp_path, family):
+    """Tensor parallelism (gloo, 2 ranks) on new families: Phi-3's fused q/k/v and gate/up
     tensors split by heads, partial rotary dims per head, the tied head split by vocabulary
-    rows. (Qwen3's q/k norms act on whole heads: replicated, like every norm.) 5 GPU chunks
-    do not hold one conversation: swaps and recomputes."""
-    family = "phi3"
+    rows; Gemma 3's sliding layers per rank, its four norms a layer. (q/k norms act on whole
+    heads: replicated, like every norm.) 5 GPU chunks do not hold one conversation: swaps
+    and recomputes."""
     path = checkpoint(family)
     engine = Engine(
         EngineConfig(
