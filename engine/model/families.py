@@ -287,29 +287,18 @@ def _write_phi3(a: ModelArgs) -> dict:
         rope = {k: v for k, v in a.rope_scaling.items() if v is not None}
         rope["rope_theta"] = a.rope_theta
     rope["partial_rotary_factor"] = a.partial_rotary_factor
-    config = {
-        "model_type": "phi3",
-        "architectures": [a.spec.architecture],
-        "vocab_size": a.vocab_size,
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "intermediate_size": a.intermediate_size,
-        "rms_norm_eps": a.norm_eps,
+    config = _rms_decoder_config(a) | {
         "rope_theta": a.rope_theta,
         "rope_parameters": rope,
         "partial_rotary_factor": a.partial_rotary_factor,
-        "max_position_embeddings": a.max_position,
-        "tie_word_embeddings": a.tie_embeddings,
         "hidden_act": a.hidden_act,
         "sliding_window": a.sliding_window,
     }
     if a.rope_scaling:
         old_len = a.rope_scaling["original_max_position_embeddings"]
         config["original_max_position_embeddings"] = old_len
-    if a.head_dim != a.dim // a.n_heads:
-        config["head_dim"] = a.head_dim
+    if a.head_dim == a.dim // a.n_heads:  # phi3 configs name head_dim only where it differs
+        del config["head_dim"]
     return config
 
 
