@@ -239,7 +239,7 @@ class Engine:
             # Queued, it is about to run: its chunks are the last idle ones to go (by its
             # idle time alone, `returns` and the tool value would value it as idle)
             policy.expect(state.id, math.inf)
-            hold = policy.tools.hold_s()
+            hold = policy.tools.hold_s() if self.config.tool_holds else None
             if hold is not None:  # a tool wait's hold: renewed while the turn waits to run
                 policy.pins.hold_queued(state.id, now, hold)
             prompt = list(turn.prompt_token_ids)
