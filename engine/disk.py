@@ -12,7 +12,9 @@ the pool) for a writer thread, which writes a temporary file and renames it; a f
 or a failing disk drops the write (the chunk is then recomputed when needed, as without a
 disk tier). Each file carries a checksum; a read that finds a missing, truncated or
 corrupted file returns None and removes it. When the tier is over `capacity_bytes`, files
-go by the retention value of the policy: recompute cost of the chunk over its idle time.
+go by the retention value of the policy: recompute cost of the chunk over its idle time,
+the chunks a client asked to keep (`keep`) last; those keeps are journaled in the directory
+(`engine/keeps.py`), so they outlive the process like the files.
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ from pathlib import Path
 
 import torch
 
+from engine.keeps import KeepJournal, apply
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"PKV1"
 SUFFIX = ".kv"
 QUEUE = 256  # chunks waiting to be written; more are dropped, never waited for
 FREE_TO = 0.95  # an eviction round frees files down to this share of the capacity
+# A durable keep is rounded up by this much, so that a kept chat's every turn (each pushes its
+# keep a little further) does not journal all its keys again: about once an hour at most
+KEEP_SLACK_S = 3600.0
 
 
 def namespace(*parts) -> str:
@@ -268,6 +275,8 @@ class DiskTier(DiskIndex):
         # read_bps: measured (a probe at start, then a moving average over reads)
         self.read_limit_bps = read_limit_bps  # emulates a slower disk (benchmarks)
         self._scan()
+        self.journal = KeepJournal(self.dir)
+        self.kept = self.journal.compact(lambda key: key in self.index, self.now())
         self._probe()
         self._queue: queue.Queue = queue.Queue(QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
@@ -310,11 +319,26 @@ class DiskTier(DiskIndex):
             if wait > 0:
                 time.sleep(wait)
 
+    def keep(self, keys: list[bytes], until: float) -> None:
+        """Keep these chunks over any other until `until` (wall time) or up to KEEP_SLACK_S
+        after, durably: the keeps that grow are journaled (not while the step loop waits:
+        one append to a file, no fsync)."""
+        grown = []
+        with self.lock:
+            for key in keys:
+                if until > self.kept.get(key, 0.0):
+                    self.kept[key] = until + KEEP_SLACK_S
+                    grown.append((key, until + KEEP_SLACK_S))
+        self.journal.append(grown)
+
     def remove(self, key: bytes, index: int) -> None:
-        """Remove a chunk's file (a deleted conversation's), and its write if it is still
-        queued (one the writer has begun lands after this)."""
+        """Remove a chunk's file (a deleted conversation's), its keep (durably), and its
+        write if it is still queued (one the writer has begun lands after this)."""
         with self.lock:
             self.pending.pop(key, None)
+            kept = self.kept.pop(key, None) is not None
+        if kept:
+            self.journal.append([(key, 0.0)])
         self._forget(key, self.path(key, index))
 
     def clear(self) -> None:
@@ -409,6 +433,15 @@ class DiskTier(DiskIndex):
             f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
         os.replace(tmp, path)  # readers see the whole file or none
         self._add(key, index, path.stat().st_size)
+
+    def _evict(self) -> None:
+        """Evict as the index says, with the keeps other processes sharing the directory
+        journaled since (on the writer thread: never the step loop's wait)."""
+        new = self.journal.read_new()
+        if new:
+            with self.lock:
+                apply(self.kept, new)
+        super()._evict()
 
     def _evicted(self, gone: list[tuple[bytes, Entry]]) -> None:
         for key, e in gone:
