@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from engine.cache.pins import Retained
 from engine.drain import DrainRate
 from engine.engine import Engine
 from engine.persistence import ActivityClock, TokenHistory
@@ -209,6 +210,16 @@ class AsyncEngine:
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin go at once (see `Engine.unpin`; thread-safe)."""
         self.engine.unpin(conversation_id)
+
+    def retained(self, conversation_id: str) -> Retained | None:
+        """What the conversation's retention holds now, in wall time (see `Engine.retained`;
+        thread-safe)."""
+        return self.engine.retained(conversation_id)
+
+    def restore_retention(self, kept: list[Retained]) -> int:
+        """Put back retention kept across a restart (see `Engine.restore_retention`;
+        thread-safe); the pins put back."""
+        return self.engine.restore_retention(kept)
 
     @property
     def disk_tier(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 from engine import retention
 from engine.backends import Backend, pick
 from engine.cache.manager import KVCacheManager, chain_hashes
+from engine.cache.pins import Retained
 from engine.cache.policy import CostModel, Policy
 from engine.disk import DiskIndex
 from engine.drain import DEFAULT_S as DEFAULT_RETRY_S
@@ -373,6 +374,18 @@ class Engine:
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin and priority go at once (its client deleted it)."""
         self.cache.policy.pins.release(conversation_id)
+
+    def retained(self, conversation_id: str) -> Retained | None:
+        """What the conversation's retention holds now (its pin, until when in wall time; its
+        priority; a finished session), for the caller to keep across a restart; None:
+        nothing. Thread-safe."""
+        return retention.retained(self, conversation_id)
+
+    def restore_retention(self, kept: list[Retained]) -> int:
+        """Put back retention `retained` read out before a restart: pins still in force (until
+        the same wall time, counted against their owners' caps), priorities, finished
+        sessions. Returns the pins put back. Thread-safe."""
+        return retention.restore(self, kept)
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True

@@ -1,12 +1,16 @@
 """A client's retention applied to the cache: pins reserved when a turn is accepted (against
 its owner's cap), run from the turn's end, the disk tier told to keep the conversation's
-chunks, and what the pins hold per tier. The bookkeeping itself is `engine/cache/pins.py`."""
+chunks, what the pins hold per tier, and a conversation's pins read out and put back across
+a restart in wall time. The bookkeeping itself is `engine/cache/pins.py`."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.cache.chunks import ChunkTable
+from engine.cache.pins import Retained
 from engine.snapshot import PinUsage
 from engine.types import Turn
 
@@ -53,6 +57,24 @@ def settle(engine: Engine, req: Request, now: float) -> None:
     if r is not None and r.disk_s and engine.writes is not None and engine.disk is not None:
         engine.disk.keep(list(req.state.hashes), engine.disk.now() + r.disk_s)
         engine.writes.write_back(engine.streams, limit=len(req.state.hashes), only=cid)
+
+
+def retained(engine: Engine, conversation_id: str) -> Retained | None:
+    """What the pins hold of the conversation, its pin's `until` in wall time (the engine's
+    clock may be virtual, or any a test gives; a restarted engine's starts anew)."""
+    now = engine.now()
+    r = engine.cache.policy.pins.record(conversation_id, now)
+    if r is None or r.ttl_s is None:
+        return r
+    return replace(r, until=r.until - now + time.time())
+
+
+def restore(engine: Engine, kept: list[Retained]) -> int:
+    """Put back what `retained` read out before a restart (`until` in wall time): the pins
+    still in force, priorities, finished sessions. Returns the pins put back."""
+    now = engine.now()
+    shift = now - time.time()
+    return engine.cache.policy.pins.restore([replace(r, until=r.until + shift) for r in kept], now)
 
 
 def usage(engine: Engine, now: float) -> PinUsage:

@@ -12,6 +12,10 @@ tool's result (`hold`, see engine/cache/toolwait.py): for a time learned from th
 seen, renewed once when its next turn comes, let go when that turn ends. A hold counts
 against no owner and is not a pin in the stats.
 
+What a conversation's pins hold (its pin, its priority, a finished session) is read out as
+`Retained` for the server to keep durably (`record`) and put back after a restart
+(`restore`); the engine converts its clock to wall time for it (engine/retention.py).
+
 The front (the event loop) reserves while the engine's loop thread settles, releases and
 reads: changes take a lock, reads of one pin are single dict lookups.
 """
@@ -35,6 +39,20 @@ class Pin:
     until: float  # pinned while now < until
     priority: int
     bytes: int  # what it may hold: its projected size when reserved, its held size once settled
+
+
+@dataclass(frozen=True)
+class Retained:
+    """One conversation's pin (`ttl_s` None: none in force), priority and whether its session
+    is done, as kept across a restart."""
+
+    conversation_id: str
+    owner: str = ""
+    ttl_s: float | None = None
+    until: float = 0.0  # the pin holds while now < until
+    bytes: int = 0  # what the pin counts against its owner's cap
+    priority: int = NEUTRAL
+    done: bool = False
 
 
 class Pins:
@@ -146,7 +164,42 @@ class Pins:
             self.done.discard(conversation_id)
             self.changes += 1
 
+    def restore(self, kept: list[Retained], now: float) -> int:
+        """Put back what `record` read out before a restart: pins still in force (counted
+        against their owners' caps from now on, never refused: they were accepted), the
+        priorities, the finished sessions. Returns the pins put back."""
+        pinned = 0
+        with self._lock:
+            for r in kept:
+                cid = r.conversation_id
+                if r.done:
+                    self._drop(cid)
+                    self.done.add(cid)
+                    continue
+                self._set_priority(cid, r.priority)
+                self.done.discard(cid)
+                if r.ttl_s is not None and r.until > now:
+                    self.pins[cid] = Pin(r.owner, r.ttl_s, r.until, r.priority, r.bytes)
+                    pinned += 1
+            self.changes += 1
+        return pinned
+
     # ---- inspection -------------------------------------------------------------------------
+
+    def record(self, conversation_id: str, now: float) -> Retained | None:
+        """What the pins hold of the conversation (None: nothing: no pin in force, a neutral
+        priority, not done)."""
+        with self._lock:
+            pin = self.pins.get(conversation_id)
+            priority = self.priority.get(conversation_id, NEUTRAL)
+            done = conversation_id in self.done
+        if pin is not None and pin.until > now:
+            return Retained(
+                conversation_id, pin.owner, pin.ttl_s, pin.until, pin.bytes, priority, done
+            )
+        if priority == NEUTRAL and not done:
+            return None
+        return Retained(conversation_id, priority=priority, done=done)
 
     def live(self, now: float) -> dict[str, Pin]:
         """The pins still in force; expired ones are forgotten (a priority stays)."""

@@ -4,6 +4,8 @@ retention keeps the conversation's files; a turn that ended in tool calls waits 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
@@ -12,10 +14,10 @@ from engine.request import Status
 from engine.types import Retention
 
 
-def make(**kw) -> Engine:
+def make(now=None, **kw) -> Engine:
     config = dict(device="cpu", gpu_cache_chunks=12, cpu_cache_chunks=4, max_batch_tokens=64)
     config.update(kw)
-    return Engine(EngineConfig(model="dummy:tiny", **config))
+    return Engine(EngineConfig(model="dummy:tiny", **config), now=now)
 
 
 def ask(engine: Engine, cid: str, n: int, retention: Retention | None = None, seed: int = 0):
@@ -50,6 +52,27 @@ def test_a_pin_past_the_owner_cap_is_refused_before_anything_runs():
     assert "a2" not in engine.claims  # refused at once, nothing queued
     ask(engine, "b1", 60, Retention(ttl_s=600, owner="bob", cap_bytes=cap))
     assert engine.snapshot().pins.conversations == 2
+
+
+def test_a_restarted_engine_takes_its_pins_back_in_wall_time():
+    engine = make()
+    cap = 3 * engine.pool.bytes_per_chunk
+    ask(engine, "a1", 60, Retention(ttl_s=600, priority=70, owner="alice", cap_bytes=cap))
+    kept = engine.retained("a1")
+    assert kept.until == pytest.approx(time.time() + 600, abs=5)  # wall time
+    assert kept.bytes == 2 * engine.pool.bytes_per_chunk and kept.priority == 70
+    assert engine.retained("never") is None
+
+    clock = [5.0]  # a new engine whose clock starts anew (a virtual one, say)
+    again = make(now=lambda: clock[0])
+    assert again.restore_retention([kept]) == 1
+    pins = again.cache.policy.pins
+    assert pins.held("a1", 5.0 + 590) and not pins.held("a1", 5.0 + 610)
+    assert again.snapshot().pins.conversations == 1
+    with pytest.raises(PinRefused, match="over the cap"):  # 2 chunks held + 2 asked > 3
+        ask(again, "a2", 60, Retention(ttl_s=600, owner="alice", cap_bytes=cap))
+    again.free("a1", erase=True)  # deleted: the restored pin goes like any
+    ask(again, "a2", 60, Retention(ttl_s=600, owner="alice", cap_bytes=cap))
 
 
 def test_bad_retention_is_refused():

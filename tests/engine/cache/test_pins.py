@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache.pins import PinRefused, Pins
+from engine.cache.pins import PinRefused, Pins, Retained
 from tests.engine.cache.test_cache import manager, turn
 
 
@@ -79,6 +79,35 @@ def test_a_pin_runs_from_the_end_of_each_turn():
     pins.settle("a", now=50.0, size=64)
     assert pins.held("a", 109.0) and not pins.held("a", 111.0)
     assert pins.live(111.0) == {}
+
+
+def test_what_the_pins_hold_is_read_out_and_put_back_after_a_restart():
+    pins = Pins()
+    pins.reserve("a1", "alice", 600, 80, 600, 1000, now=0.0)
+    pins.settle("a1", now=10.0, size=700)  # held until 610
+    pins.prioritize("low", 10)  # a priority, no pin
+    pins.finish("over")  # a finished session
+    pins.reserve("gone", "alice", 5, 50, 100, None, now=0.0)  # expired by 20
+    kept = [pins.record(cid, now=20.0) for cid in ("a1", "low", "over", "gone", "never")]
+    assert kept[0] == Retained("a1", "alice", 600, 610.0, 700, 80, False)
+    assert kept[3:] == [None, None]  # nothing left to keep
+
+    again = Pins()  # a new process
+    assert again.restore([r for r in kept if r], now=20.0) == 1
+    assert again.held("a1", 609.0) and not again.held("a1", 610.0)
+    assert again.factor("a1") == 80 / 50 and again.factor("low") == 10 / 50
+    assert again.factor("over") == 0.0 and not again.held("over", 20.0)
+    assert again.owner_bytes("alice", 20.0) == 700  # counted against her cap
+    with pytest.raises(PinRefused):  # 700 + 400 > 1000: fits only without the restored pin
+        again.reserve("a2", "alice", 60, 50, 400, 1000, now=20.0)
+
+
+def test_a_pin_that_expired_meanwhile_is_not_put_back_its_priority_is():
+    pins = Pins()
+    assert pins.restore([Retained("a", "alice", 60, 100.0, 500, 90)], now=100.0) == 0
+    assert not pins.held("a", 100.0) and pins.live(100.0) == {}
+    assert pins.owner_bytes("alice", 100.0) == 0
+    assert pins.factor("a") == 90 / 50
 
 
 def test_admission_counts_pinned_blocks_that_cannot_move():
