@@ -15,12 +15,13 @@ Typical start-up, on the server's event loop:
 from store.activity import RedisClock
 from store.db import DEFAULT_URL, database_url
 from store.history import HistoryConflict, HistoryError, HistoryStore, TokenHistory, hash_token
-from store.models import ApiResponse, Conversation, Message, User
+from store.models import ApiResponse, Conversation, ConversationRetention, Message, User
 
 __all__ = [
     "ApiResponse",
     "DEFAULT_URL",
     "Conversation",
+    "ConversationRetention",
     "HistoryConflict",
     "HistoryError",
     "HistoryStore",

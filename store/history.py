@@ -11,14 +11,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ScalarSelect, delete, func, select, update
+from sqlalchemy import ScalarSelect, delete, func, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from store.db import make_engine
-from store.models import ROLES, ApiResponse, Conversation, Message, User, utcnow
+from store.models import (
+    ROLES,
+    ApiResponse,
+    Conversation,
+    ConversationRetention,
+    Message,
+    User,
+    utcnow,
+)
 
 MAX_TITLE = 200
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -506,6 +514,32 @@ class HistoryStore:
         )
         async with self.sessions.begin() as s:
             return (await s.execute(q)).rowcount > 0
+
+    # Retention (what a conversation's client asked the cache to keep, across restarts).
+
+    async def save_retention(self, row: ConversationRetention) -> None:
+        """Store the conversation's retention, replacing what was stored of it."""
+        async with self.sessions.begin() as s:
+            await s.merge(row)
+
+    async def clear_retention(self, conversation_id: str) -> None:
+        async with self.sessions.begin() as s:
+            await s.execute(
+                delete(ConversationRetention).where(
+                    ConversationRetention.conversation_id == conversation_id
+                )
+            )
+
+    async def live_retention(
+        self, replica: str | None, now: datetime
+    ) -> list[ConversationRetention]:
+        """The retention of `replica`'s conversations (None: a lone server's) that still
+        holds something at `now`: a pin in force, a priority, a finished session."""
+        r = ConversationRetention
+        here = r.replica.is_(None) if replica is None else r.replica == replica
+        q = select(r).where(here, or_(r.pinned_until > now, r.priority != 50, r.done))
+        async with self.sessions() as s:
+            return list(await s.scalars(q))
 
     async def token_count(self, conversation_id: str) -> int:
         """Length of the context window's token stream."""

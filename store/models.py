@@ -1,4 +1,5 @@
-"""SQL schema of conversations, their messages and their owners."""
+"""SQL schema of conversations, their messages and their owners, the Responses API's
+responses, and the retention a conversation's client asked for (kept across restarts)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -147,3 +150,25 @@ class ApiResponse(Base):
     created: Mapped[datetime] = mapped_column(default=utcnow)
     body: Mapped[dict] = mapped_column(JSON)  # the response object as answered
     input_items: Mapped[list] = mapped_column(JSON)  # the items that went in
+
+
+class ConversationRetention(Base):
+    """What a conversation's retention held in the engine when its last turn ended (a pin
+    in memory until `pinned_until`, a priority, a finished session), put back into the
+    engine when the server starts again (app/retained.py)."""
+
+    __tablename__ = "retention"
+
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True
+    )
+    owner_id: Mapped[str] = mapped_column(String(32))  # whose cap of pinned bytes it counts on
+    # The replica whose engine holds it (--cluster; None for a lone server): each puts back
+    # its own, so that an owner's pins count once.
+    replica: Mapped[str | None] = mapped_column(String(200))
+    ttl_s: Mapped[float | None] = mapped_column(Float)  # None: no pin, a priority alone
+    pinned_until: Mapped[datetime | None] = mapped_column()
+    pinned_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    priority: Mapped[int] = mapped_column(Integer, default=50)
+    done: Mapped[bool] = mapped_column(Boolean, default=False)  # ttl_s 0: its chunks go first
+    updated: Mapped[datetime] = mapped_column(default=utcnow)

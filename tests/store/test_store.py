@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,9 @@ from sqlalchemy import event, func, inspect, select, text
 
 from bench.lib import harness
 from store import HistoryConflict, HistoryError, HistoryStore, db, hash_token, migrate
-from store.models import Base, Conversation, Message
+from store.models import Base, Conversation, ConversationRetention, Message
 
-TABLES = {"users", "conversations", "messages", "responses"}
+TABLES = {"users", "conversations", "messages", "responses", "retention"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -165,6 +166,33 @@ async def test_delete_cascades_to_messages(store: HistoryStore) -> None:
         )
     assert (left, rows) == (1, 0)
     assert await store.stream(keep) == [9]
+
+
+async def test_retention_is_stored_replaced_read_by_replica_and_cascades(
+    store: HistoryStore,
+) -> None:
+    now = datetime.now(UTC)
+    a, b, c, d = [await _chat(store, name) for name in ("a", "b", "c", "d")]
+
+    def row(cid: str, until: datetime | None, replica=None, priority=50, done=False):
+        return ConversationRetention(conversation_id=cid, owner_id="o", replica=replica,
+                                     ttl_s=600.0 if until else None, pinned_until=until,
+                                     pinned_bytes=1 << 33, priority=priority, done=done,
+                                     updated=now)  # fmt: skip
+
+    await store.save_retention(row(a, now - timedelta(seconds=1)))  # expired: nothing held
+    await store.save_retention(row(a, now + timedelta(seconds=60)))  # replaced: in force
+    await store.save_retention(row(b, None, priority=90))  # a priority alone
+    await store.save_retention(row(c, None, done=True))  # a finished session
+    await store.save_retention(row(d, now + timedelta(seconds=60), replica="r2:8000"))
+    live = {r.conversation_id: r for r in await store.live_retention(None, now)}
+    assert set(live) == {a, b, c}  # d is another replica's
+    assert live[a].pinned_until == now + timedelta(seconds=60) and live[a].pinned_bytes == 1 << 33
+    assert [r.conversation_id for r in await store.live_retention("r2:8000", now)] == [d]
+    await store.save_retention(row(b, None))  # neutral again: nothing held
+    await store.clear_retention(c)
+    await store.delete_conversation(a)  # deleted: its retention goes with it
+    assert await store.live_retention(None, now) == []
 
 
 async def test_failed_append_leaves_nothing(store: HistoryStore) -> None:
