@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, openai, pages, rest
+from app import admin, openai, pages, rest, retained
 from app.auth import admin_token_from_file
 from app.chat import chat_endpoint
 from app.cluster import replica
@@ -77,6 +77,7 @@ async def lifespan(app: Starlette):
         if settings.cluster:
             sv.cluster = await _join_cluster(settings, sv)
             stack.push_async_callback(sv.cluster.stop)  # before the engine stops
+        await retained.restore(sv)  # the pins that were in force when it last stopped
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:

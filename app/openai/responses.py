@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app import retained
 from app.cluster import handoff
 from app.frames import TurnRequest
 from app.openai import items as it
@@ -435,6 +436,7 @@ async def delete_response(request: Request) -> Response:
         sv, row = await _owned_response(request)
         await sv.store.delete_response(row.id, row.owner_id)
         sv.engine.unpin(row.conversation_id)  # its pin goes at once; the chat stays
+        await retained.clear(sv, row.conversation_id)
     except ApiError as e:
         return e.response()
     except DB_ERRORS:

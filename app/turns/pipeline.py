@@ -17,6 +17,7 @@ from typing import Protocol
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from app import retained
 from app.frames import TurnRequest
 from app.services import Services
 from app.turns import matching, toolcalls
@@ -119,6 +120,8 @@ class ChatTurn:
             # a reply a stop string cut is stored as cut: its tokens are not its text
             redo = await self._reencode(plan, out, req.tools) if finished == out else None
             await self._commit(plan, finished, t0, chain, redo)
+        # what the turn's end left of the chat's retention, kept across a restart
+        await retained.save(self.sv, self.conversation_id, req.retention is not None)
 
     def _await_tools(self, out: Streamed) -> None:
         """A reply that calls tools: its conversation waits for their results (the eviction

@@ -1,16 +1,20 @@
 """Retention through the OpenAI APIs on a real server: `prompt_cache_retention` and the
 extension `retention` accepted and refused with the field named (Chat Completions and
-Responses), the per-owner cap of pinned bytes, pins in the admin data and /metrics, and a
-pin let go when its conversation is deleted."""
+Responses), the per-owner cap of pinned bytes, pins in the admin data and /metrics, a pin
+let go when its conversation is deleted, and pins and disk keeps back after a restart."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from engine.keeps import NAME, parse
 from tests.app_fixtures import TINY, Server, auth, connect, recv, say, server_on, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,11 +22,13 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "smollm2-135m-instruct"
 
 
+# about 1.4 MB a chunk: one short pinned chat fits the cap, two do not
+ENV = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000", "PENSIEVE_MAX_PINNED_MB_PER_OWNER": "4"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # about 1.4 MB a chunk: one short pinned chat fits the cap, two do not
-    env = {**TINY, "PENSIEVE_TURNS_PER_MINUTE": "1000", "PENSIEVE_MAX_PINNED_MB_PER_OWNER": "4"}
-    with server_on("sqlite", tmp_path_factory.mktemp("retention"), env) as srv:
+    with server_on("sqlite", tmp_path_factory.mktemp("retention"), ENV) as srv:
         yield srv
     assert "Traceback" not in srv.log_tail(100_000)
 
@@ -121,3 +127,43 @@ async def test_a_chat_socket_turn_takes_the_same_fields(server):
 
 def pinned(server: Server) -> int:
     return server.cache()["pins"]["conversations"]
+
+
+def journal(kv: Path) -> tuple[Path, list[tuple[bytes, float]]]:
+    """The disk tier's keeps as its directory holds them."""
+    [path] = kv.glob(f"*/{NAME}")
+    return path, parse(path.read_bytes())
+
+
+def test_a_pin_and_a_disk_keep_are_back_after_a_restart(tmp_path):
+    kv = tmp_path / "kv"
+    with server_on("sqlite", tmp_path, {**ENV, "PENSIEVE_DISK_CACHE_DIR": str(kv)}) as srv:
+        alice = srv.user("alice")
+        keep = {"retention": {"ttl_s": 3600, "priority": 80}, "prompt_cache_retention": "24h"}
+        first = chat(srv, alice, "one", **keep)
+        assert first.status_code == 200, first.text
+        srv.stop()
+        path, before = journal(kv)
+        assert before and all(until > time.time() + 86_000 for _, until in before)
+        with open(path, "ab") as f:  # an expired keep and a torn line: gone once it is read
+            f.write(b"ab" * 16 + b" 12.5\n" + b"cd" * 16 + b" 99")
+
+        srv.start()  # the pin is back: alice's second pin is past her cap, as before
+        assert wait_for(lambda: pinned(srv) == 1)
+        refused = chat(srv, alice, "two", retention={"ttl_s": 600})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "pin_cap_exceeded"
+        _, after = journal(kv)  # read back and compacted by the restarted tier
+        assert dict(after) == dict(before)
+        space = path.parent
+        assert all(list(space.glob(f"{k.hex()[:2]}/{k.hex()}-*.kv")) for k, _ in after)
+
+        cid = first.headers["x-session-id"]  # deleted: its pin and stored retention go
+        r = httpx.delete(f"{srv.url}/api/conversations/{cid}", headers=auth(alice))
+        assert r.status_code == 204
+        with sqlite3.connect(tmp_path / "pensieve.db") as db:  # the database refuses the write
+            db.execute("ALTER TABLE retention RENAME TO away")
+        assert chat(srv, alice, "two", retention={"ttl_s": 600}).status_code == 200  # served
+        assert wait_for(lambda: pinned(srv) == 1)
+        assert "could not store the retention" in srv.log_tail()
+    assert "Traceback" not in srv.log_tail(100_000)
