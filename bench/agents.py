@@ -10,14 +10,16 @@ on a simulated H100 (`engine/sim`), the real scheduler, cache and policy. At equ
 (both tiers the same size in every mode) it compares how the cache keeps an agent's KV while
 its tool runs:
 
-- `cost-t`: the default value Cost/T; the client does not report its tool calls.
+- `cost-t`: the default value Cost/T; the client does not report its tool calls (so its
+  turns are not ordered by job either).
 - `tool-aware`: the same, with each tool call reported (`Engine.tools_called`, as the API
   does for a reply that calls tools): a waiting agent is worth Cost over its tool's expected
   time still to come, learned per tool name. No hint from the client.
 - `tool-hold`: tool-aware, and the server holds a waiting agent in memory for the 90th
   percentile of the tool gaps seen (`EngineConfig.tool_holds`). No hint from the client.
 - `ttl-pin`: a fixed TTL pin after every tool-call turn (`Turn.retention`), as Continuum
-  (arXiv 2511.02230) pins; tool calls not reported; no pin after the answer.
+  (arXiv 2511.02230) pins; tool calls reported for the job order alone (Continuum orders by
+  job too), not valued (`EngineConfig.tool_value` off); no pin after the answer.
 - `lru`: least recently used.
 - `hints`: the tool-aware value plus a pin of the tool's expected duration, sent by the agent
   (`retention.ttl_s`), as a client that knows its tools would.
@@ -64,7 +66,8 @@ FAILED = {k: float("nan") for k in ("jct_s_p50", "jct_s_p90", "ttft_s_p90", "pin
 class Mode:
     name: str
     eviction: str = "pensieve"
-    tools: bool = False  # the client reports each tool call: the tool-aware value
+    tools: bool = False  # the client reports each tool call: the job order, the tool value
+    tool_value: bool = True  # a reported tool call values the waiting agent (else: order only)
     pin: str | None = None  # "ttl": a fixed TTL pin per tool call; "hint": the tool's mean
     holds: bool = False  # the server holds waiting agents (`EngineConfig.tool_holds`)
     oracle: bool = False  # both tiers hold everything
@@ -76,7 +79,7 @@ MODES = {
         Mode("cost-t"),
         Mode("tool-aware", tools=True),
         Mode("tool-hold", tools=True, holds=True),
-        Mode("ttl-pin", pin="ttl"),
+        Mode("ttl-pin", tools=True, tool_value=False, pin="ttl"),
         Mode("lru", eviction="lru"),
         Mode("hints", tools=True, pin="hint"),
         Mode("oracle", tools=True, oracle=True),
@@ -126,7 +129,7 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
     engine = Engine(EngineConfig(
         model=model, device=device, dtype="bfloat16", gpu_cache_chunks=gpu,
         cpu_cache_chunks=cpu, eviction=mode.eviction, max_waiting=BENCH_QUEUE,
-        max_batch_tokens=max_batch_tokens, tool_holds=mode.holds,
+        max_batch_tokens=max_batch_tokens, tool_holds=mode.holds, tool_value=mode.tool_value,
     ))  # fmt: skip
 
     def retention(conversation: str, index: int) -> Retention | None:

@@ -112,6 +112,7 @@ class Engine:
             share=config.share_prefixes,
             counters=self.counters,
         )
+        self.cache.policy.tool_value = config.tool_value
         share, quantum = config.prefetch_limits(b.gpu)
         self.scheduler = Scheduler(
             self.cache,
@@ -235,6 +236,8 @@ class Engine:
             # `returns` learns how long people take; a tool's result is learned apart
             if state.idle_since is not None and not policy.tools.is_waiting(state.id):
                 self.cache.returned(now - state.idle_since)
+            if state.job_since is None or not policy.tools.is_waiting(state.id):
+                state.job_since = now  # a new job; a tool's result goes on with its own
             policy.tools.arrived(state.id, now)  # a tool's result, maybe: learned
             self.clock.touch(state.id, now)
             # Queued, it is about to run: its chunks are the last idle ones to go (by its
@@ -260,6 +263,7 @@ class Engine:
                 on_token=on_token,
                 chain=chain,
                 guide=guide,
+                rank=state.job_since if self.config.job_order else now,
             )
             state.tail = []
             if self.owns_history:

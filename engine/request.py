@@ -74,6 +74,9 @@ class Request:
     read_for: int = -1  # the dropped run (in chunks) its last disk tier read was for
     loading: list = field(default_factory=list)  # this step's loads (chunk tensors, GPU block)
     ahead: bool = False  # its last token is a placeholder for a token still on the device
+    # Admission order: when its job began (`StreamState.job_since`): a turn that carries a
+    # tool's result queues as early as the turn that started its agent loop
+    rank: float = 0.0
 
     @property
     def generated(self) -> int:

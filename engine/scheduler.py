@@ -3,7 +3,14 @@
 Each step takes the running turns' tokens first-come first-served up to the token budget
 (a decode is one token, a long prompt may be split over steps), then admits waiting turns
 while the cache keeps room for decoding. When decoding runs out of GPU blocks, the
-latest-arrived running turns are suspended: their KV leaves the GPU and they wait again.
+latest-ranked running turns are suspended: their KV leaves the GPU and they wait again.
+
+Turns wait in the order of their jobs (`Request.rank`): a turn that carries a tool's result
+ranks with the turn that began its agent loop, so an agent's steps go ahead of turns that
+came after its job began (first come, first served by job, as Continuum schedules agents,
+arXiv 2511.02230): a job that has started finishes before later ones take its room, rather
+than every live agent slowing down together. Any other turn ranks by its arrival, so a turn
+is passed only by the steps of jobs begun before it came: none waits forever.
 
 A step is a value: `schedule` returns a `StepPlan` with everything the engine must carry
 out (the batch, the copies before and after the forward, the turns that must end, the
@@ -111,7 +118,15 @@ class Scheduler:
             req.prefix, req.fetch = prefetch.prefix, prefetch.fetch
             req.loaded, req.read_for = prefetch.loaded, prefetch.read_for
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Queue `req` after every waiting turn of an earlier or equal rank (most turns rank
+        last: a scan from the end stops at once)."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].rank > req.rank:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def take_over(self, prefetch: Request, req: Request) -> None:
         """The real turn `req` goes on from where the running `prefetch` of its conversation
@@ -234,7 +249,7 @@ class Scheduler:
                 # cannot grow any further (a prefetch never grows: it is suspended below)
                 plan.full.append(req)
                 return False
-            victim = max(alive, key=lambda r: (r.prefetch, r.seq))
+            victim = max(alive, key=lambda r: (r.prefetch, r.rank, r.seq))
             self._suspend(victim, plan)
             if victim is req:
                 return False

@@ -47,6 +47,9 @@ class StreamState:
     kv_len: int = 0  # leading positions whose KV was computed (held by the chunks, or dropped)
     tail: list[int] = field(default_factory=list)  # tokens [kv_len, length): KV not computed yet
     idle_since: float | None = None  # when its last turn ended (None: none has, here)
+    # When its current job began: the arrival of its last turn that did not carry a tool's
+    # result (turns linked by tool calls are one job, as an agent's loop is)
+    job_since: float | None = None
     # The chain hash of each full chunk of the stream (`chain_hashes`): the disk tier's keys.
     hashes: list[bytes] = field(default_factory=list)
     # Tokens after the last hashed chunk; None when unknown (after a cut or a restart the

@@ -69,6 +69,15 @@ class EngineConfig:
     # by default: it saves recompute where memory holds most waiting agents, and makes turns
     # queue behind the holds where it is far too small (bench/README.md, "Agents")
     tool_holds: bool = False
+    # A conversation waiting for a tool's result is worth Cost over the tool's expected wait
+    # still to come (engine/cache/toolwait.py). Off: tool calls order jobs only (benchmarks
+    # compare the value with other retention policies on the same scheduler)
+    tool_value: bool = True
+    # Waiting turns are admitted by job: a turn that carries a tool's result ranks with the
+    # turn that began its agent loop (engine/scheduler.py). Agents finish sooner under memory
+    # pressure; a chat turn may wait behind the steps of agents begun before it came
+    # (bench/README.md, "Agents"). Off: by arrival alone
+    job_order: bool = True
     # Ranks the model is split across (heads, KV heads, MLP, vocabulary): worker processes
     # over torch.distributed, one GPU each on CUDA; 1: no workers, one process as before
     tensor_parallel: int = 1

@@ -81,6 +81,7 @@ class Policy:
         self.returns = Returns()  # fed by the engine at each turn's end and arrival
         self.pins = Pins()  # clients' retention: pins and priorities
         self.tools = ToolWaits()  # conversations waiting for a tool's result
+        self.tool_value = True  # a waiting conversation is valued by its tool's wait
 
     @property
     def expectations(self) -> int:
@@ -118,7 +119,7 @@ class Policy:
             value = cost * (self.returns.density(idle) + TIE / idle)
         else:
             value = cost / idle
-        wait = self.tools.remaining(conv.id, idle)
+        wait = self.tools.remaining(conv.id, idle) if self.tool_value else None
         if wait is not None:  # it comes back when its tool does: about `wait` from now
             value = max(value, cost / max(wait, MIN_IDLE_S))
         return value * self.pins.factor(conv.id)
