@@ -70,6 +70,15 @@ def metric(server: Server, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+_CHATS: dict[str, list[dict]] = {}  # the module server's chat, run once for two tests
+
+
+async def chat_on(server: Server) -> list[dict]:
+    if server.url not in _CHATS:
+        _CHATS[server.url] = await socket_chat(server)
+    return _CHATS[server.url]
+
+
 async def socket_chat(server: Server) -> list[dict]:
     token = server.user("socket")
     cid = server.new_chat(token, system_prompt=BRIEF)
@@ -85,7 +94,7 @@ async def socket_chat(server: Server) -> list[dict]:
 
 
 async def test_a_five_turn_thinking_chat_reuses_all_but_the_last_reply(server, thought):
-    frames = await socket_chat(server)
+    frames = await chat_on(server)
     total = 0  # the context after the previous turn
     for i, f in enumerate(frames):
         u = f["usage"]
@@ -153,7 +162,7 @@ def test_responses_reuse_all_but_the_last_reply(server, thought):
 async def test_without_reencoding_the_replies_are_the_same(server, redis_server, tmp_path):
     """reencode_replies off: nothing is re-encoded, and the chat says the same (the next
     turn cuts the stream back where the reply started and renders the rest instead)."""
-    on = await socket_chat(server)
+    on = await chat_on(server)
     with serve(tmp_path, redis_server, PENSIEVE_REENCODE_REPLIES="false") as off_server:
         off = await socket_chat(off_server)
         assert metric(off_server, "pensieve:reencoded_tokens") == 0
