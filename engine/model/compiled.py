@@ -24,7 +24,6 @@ import threading
 import time
 
 import torch
-import torch._inductor.config as inductor_config
 from torch.fx.experimental import _config as fx_config
 
 import kernels
@@ -96,6 +95,8 @@ class CompiledForward:
         )
 
     def __call__(self, b: Batch) -> torch.Tensor:
+        import torch._inductor.config as inductor_config  # 1.4 s to import: only once compiling
+
         n = b.rows.numel()
         _step.meta = b.meta
         try:
