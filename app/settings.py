@@ -47,8 +47,12 @@ ENGINE_HELP: dict[str, str] = {
     "share_prefixes": "pensieve mode: store chunks of first prompts equal across conversations "
     "(a system prompt) once, and link them instead of computing them",
     "tool_holds": "hold a conversation waiting for a tool's result in memory for the 90th "
-    "percentile of the tool gaps seen (saves recompute where memory is short; turns queue "
-    "behind holds where it is far too short)",
+    "percentile of the tool gaps seen (saves recompute where memory is short; chats queue "
+    "behind the holds there)",
+    "tool_value": "value a conversation waiting for a tool's result by the tool's expected "
+    "wait still to come (off: tool calls order jobs only)",
+    "job_order": "admit a turn that carries a tool's result with the turn that began its "
+    "agent loop, ahead of turns that came after (off: by arrival alone)",
     "cuda_graphs": "replay steps without a swap-in from CUDA graphs captured per bucket of "
     "positions and turns (CUDA with the triton backend, one rank)",
     "cuda_graph_tokens": "largest mixed prompt and decode step replayed from a CUDA graph, in "

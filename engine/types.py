@@ -66,8 +66,8 @@ class EngineConfig:
     share_prefixes: bool = True
     # A conversation waiting for a tool's result is held in memory (as a client's pin holds
     # it: never dropped, admission waits) for the 90th percentile of the tool gaps seen. Off
-    # by default: it saves recompute where memory holds most waiting agents, and makes turns
-    # queue behind the holds where it is far too small (bench/README.md, "Agents")
+    # by default: it saves a third of agents' recompute where memory is short, and chats
+    # queue behind the holds there (bench/README.md, "Agents")
     tool_holds: bool = False
     # A conversation waiting for a tool's result is worth Cost over the tool's expected wait
     # still to come (engine/cache/toolwait.py). Off: tool calls order jobs only (benchmarks
