@@ -374,6 +374,8 @@ class Engine:
             hold = policy.tools.hold_s() if self.config.tool_holds else None
             if hold is not None:  # most results come back within it: keep its KV till then
                 policy.pins.hold(conversation_id, since + hold)
+            elif self.config.tool_value:  # most come back within it: kept over idle chats
+                policy.expect(conversation_id, since + policy.tools.expect_s())
 
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin and priority go at once (its client deleted it)."""

@@ -3,9 +3,12 @@ calls' results do. How long that takes is learned per tool name from the gaps se
 such a turn's end and the next turn's arrival, as the `returns` value learns idle gaps
 (engine/cache/returns.py); no hint from the client is needed.
 
-While a conversation waits, the server holds it (`Pins.hold`: kept in memory as a client's
-pin would keep it) for `hold_s`: the 90th percentile of every tool's gaps seen, so that
-most results come back to their KV. One time for every tool, not each tool's own: the
+While a conversation waits it is expected back (`Policy.expect`: kept over every idle
+chunk, as a typing user's conversation is) for `expect_s`: the 90th percentile of every
+tool's gaps seen, or PRIOR_S before enough are (an agent's first steps under pressure must
+not lose their KV to chats that just ended). With `tool_holds` the server holds it instead
+(`Pins.hold`: kept as a client's pin would keep it) for that percentile, so that most
+results come back to their KV. One time for every tool, not each tool's own: the
 holds of slow tools would then outlast those of fast ones, whose agents come back sooner
 and lose their KV to them (in the agent benchmark that held more and recomputed more).
 
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 
 ANY = ""  # the gaps of every tool: used for a tool seen too rarely on its own
 HOLD_Q = 0.9  # a waiting conversation is held for this quantile of the tool gaps seen
+PRIOR_S = 10.0  # expected back within this, before any gaps are learned: most tools are quick
 
 
 class ToolWaits:
@@ -86,6 +90,12 @@ class ToolWaits:
             return None
         gaps = table[0]
         return gaps[min(len(gaps) - 1, int(HOLD_Q * len(gaps)))]
+
+    def expect_s(self) -> float:
+        """How long a conversation that starts waiting for a tool is expected back: the
+        90th percentile of the gaps seen, or PRIOR_S before enough are."""
+        hold = self.hold_s()
+        return PRIOR_S if hold is None else hold
 
     def _residual(self, name: str, t: float) -> float | None:
         """E[gap - t | gap > t] over the tool's gaps (every tool's, if it was seen rarely)."""

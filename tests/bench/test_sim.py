@@ -155,11 +155,11 @@ def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
              "turns": 10, "errors": 0}  # fmt: skip
         return {"mode": mode, "engine_mode": mode, "rate": rate, "scale": 30.0, "think_s": 60.0,
                 "think_replayed_s": 2.0, "gpu_cache_chunks": 32, "cpu_cache_chunks": 160,
-                "window_s": 6.0, "metrics": m}  # fmt: skip
+                "window_s": 3.5, "metrics": m}  # fmt: skip
 
     report = {
         "settings": asdict(dry_settings("dummy:tiny")),
-        "serve": {"runs": [real("pensieve", 0.5, 0.4, 0.01), real("stateless", 0.5, 0.4, 0.02)]},
+        "serve": {"runs": [real("pensieve", 2.0, 0.4, 0.01), real("stateless", 2.0, 0.4, 0.02)]},
     }
     path = tmp_path / "gpu-report-x.json"
     path.write_text(json.dumps(report))

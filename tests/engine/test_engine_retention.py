@@ -188,3 +188,31 @@ def test_no_tool_wait_is_held_unless_asked():
     engine.tools_called("agent", ["search"])
     assert engine.cache.policy.tools.hold_s() is not None
     assert not engine.cache.policy.pins.held("agent", engine.streams["agent"].idle_since)
+
+
+def test_a_tool_wait_is_expected_back_within_the_prior_before_gaps_are_learned():
+    """Before any tool gap is learned a waiting agent is expected back within PRIOR_S (kept
+    over idle chats meanwhile); once gaps are, within their 90th percentile."""
+    from engine.cache.toolwait import PRIOR_S
+
+    clock = [100.0]
+    engine = make(now=lambda: clock[0])
+    policy = engine.cache.policy
+    ask(engine, "agent", 20)
+    engine.tools_called("agent", ["search"])
+    assert policy.is_expected("agent", 100.0 + PRIOR_S - 0.5)
+    assert not policy.is_expected("agent", 100.0 + PRIOR_S + 0.5)
+    for _ in range(4):  # four 2 s tool gaps learned
+        clock[0] += 2.0
+        ask(engine, "agent", 5)
+        engine.tools_called("agent", ["search"])
+    since = clock[0]
+    assert policy.tools.expect_s() == 2.0
+    assert policy.is_expected("agent", since + 1.5) and not policy.is_expected("agent", since + 2.5)
+
+
+def test_no_tool_wait_is_expected_without_the_tool_value():
+    engine = make(tool_value=False)
+    ask(engine, "agent", 20)
+    engine.tools_called("agent", ["search"])
+    assert not engine.cache.policy.is_expected("agent", engine.now())
