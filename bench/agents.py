@@ -1,12 +1,15 @@
-"""Retention policies on an agent workload, in virtual time: every figure is SIMULATED.
+"""Retention policies on an agent workload: simulated in virtual time, or real on the CPU.
 
     python -m bench.agents --shape 8b                  # Llama-3-8B shape, contexts to 100k
     python -m bench.agents --shape 13b                 # Llama-2-13B GQA10, contexts to 16k
     python -m bench.agents --shape 8b --memory 0.15,0.3 --modes tool-aware,ttl-pin
+    python -m bench.agents --shape cpu --device cpu    # REAL: the bundled model, a small scale
 
 Agent sessions (`bench/lib/agents.py`: dozens of tool steps, contexts growing by tool
 outputs, log-normal tool durations per tool name) run over a background of ShareGPT chats
-on a simulated H100 (`engine/sim`), the real scheduler, cache and policy. At equal memory
+on a simulated H100 (`engine/sim`), the real scheduler, cache and policy; with `--device
+cpu` on the real engine and the bundled model in real time (`--shape cpu`: a few short
+sessions, tools a quarter as long, so that a run takes a minute or two). At equal memory
 (both tiers the same size in every mode) it compares how the cache keeps an agent's KV while
 its tool runs:
 
@@ -41,7 +44,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +98,11 @@ class Shape:
     agent_rate: float  # new agent sessions a second
     chats: int
     chat_rate: float
+    think_s: float = 60.0  # the chats' users' mean think time
 
+
+# The CPU shape's tools: the same kinds and spreads, a quarter as long (a run in real time)
+CPU_TOOLS = tuple(replace(t, median_s=t.median_s / 4) for t in ag.TOOLS)
 
 SHAPES = {
     # Llama 3 8B (128 KiB of KV a token): contexts to 100k tokens, 1-4k a tool result.
@@ -110,6 +117,25 @@ SHAPES = {
         300,
         0.5,
     ),
+    # Real on the CPU (`--device cpu`): the bundled SmolLM2-135M, 6 agents of 6-10 steps to
+    # 1.5k tokens (tool results 50-200 tokens) over 12 chats cut to 1.5k, users thinking 5 s.
+    "cpu": Shape(
+        "smollm2-135m-instruct",
+        ag.AgentSpec(
+            steps=(6, 10),
+            task=(200, 400),
+            reply=(8, 24),
+            answer=24,
+            output_scale=0.05,
+            context_cap=1536,
+            tools=CPU_TOOLS,
+        ),  # fmt: skip
+        6,
+        1 / 4,
+        12,
+        0.5,
+        5.0,
+    ),
 }
 
 
@@ -120,14 +146,16 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
         ttl_s: float, max_batch_tokens: int = 2048) -> dict[str, Any]:  # fmt: skip
     """One replay of the workload on its own simulated engine."""
     from engine import Engine, EngineConfig
+    from engine.backends.local import serving_dtype
     from engine.retention import usage
     from engine.types import Retention
 
     plans = work.agents + work.chats
     if mode.oracle:
         gpu = cpu = int(sum(_chunks(p.conversation) for p in plans) * 1.1) + 64
+    dtype = serving_dtype(device)[0] if device == "cpu" else "bfloat16"
     engine = Engine(EngineConfig(
-        model=model, device=device, dtype="bfloat16", gpu_cache_chunks=gpu,
+        model=model, device=device, dtype=dtype, gpu_cache_chunks=gpu,
         cpu_cache_chunks=cpu, eviction=mode.eviction, max_waiting=BENCH_QUEUE,
         max_batch_tokens=max_batch_tokens, tool_holds=mode.holds, tool_value=mode.tool_value,
     ))  # fmt: skip
@@ -247,7 +275,7 @@ def workload(shape: Shape, seed: int, agents: int | None = None, chats: int | No
         capped = (wl.cap_conversation(c, cap, 1024) for c in sample[:n_chats])
         convs = [wl.Conversation(f"chat-{c.id}", c.turns) for c in capped if c is not None]
     n_agents = shape.agents if agents is None else agents
-    return ag.build(n_agents, shape.agent_rate, convs, shape.chat_rate, 60.0, seed,
+    return ag.build(n_agents, shape.agent_rate, convs, shape.chat_rate, shape.think_s, seed,
                     spec or shape.spec)  # fmt: skip
 
 
@@ -291,8 +319,13 @@ def goal(runs: list[dict], memory: float, mode: str = "tool-aware") -> dict[str,
     return out
 
 
+def device_of(name: str) -> str:
+    """`cpu`: the real engine on this machine's CPU; any other name a simulated device."""
+    return "cpu" if name == "cpu" else f"sim:{name}"
+
+
 def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
-    device = f"sim:{args.device}"
+    device = device_of(args.device)
     hist = history_chunks(work)
     # a turn's context must fit the GPU tier: room for the longest twice over (`fit_pools`)
     floor = 2 * max(_chunks(p.conversation) for p in work.agents + work.chats) + 2
@@ -304,7 +337,7 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
         gpu = max(int(hist * memory), floor)
         cpu = int(gpu * args.cpu_ratio)
         try:
-            r = run(work, mode, shape.model, device, gpu, cpu, ttl)
+            r = run(work, mode, args.model or shape.model, device, gpu, cpu, ttl)
         except MemoryError as e:  # the engine gave up a step: recorded, the sweep goes on
             log(f"{mode.name:10s} mem {memory:.3f}: FAILED {type(e).__name__}: {e}")
             r = {"mode": mode.name, "failed": f"{type(e).__name__}: {e}", **FAILED}
@@ -386,7 +419,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if g.get("evaluated"):
         verdict = (f"; at {g['memory']:.3f}: tool-aware p90 JCT {g['jct_p90_vs_ttl']:.2f}x "
                    f"ttl-pin, recompute {g['recomputed_vs_lru']:.2f}x lru")  # fmt: skip
-    fig.suptitle(f"SIMULATED {result['device']} {result['model']}: {result['agents']} agents "
+    how = "SIMULATED" if result["simulated"] else "REAL"
+    fig.suptitle(f"{how} {result['device']} {result['model']}: {result['agents']} agents "
                  f"over {result['chats']} chats ({env['git_commit'][:9]}){verdict}",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
@@ -402,7 +436,8 @@ def _value(r: dict, key: str) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    p.add_argument("--device", default="h100")
+    p.add_argument("--device", default="h100", help="a simulated device, or cpu: real")
+    p.add_argument("--model", default=None, help="the shape's model unless given")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--memory", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.05, 0.1, 0.2], help="GPU tier as a share of every context")  # fmt: skip
@@ -418,12 +453,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = SHAPES[args.shape]
     work = workload(shape, args.seed, args.agents, args.chats)
     print(json.dumps(work.info["tool_s"]["all"]), wl.format_summary(work.info["agent_summary"]))
+    device = device_of(args.device)
     result: dict[str, Any] = {
         "benchmark": "agents",
-        "simulated": True,
-        "device": f"sim:{args.device}",
+        "simulated": device != "cpu",
+        "device": device,
         "shape": args.shape,
-        "model": shape.model,
+        "model": args.model or shape.model,
         "agents": len(work.sessions),
         "chats": len(work.chats),
         "tools": [asdict(t) for t in shape.spec.tools],
@@ -434,7 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result.update(sweep(args, shape, work))
     g = result["goal"]
     print("goal:", json.dumps(g))
-    out = args.out or RESULTS / f"agents-sim-{args.device}-{args.shape}.json"
+    kind = "real" if device == "cpu" else "sim"
+    out = args.out or RESULTS / f"agents-{kind}-{args.device}-{args.shape}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))

@@ -90,3 +90,22 @@ def test_main_writes_the_result_with_its_fields(tmp_path) -> None:
     modes = {(r["mode"], r["memory"]) for r in data["runs"]}
     assert ("oracle", 1.0) in modes and ("lru", 0.2) in modes and ("ttl-pin", 0.4) in modes
     assert "evaluated" in data["goal"]
+
+
+def test_a_real_cpu_run_sleeps_through_the_tools_and_finishes_every_job() -> None:
+    """`--device cpu`: the real engine in real time. An idle engine sleeps until a tool
+    returns (a wall clock cannot jump), so a job takes at least its tools' time."""
+    import time
+
+    tool = ag.Tool("build", 1.0, 0.4, 0.05, (40, 60))
+    spec = ag.AgentSpec(steps=(3, 3), task=(60, 60), reply=(4, 4), answer=4, tools=(tool,))
+    work = ag.build(2, 4.0, chats(1), 4.0, 0.5, seed=0, spec=spec)
+    gpu = 2 * A.history_chunks(work)
+    t = time.perf_counter()
+    r = A.run(work, A.MODES["tool-aware"], "dummy:tiny", A.device_of("cpu"), gpu, gpu, ttl_s=1.0)
+    wall = time.perf_counter() - t
+    assert r["jobs"] == 2 and r["unfinished"] == 0 and r["errors"] == 0
+    slowest = max(sum(s.tool_s) for s in work.sessions)
+    assert r["jct_s_p90"] >= min(sum(s.tool_s) for s in work.sessions)
+    assert wall >= slowest  # slept through the tools, not jumped over them
+    assert r["counters"]["prompt_tokens"] > 0
