@@ -84,8 +84,9 @@ def make_case(
     return q, k_cache, v_cache, meta
 
 
-def naive_attention(q, k_cache, v_cache, meta, scale):
-    """The oracle for the oracle: position by position, float64, explicit causal softmax."""
+def naive_attention(q, k_cache, v_cache, meta, scale, window: int | None = None):
+    """The oracle for the oracle: position by position, float64, explicit causal softmax; with
+    a sliding `window`, the query at i sees the key at j iff 0 <= i - j < window."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -95,7 +96,8 @@ def naive_attention(q, k_cache, v_cache, meta, scale):
         for i in range(starts[s + 1] - starts[s]):
             row = starts[s] + i
             n_keys = pos + i + 1
-            idx = [(table[p // block_size], p % block_size) for p in range(n_keys)]
+            first = 0 if window is None else max(0, n_keys - window)
+            idx = [(table[p // block_size], p % block_size) for p in range(first, n_keys)]
             k = torch.stack([k_cache[b, o] for b, o in idx]).double()  # [n, kvh, d]
             v = torch.stack([v_cache[b, o] for b, o in idx]).double()
             for h in range(q.shape[1]):

@@ -14,6 +14,7 @@ from tests.kernels.test_kernels import (
     MIXED,
     gpu,
     make_case,
+    naive_attention,
     needs_cuda,
     needs_triton_cpu,
     rel_err,
@@ -21,25 +22,6 @@ from tests.kernels.test_kernels import (
 
 # Decodes and prompts past the window, a recompute from 0 sharing a table with its prompt.
 LONG = [(1, 37), (9, 0), (1, 0), (6, 21, 7), (21, 0, 7), (1, 70), (3, 5), (20, 50), (1, 100)]
-
-
-def naive_windowed(q, k_cache, v_cache, meta, scale, window):
-    """Position by position, float64: the query at i sees the key at j iff 0 <= i - j < window."""
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kvh
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    starts = meta.query_start.tolist()
-    for s, pos in enumerate(meta.query_pos.tolist()):
-        table = meta.block_tables[s].tolist()
-        for i in range(starts[s + 1] - starts[s]):
-            row, at = starts[s] + i, pos + i
-            keys = [p for p in range(at + 1) if at - p < window]
-            k = torch.stack([k_cache[table[p // bs], p % bs] for p in keys]).double()
-            v = torch.stack([v_cache[table[p // bs], p % bs] for p in keys]).double()
-            for h in range(q.shape[1]):
-                scores = k[:, h // group] @ q[row, h].double() * scale
-                out[row, h] = torch.softmax(scores, 0) @ v[:, h // group]
-    return out
 
 
 @pytest.fixture(params=[True, False], ids=["native", "pytorch"])
@@ -63,7 +45,7 @@ def test_reference_window_matches_naive(decode_path, window, heads, kv_heads, dt
         LONG, heads=heads, kv_heads=kv_heads, head_dim=32, block_size=16, dtype=dtype
     )
     out = paged_attention_torch(q, k, v, meta, 0.2, window)
-    want = naive_windowed(q.float(), k.float(), v.float(), meta, 0.2, window)
+    want = naive_attention(q.float(), k.float(), v.float(), meta, 0.2, window)
     assert rel_err(out.float(), want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
