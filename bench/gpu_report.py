@@ -677,6 +677,7 @@ class Runner:
             "temperature": temperature,
             "gpu_cache_chunks": preset.gpu_cache_chunks,
             "cpu_cache_chunks": preset.cpu_cache_chunks,
+            "max_waiting": engine.engine.config.max_waiting,  # its twin refuses as it did
             "window_s": window,
             "wall_s": wall,
             "metrics": window_metrics(records, wall),

@@ -49,6 +49,9 @@ from engine.types import KV_DTYPES
 SIM = RESULTS / "sim"
 REFINE = 2  # bisections of the crossing per mode
 SWEEP = ("rates", "max_rate", "modes")  # what --append may change between invocations
+# The queue limit of a report whose runs do not record theirs: the server's default then
+# (`EngineConfig.max_waiting`), which the H100 and H200 reports ran with.
+REPORT_QUEUE = 256
 
 
 def _log(*a) -> None:
@@ -287,16 +290,20 @@ def speed(reals: list[dict], sim: dict) -> dict:
 
 
 def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
-             oracle: int | None = None) -> dict:  # fmt: skip
+             oracle: int | None = None, queue: int | None = None) -> dict:  # fmt: skip
     """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time, as
-    the real one runs: turns sent for the window, refused at a full queue, and those still
-    running at the drain's end cancelled and counted at their lower bound (`window_metrics`)."""
+    the real one runs: turns sent for the window, refused at a full queue of `queue` turns
+    (None: the benchmarks' own, `BENCH_QUEUE`), and those still running at the drain's end
+    cancelled and counted at their lower bound (`window_metrics`)."""
     from bench.gpu_report import preset_for, window_of
     from engine import Engine
 
     window, drain = window_of(s, k)
     preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
-    engine = Engine(engine_config(preset, MODES[engine_mode]))
+    config = engine_config(preset, MODES[engine_mode])
+    if queue is not None:
+        config = replace(config, max_waiting=queue)
+    engine = Engine(config)
     try:
         plans = wl.plan(convs, rate, s.think_s / k, 0)
         records, span = replay(
@@ -336,8 +343,9 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     runs, points = [], []
     for real in report["serve"]["runs"]:
         oracle = real["cpu_cache_chunks"] if real["mode"] == "oracle" else None
+        queue = real.get("max_waiting", REPORT_QUEUE)
         run = twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                       real["scale"], device, oracle)  # fmt: skip
+                       real["scale"], device, oracle, queue)  # fmt: skip
         runs.append(run)
         point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
         for key in ("throughput_rps", "norm_latency_mean"):

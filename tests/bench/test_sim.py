@@ -248,3 +248,28 @@ def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
     a, b = sim.host_fit(points)
     assert a == pytest.approx(devices.H100_STEP_HOST_S, abs=0.1e-3)
     assert b == pytest.approx(devices.H100_ROW_HOST_S, rel=0.03)
+
+
+def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
+    """The H100 report's stateless run at 16/s refused 178 turns at the server's 256-turn
+    queue; its twin replays that limit (the benchmarks' own queue never refuses)."""
+    from bench.gpu_report import load_sample
+    from engine.sim import devices
+
+    report = json.loads(
+        (devices.RESULTS / "h100-4e07f94" / "gpu-report-nvidia-h100.json").read_text()
+    )
+    real = next(
+        r for r in report["serve"]["runs"] if r["mode"] == "stateless" and r["rate"] == 16
+    )
+    assert "max_waiting" not in real  # made before runs recorded their queue limit
+    s = sim.report_settings(report["settings"])
+    convs, _ = load_sample(s)
+
+    def refused(queue: int | None) -> int:
+        run = sim.twin_run(s, convs, "stateless", "stateless", 16.0, real["scale"], "h100",
+                           queue=queue)  # fmt: skip
+        return run["metrics"]["errors"]
+
+    assert refused(sim.REPORT_QUEUE) == pytest.approx(real["metrics"]["errors"], rel=0.15)
+    assert refused(None) == 0
