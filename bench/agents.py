@@ -57,6 +57,8 @@ from bench.lib.virtual import replay
 
 CHATS = ROOT / "bench" / "samples" / "gpu.json"  # tokenized ShareGPT: no tokenizer needed
 GOAL_SLOWDOWN = 1.2  # the memory where ttl-pin's p90 job time is this times the oracle's
+GOAL_TOLERANCE = 0.03  # found when ttl-pin is within this of it
+GOAL_SEARCH = 4  # ttl-pin runs at most to find it
 SAMPLE_S = 1.0  # virtual seconds between samples of the pinned bytes
 
 
@@ -294,6 +296,33 @@ def crossing(points: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
+def goal_memory(runs: list[dict], oracle: dict, ttl_pin) -> tuple[float | None, list[dict]]:
+    """The memory where ttl-pin's p90 job time is `GOAL_SLOWDOWN` x the oracle's: from the
+    sweep's crossing, then ttl-pin alone run at each new interpolation (the curve is steep
+    there: one interpolation missed by 0.1x) until within `GOAL_TOLERANCE`. Returns it (None:
+    the sweep never crossed) and the search's ttl-pin runs (`ttl_pin(memory)` runs one)."""
+    ok = [r for r in runs if r["mode"] == "ttl-pin" and "failed" not in r]
+    points = [(r["memory"], r["jct_s_p90"] / oracle["jct_s_p90"]) for r in ok]
+    search: list[dict] = []
+    target = None
+    for _ in range(GOAL_SEARCH):
+        if not points:
+            break
+        near = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))
+        if abs(near[1] - GOAL_SLOWDOWN) <= GOAL_TOLERANCE:
+            return near[0], search
+        target = crossing(points, GOAL_SLOWDOWN)
+        if target is None:
+            break
+        r = ttl_pin(target)
+        search.append(r)
+        if "failed" not in r:
+            points.append((target, r["jct_s_p90"] / oracle["jct_s_p90"]))
+    if target is not None:  # the search ran out: the nearest it saw
+        target = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))[0]
+    return target, search
+
+
 def goal(runs: list[dict], memory: float, mode: str = "tool-aware") -> dict[str, Any]:
     """The issue's goal at one memory: `mode`'s p90 job time at most 0.85x ttl-pin's, and its
     recomputed tokens at most 0.5x LRU's; the same read for `tool-hold` beside it."""
@@ -360,16 +389,12 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
     others = [m for m in modes if not m.oracle]
     for memory in args.memory:
         runs += [one(m, memory) for m in others]
-    target = None
-    if oracle is not None and not args.no_refine:
-        slow = [(r["memory"], r["jct_s_p90"] / oracle["jct_s_p90"])
-                for r in runs if r["mode"] == "ttl-pin"]  # fmt: skip
-        target = crossing(slow, GOAL_SLOWDOWN)
-        near = [m for m in args.memory if target is not None and abs(target - m) <= 1e-3]
-        if near:  # a swept memory is the target already: the goal is read there
-            target = near[0]
-        elif target is not None:
-            runs += [one(m, target) for m in others]
+    target, search = None, []
+    if oracle is not None and not args.no_refine and "ttl-pin" in args.modes.split(","):
+        target, search = goal_memory(runs, oracle, lambda m: one(MODES["ttl-pin"], m))
+        if target is not None and not any(r["memory"] == target for r in runs):
+            runs += [one(m, target) for m in others if m.name != "ttl-pin"]
+            runs += [r for r in search if r["memory"] == target]
     if target is None:  # not crossed: the swept memory where ttl-pin is nearest 1.2x
         ttls = [r for r in runs if r["mode"] == "ttl-pin"]
         if oracle is not None and ttls:
@@ -381,6 +406,9 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
         "bytes_per_chunk": per,
         "ttl_s": ttl,
         "runs": runs,
+        "goal_search": [
+            {k: r[k] for k in ("memory", "gpu_gb", "jct_s_p90") if k in r} for r in search
+        ],  # fmt: skip
         "goal": goal(runs, target) if target is not None else {"evaluated": False},
     }
 

@@ -109,3 +109,22 @@ def test_a_real_cpu_run_sleeps_through_the_tools_and_finishes_every_job() -> Non
     assert r["jct_s_p90"] >= min(sum(s.tool_s) for s in work.sessions)
     assert wall >= slowest  # slept through the tools, not jumped over them
     assert r["counters"]["prompt_tokens"] > 0
+
+
+def test_the_goal_memory_is_searched_until_ttl_pin_is_near_its_slowdown() -> None:
+    """One interpolation of a steep curve misses (at c139dbe: 1.08x where 1.2x was wanted);
+    ttl-pin alone is run again at each new interpolation until it is within tolerance."""
+    oracle = {"mode": "oracle", "jct_s_p90": 100.0}
+
+    def ttl_pin(memory: float) -> dict:
+        return {"mode": "ttl-pin", "memory": memory, "jct_s_p90": 100 * (1 + 0.002 / memory**2)}
+
+    runs = [oracle] + [ttl_pin(m) for m in (0.04, 0.06, 0.09, 0.14)]
+    calls: list[float] = []
+    target, search = A.goal_memory(runs, oracle, lambda m: calls.append(m) or ttl_pin(m))
+    assert 1 <= len(search) <= A.GOAL_SEARCH and [r["memory"] for r in search] == calls
+    assert abs(ttl_pin(target)["jct_s_p90"] / 100 - 1.2) <= A.GOAL_TOLERANCE
+    assert 0.09 < target < 0.14
+    # a sweep that never crossed: nothing searched
+    flat = [oracle] + [ttl_pin(m) for m in (0.3, 0.5)]
+    assert A.goal_memory(flat, oracle, ttl_pin) == (None, [])

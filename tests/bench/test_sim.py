@@ -259,9 +259,7 @@ def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
     report = json.loads(
         (devices.RESULTS / "h100-4e07f94" / "gpu-report-nvidia-h100.json").read_text()
     )
-    real = next(
-        r for r in report["serve"]["runs"] if r["mode"] == "stateless" and r["rate"] == 16
-    )
+    real = next(r for r in report["serve"]["runs"] if r["mode"] == "stateless" and r["rate"] == 16)
     assert "max_waiting" not in real  # made before runs recorded their queue limit
     s = sim.report_settings(report["settings"])
     convs, _ = load_sample(s)
