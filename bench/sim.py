@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -52,6 +53,10 @@ SWEEP = ("rates", "max_rate", "modes")  # what --append may change between invoc
 # The queue limit of a report whose runs do not record theirs: the server's default then
 # (`EngineConfig.max_waiting`), which the H100 and H200 reports ran with.
 REPORT_QUEUE = 256
+# A real driver's sends land within a few ms of their plan; near saturation that alone moves
+# a run's mean latency by tens of percent (which turns queue, which are cut at the drain), so
+# a twin's spread reruns it with every send moved by up to this much (`jittered`).
+JITTER_S = 0.002
 
 
 def _log(*a) -> None:
@@ -289,12 +294,25 @@ def speed(reals: list[dict], sim: dict) -> dict:
     }
 
 
+def jittered(plans: list[wl.Plan], seed: int) -> list[wl.Plan]:
+    """The same plans with each arrival and think time moved by up to `JITTER_S` (seeded)."""
+    rng = random.Random(seed)
+
+    def move(t: float) -> float:
+        return max(0.0, t + rng.uniform(-JITTER_S, JITTER_S))
+
+    return [replace(p, arrival_s=move(p.arrival_s), think_s=[move(t) for t in p.think_s])
+            for p in plans]  # fmt: skip
+
+
 def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
-             oracle: int | None = None, queue: int | None = None) -> dict:  # fmt: skip
+             oracle: int | None = None, queue: int | None = None,
+             jitter: int | None = None) -> dict:  # fmt: skip
     """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time, as
     the real one runs: turns sent for the window, refused at a full queue of `queue` turns
     (None: the benchmarks' own, `BENCH_QUEUE`), and those still running at the drain's end
-    cancelled and counted at their lower bound (`window_metrics`)."""
+    cancelled and counted at their lower bound (`window_metrics`). `jitter`: the seed of
+    sends moved by a few ms (`jittered`), None: sent as planned."""
     from bench.gpu_report import preset_for, window_of
     from engine import Engine
 
@@ -306,6 +324,8 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
     engine = Engine(config)
     try:
         plans = wl.plan(convs, rate, s.think_s / k, 0)
+        if jitter is not None:
+            plans = jittered(plans, jitter)
         records, span = replay(
             engine, plans, mode, 1.0, window, deadline_s=window + drain, queue_limit=True
         )
@@ -327,14 +347,16 @@ def report_settings(settings: dict):
     return replace(s, sample=str(SAMPLES / Path(s.sample).name))
 
 
-def twin(report: dict, device: str = "h100", log=_log) -> dict:
+def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
     """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
     each run with the same sample, rate, replayed think time, tiers and window, and the
     error of the simulation against it (throughput, mean normalized latency, capacity).
     Each simulated run is cut as its real one was (`twin_run`): the same queue limit, the
     same drain. A mode's capacity is compared as `crossing` gives it, for real and simulated
     runs alike: where the bound was crossed, or the lower bound where it was not
-    (`capacity_of`)."""
+    (`capacity_of`). `spread`: each run simulated that many times more with its sends moved
+    by a few ms (`jittered`); each point then has the range and median of its mean latency
+    over them all, and the median's error (a single run near saturation is one draw)."""
     from bench.gpu_report import load_sample
 
     s = report_settings(report["settings"])
@@ -353,6 +375,12 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
             point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
         if ms := step_ms(real, run, host):
             point["step_ms"] = ms
+        if spread:
+            point["norm_latency_mean"].update(latency_spread(
+                [run] + [twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
+                                  real["scale"], device, oracle, queue, jitter=seed)
+                         for seed in range(1, spread + 1)],
+                real["metrics"]["norm_latency_mean"]))  # fmt: skip
         points.append(point)
         ms = point.get("step_ms")
         steps = f", {ms['real']:.1f} ms/step, simulated {ms['sim']:.1f}" if ms else ""
@@ -375,6 +403,14 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict:
     return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps,
             "step_host": {"model_ms": [host[0] * 1e3, host[1] * 1e3],
                           "fit_ms": fit and [fit[0] * 1e3, fit[1] * 1e3]}}  # fmt: skip
+
+
+def latency_spread(runs: list[dict], real: float) -> dict:
+    """The mean normalized latency over a run's twins: range, median, the median's error."""
+    got = sorted(r["metrics"]["norm_latency_mean"] for r in runs)
+    median = statistics.median(got)
+    return {"spread": [got[0], median, got[-1]], "runs": len(got),
+            "median_error": (median - real) / real if real else None}  # fmt: skip
 
 
 def capacity_of(c: dict) -> dict:
@@ -589,6 +625,13 @@ def main(argv: list[str] | None = None) -> int:
         help="simulate a GPU report's serve runs; writes <report>-sim-<device>.json beside it",
     )
     ap.add_argument(
+        "--spread",
+        type=int,
+        default=0,
+        help="--gpu-report: each run simulated this many times more, its sends moved by a "
+        "few ms: the range of its mean latency, and the median's error",
+    )
+    ap.add_argument(
         "--gpu-serve",
         action="store_true",
         help="rehearse the GPU report's serve part (its default settings; --rates, "
@@ -633,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         if not report.get("serve", {}).get("runs"):
             print(f"{args.gpu_report} has no serve runs to simulate")
             return 0
-        result = twin(report, args.device)
+        result = twin(report, args.device, spread=args.spread)
         result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
         out = args.out or args.gpu_report.with_name(
             f"{args.gpu_report.stem}-sim-{args.device}.json"

@@ -271,3 +271,20 @@ def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
 
     assert refused(sim.REPORT_QUEUE) == pytest.approx(real["metrics"]["errors"], rel=0.15)
     assert refused(None) == 0
+
+
+def test_a_twins_spread_moves_each_send_a_little_and_reads_the_median() -> None:
+    from bench.lib import workload as wl
+
+    convs = [wl.Conversation(f"c{i}", [wl.TurnSpec([1] * 10, 4)] * 3) for i in range(20)]
+    plans = wl.plan(convs, 4.0, 5.0, 0)
+    a, b = sim.jittered(plans, 1), sim.jittered(plans, 2)
+    assert a == sim.jittered(plans, 1) and a != b  # seeded
+    for p, q in zip(plans, a, strict=True):
+        assert abs(q.arrival_s - p.arrival_s) <= sim.JITTER_S
+        assert all(abs(x - y) <= sim.JITTER_S for x, y in zip(p.think_s, q.think_s, strict=True))
+        assert q.conversation is p.conversation
+    runs = [{"metrics": {"norm_latency_mean": x}} for x in (0.2, 0.1, 0.4)]
+    got = sim.latency_spread(runs, 0.25)
+    assert got["spread"] == [0.1, 0.2, 0.4] and got["runs"] == 3
+    assert got["median_error"] == pytest.approx(-0.2)
