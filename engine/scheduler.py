@@ -278,8 +278,11 @@ class Scheduler:
 
     def _suspend(self, req: Request, plan: StepPlan) -> None:
         self._unload(req, plan)
+        # What it was to compute this step goes too: by rank, the victim may be a turn that
+        # `_continue` (by arrival) planned before the one that needs its room. A real turn's
+        # pending tokens are planned again from its KV when it is admitted again (`_start`).
+        plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
         if req.prefetch:  # a prefetch is not worth a swap-out: it just ends, all of it undone
-            plan.pieces[:] = [p for p in plan.pieces if p.req is not req]
             n = req.stats.recomputed_tokens
             req.pending = [(0, n)] if n else []
             self._end_prefetch(req, PrefetchEnd.SUSPENDED)

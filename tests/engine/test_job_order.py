@@ -83,3 +83,37 @@ def test_without_job_order_turns_rank_by_arrival() -> None:
     engine.tools_called("agent", ["search"])
     clock[0] = 130.0
     assert send(engine, "agent", 5).rank == 130.0
+
+
+def agent_step_over_a_chat(gpu_chunks: int) -> tuple[list[int], list[int], int]:
+    """A chat decodes; an agent's tool result (an earlier job, a later arrival) needs room."""
+    clock = [100.0]
+    config = EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=gpu_chunks,
+                          cpu_cache_chunks=64, max_batch_tokens=256, chunk_size=32)  # fmt: skip
+    engine = Engine(config, now=lambda: clock[0])
+    sampling = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    send(engine, "agent", 60)
+    engine.tools_called("agent", ["search"])
+    clock[0] = 110.0
+    chat = engine.submit(Turn("chat", [(i % 150) + 20 for i in range(60)], sampling))
+    engine.step()
+    clock[0] = 120.0
+    step = engine.submit(Turn("agent", [(i % 100) + 30 for i in range(40)], sampling))
+    assert step.rank < chat.rank and step.seq > chat.seq
+    while chat.status != Status.FINISHED or step.status != Status.FINISHED:
+        engine.step()
+    engine.flush()
+    return chat.output, step.output, engine.snapshot().counters.suspensions
+
+
+def test_a_later_ranked_turn_planned_first_in_a_step_is_suspended_whole() -> None:
+    """The suspension's victim is the latest-ranked turn, but a step plans running turns by
+    arrival: the chat's token was planned before the agent's growth needed its room. Its
+    planned piece leaves the step with it (it ran on blocks swapped out: the engine
+    stopped, 'chunks off the GPU while running'), and both replies are as unpressured."""
+    chat, step, none = agent_step_over_a_chat(64)
+    assert none == 0
+    for gpu in (7, 9):
+        got_chat, got_step, suspensions = agent_step_over_a_chat(gpu)
+        assert suspensions >= 1
+        assert (got_chat, got_step) == (chat, step)
