@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench import gpu_report
+from bench.lib.pools import BENCH_QUEUE
 
 
 @pytest.mark.slow
@@ -60,6 +61,7 @@ def test_dry_run_of_every_part_writes_one_report(tmp_path) -> None:
         m = x["metrics"]
         assert m["errors"] == 0 and m["turns"] > 0 and x["scale"] == 30.0
         assert x["think_replayed_s"] == pytest.approx(2.0)
+        assert x["max_waiting"] == BENCH_QUEUE  # what its twin replays
     assert set(sv["capacity"]) == set(sv["capacity_p90"]) == {"stateless", "gpu", "pensieve"}
     for c in sv["capacity"].values():
         assert {"crossed", "under_rate", "over_rate", "capacity_rps", "at_least_rps"} <= set(c)
