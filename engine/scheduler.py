@@ -292,7 +292,7 @@ class Scheduler:
         self.running.remove(req)
         req.status = Status.WAITING
         req.stats.suspensions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req)  # by rank: behind a waiting step of a job begun before its own
 
     def _dropped_tokens(self, req: Request) -> int:
         return self.cache.recompute_tokens(req.table, req.state.kv_len)

@@ -117,3 +117,16 @@ def test_a_later_ranked_turn_planned_first_in_a_step_is_suspended_whole() -> Non
         got_chat, got_step, suspensions = agent_step_over_a_chat(gpu)
         assert suspensions >= 1
         assert (got_chat, got_step) == (chat, step)
+
+
+def test_a_suspended_turn_waits_behind_the_steps_of_earlier_jobs() -> None:
+    from engine.scheduler import StepPlan
+
+    sched, cache = scheduler(gpu=8)  # two 3-chunk contexts at a time
+    chat = turn(sched, cache, "chat", 0, rank=20.0)
+    agent = turn(sched, cache, "agent", 1, rank=10.0)
+    sched.schedule()
+    assert chat.status == agent.status == Status.RUNNING
+    other = turn(sched, cache, "other", 2, rank=15.0)  # a step of a job begun before the chat
+    sched._suspend(chat, StepPlan())  # as `_room` suspends the latest-ranked for room
+    assert list(sched.waiting) == [other, chat]
