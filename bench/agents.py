@@ -26,14 +26,17 @@ its tool runs:
 - `lru`: least recently used.
 - `hints`: the tool-aware value plus a pin of the tool's expected duration, sent by the agent
   (`retention.ttl_s`), as a client that knows its tools would.
-- `oracle`: both tiers hold every conversation: nothing is ever evicted or swapped.
+- `oracle`: the same GPU tier, and a CPU tier that holds every conversation: swaps, never
+  drops (the serving headline's oracle: a GPU tier that held everything would run batches
+  no card could).
 
 `hints` ends a session with `ttl_s` 0 (the client knows its job is done); no other mode
 has that hint (an earlier version gave it to `ttl-pin` too: its edge over `tool-aware` was
 mostly that, not its pins). Memory is
 swept as a share of every conversation's full context (`--memory`, the GPU tier; the CPU
-tier `--cpu-ratio` times it); then the memory where `ttl-pin`'s p90 job completion time is
-1.2x the oracle's is interpolated and run too: the issue's goal is read there.
+tier `--cpu-ratio` times it), the oracle at each memory too; then the memory where
+`ttl-pin`'s p90 job completion time is 1.2x the oracle's there is searched and every mode
+run at it: the issue's goal is read there.
 Reports per mode: job completion time (p50, p90), time to first token per agent step,
 recomputed tokens (agents and chats), mean and peak pinned bytes, chat latency.
 """
@@ -75,7 +78,7 @@ class Mode:
     tool_value: bool = True  # a reported tool call values the waiting agent (else: order only)
     pin: str | None = None  # "ttl": a fixed TTL pin per tool call; "hint": the tool's mean
     holds: bool = False  # the server holds waiting agents (`EngineConfig.tool_holds`)
-    oracle: bool = False  # both tiers hold everything
+    oracle: bool = False  # a CPU tier that holds everything
 
 
 MODES = {
@@ -153,8 +156,8 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
     from engine.types import Retention
 
     plans = work.agents + work.chats
-    if mode.oracle:
-        gpu = cpu = int(sum(_chunks(p.conversation) for p in plans) * 1.1) + 64
+    if mode.oracle:  # the same GPU tier: the same batches fit
+        cpu = int(sum(_chunks(p.conversation) for p in plans) * 1.1) + 64
     dtype = serving_dtype(device)[0] if device == "cpu" else "bfloat16"
     engine = Engine(EngineConfig(
         model=model, device=device, dtype=dtype, gpu_cache_chunks=gpu,
@@ -296,16 +299,23 @@ def crossing(points: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
-def goal_memory(runs: list[dict], oracle: dict, ttl_pin) -> tuple[float | None, list[dict]]:
+def slowdowns(runs: list[dict]) -> list[tuple[float, float]]:
+    """(memory, ttl-pin's p90 job time over the oracle's at that memory) where both ran."""
+    oracle = {r["memory"]: r for r in runs if r["mode"] == "oracle" and "failed" not in r}
+    return [(r["memory"], r["jct_s_p90"] / oracle[r["memory"]]["jct_s_p90"]) for r in runs
+            if r["mode"] == "ttl-pin" and "failed" not in r and r["memory"] in oracle]  # fmt: skip
+
+
+def goal_memory(runs: list[dict], run_at) -> tuple[float | None, list[dict]]:
     """The memory where ttl-pin's p90 job time is `GOAL_SLOWDOWN` x the oracle's: from the
-    sweep's crossing, then ttl-pin alone run at each new interpolation (the curve is steep
-    there: one interpolation missed by 0.1x) until within `GOAL_TOLERANCE`. Returns it (None:
-    the sweep never crossed) and the search's ttl-pin runs (`ttl_pin(memory)` runs one)."""
-    ok = [r for r in runs if r["mode"] == "ttl-pin" and "failed" not in r]
-    points = [(r["memory"], r["jct_s_p90"] / oracle["jct_s_p90"]) for r in ok]
+    sweep's crossing, then ttl-pin and the oracle alone run at each new interpolation (the
+    curve is steep there: one interpolation missed by 0.1x) until within `GOAL_TOLERANCE`.
+    Returns it (None: the sweep never crossed) and the search's runs (`run_at(memory)` runs
+    both there)."""
     search: list[dict] = []
     target = None
     for _ in range(GOAL_SEARCH):
+        points = slowdowns(runs + search)
         if not points:
             break
         near = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))
@@ -314,11 +324,9 @@ def goal_memory(runs: list[dict], oracle: dict, ttl_pin) -> tuple[float | None, 
         target = crossing(points, GOAL_SLOWDOWN)
         if target is None:
             break
-        r = ttl_pin(target)
-        search.append(r)
-        if "failed" not in r:
-            points.append((target, r["jct_s_p90"] / oracle["jct_s_p90"]))
-    if target is not None:  # the search ran out: the nearest it saw
+        search += run_at(target)
+    points = slowdowns(runs + search)
+    if target is not None and points:  # the search ran out: the nearest it saw
         target = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))[0]
     return target, search
 
@@ -382,32 +390,24 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
         return r
 
     runs: list[dict[str, Any]] = []
-    oracle = None
-    if "oracle" in args.modes.split(","):
-        oracle = one(MODES["oracle"], 1.0)
-        runs.append(oracle)
-    others = [m for m in modes if not m.oracle]
     for memory in args.memory:
-        runs += [one(m, memory) for m in others]
+        runs += [one(m, memory) for m in modes]
     target, search = None, []
-    if oracle is not None and not args.no_refine and "ttl-pin" in args.modes.split(","):
-        target, search = goal_memory(runs, oracle, lambda m: one(MODES["ttl-pin"], m))
+    pair = [m for m in modes if m.name in ("ttl-pin", "oracle")]
+    if len(pair) == 2 and not args.no_refine:
+        target, search = goal_memory(runs, lambda memory: [one(m, memory) for m in pair])
         if target is not None and not any(r["memory"] == target for r in runs):
-            runs += [one(m, target) for m in others if m.name != "ttl-pin"]
+            runs += [one(m, target) for m in modes if m not in pair]
             runs += [r for r in search if r["memory"] == target]
-    if target is None:  # not crossed: the swept memory where ttl-pin is nearest 1.2x
-        ttls = [r for r in runs if r["mode"] == "ttl-pin"]
-        if oracle is not None and ttls:
-            target = min(ttls, key=lambda r: abs(r["jct_s_p90"] / oracle["jct_s_p90"] - 1.2))[
-                "memory"
-            ]
+    if target is None and (points := slowdowns(runs)):  # not crossed: the nearest swept
+        target = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))[0]
     return {
         "history_chunks": hist,
         "bytes_per_chunk": per,
         "ttl_s": ttl,
         "runs": runs,
         "goal_search": [
-            {k: r[k] for k in ("memory", "gpu_gb", "jct_s_p90") if k in r} for r in search
+            {k: r[k] for k in ("mode", "memory", "gpu_gb", "jct_s_p90") if k in r} for r in search
         ],  # fmt: skip
         "goal": goal(runs, target) if target is not None else {"evaluated": False},
     }
@@ -420,7 +420,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    oracle = next((r for r in runs if r["mode"] == "oracle"), None)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     panels = (
         ("jct_s_p90", "job completion time p90 (s)"),
@@ -430,16 +429,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     )
     for ax, (key, label) in zip(axes.flat, panels, strict=True):
         for mode in MODES:
-            rs = sorted((r for r in runs if r["mode"] == mode and mode != "oracle"),
+            rs = sorted((r for r in runs if r["mode"] == mode and "failed" not in r),
                         key=lambda r: r["memory"])  # fmt: skip
             if not rs:
                 continue
-            xs = [r["gpu_gb"] + r["cpu_gb"] for r in rs]
+            xs = [r["gpu_gb"] for r in rs]
             ys = [_value(r, key) for r in rs]
-            ax.plot(xs, ys, marker="o", label=mode)
-        if oracle is not None and key in ("jct_s_p90", "ttft_s_p90"):
-            ax.axhline(_value(oracle, key), color="black", ls="--", label="oracle")
-        ax.set(xlabel="GPU + CPU tier (GB)", ylabel=label)
+            style = {"color": "black", "ls": "--"} if mode == "oracle" else {}
+            ax.plot(xs, ys, marker="o", label=mode, **style)
+        ax.set(xlabel="GPU tier (GB); the CPU tier as large, the oracle's all", ylabel=label)
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
     env, g = result["environment"], result["goal"]
