@@ -443,8 +443,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     env, g = result["environment"], result["goal"]
     verdict = ""
     if g.get("evaluated"):
-        verdict = (f"; at {g['memory']:.3f}: tool-aware p90 JCT {g['jct_p90_vs_ttl']:.2f}x "
-                   f"ttl-pin, recompute {g['recomputed_vs_lru']:.2f}x lru")  # fmt: skip
+        verdict = (f"; at {g['memory']:.3f}: tool-aware p90 JCT {g['jct_p90_vs_ttl']:.3f}x "
+                   f"ttl-pin, recompute {g['recomputed_vs_lru']:.3f}x lru")  # fmt: skip
     how = "SIMULATED" if result["simulated"] else "REAL"
     fig.suptitle(f"{how} {result['device']} {result['model']}: {result['agents']} agents "
                  f"over {result['chats']} chats ({env['git_commit'][:9]}){verdict}",
