@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -627,6 +628,26 @@ def _preset(s: Settings, name: str, gpu_gb: float, cpu_chunks: int) -> Preset:
     )
 
 
+WARM_PROMPTS = (64, 512, 2048)  # tokens: the prompts `warm_up` sends together
+
+
+async def warm_up(engine) -> None:
+    """A few turns of a few prompt lengths, decoded together and forgotten before any window:
+    a fresh engine's first steps build kernels and capture graphs, which a window must not
+    time (at 4e07f94 each mode's first run, at 12/s, took more per step than its second at
+    16/s with more rows: 28.7 vs 26.4 ms stateless, 24.8 vs 23.7 gpu, 25.5 vs 25.3 pensieve)."""
+    from engine import SamplingParams, Turn
+
+    gen = random.Random(0)
+    e = engine.engine
+    longest = max(1, e.context_limit // 2)
+    sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    turns = [Turn(f"warm-up-{i}", [gen.randrange(e.args.vocab_size) for _ in range(min(n, longest))],
+                  sampling) for i, n in enumerate(WARM_PROMPTS)]  # fmt: skip
+    await asyncio.gather(*(engine.generate(t) for t in turns))
+    await asyncio.gather(*(engine.free(t.conversation_id) for t in turns))
+
+
 class Runner:
     """One AsyncEngine per (mode, scale, tiers); runs windows of the replay on it."""
 
@@ -696,6 +717,7 @@ class Runner:
             await self.close()  # one engine at a time: each holds the weights and its pool
             engine = AsyncEngine(engine_config(preset, MODES[mode]))
             await engine.start()
+            await warm_up(engine)
             self.engines[key] = engine
         return self.engines[key]
 

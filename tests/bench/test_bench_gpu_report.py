@@ -103,3 +103,25 @@ def test_the_oracle_holds_what_arrives_in_its_window_not_the_whole_sample() -> N
     assert 64 < low < high < whole  # at 16/s, 720 of 1,600 conversations arrive in 45 s
     assert gpu_report.oracle_chunks(replace(s, window_s=1e6), convs, 4.0) == whole
     assert gpu_report.no_room(s, whole, whole) is None  # checked on a GPU machine only
+
+
+def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:
+    """`warm_up`: every prompt length decoded before any window, nothing kept after it."""
+    import asyncio
+
+    from engine import AsyncEngine, EngineConfig
+
+    async def main() -> tuple[int, int, int, int]:
+        engine = AsyncEngine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=256))
+        await engine.start()
+        try:
+            await gpu_report.warm_up(engine)
+            e = engine.engine
+            counters = e.snapshot().counters
+            return counters.prompt_tokens, e.context_limit // 2, len(e.streams), len(e.cache.held())
+        finally:
+            await engine.stop()
+
+    prompt_tokens, longest, streams, held = asyncio.run(main())
+    assert prompt_tokens == sum(min(n, longest) for n in gpu_report.WARM_PROMPTS)
+    assert streams == held == 0
