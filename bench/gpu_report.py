@@ -54,7 +54,7 @@ from typing import Any
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, SAMPLES, device_slug, environment, host_memory_gb
 from bench.lib.drivers import EngineDriver
-from bench.lib.metrics import capacity_text, crossing, run_line, window_metrics
+from bench.lib.metrics import capacity_text, crossing, run_line, turn_table, window_metrics
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
 from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
@@ -703,6 +703,7 @@ class Runner:
             "wall_s": wall,
             "metrics": window_metrics(records, wall),
             "counters": counters,
+            "turns": turn_table(records),
         }
         _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
         return run

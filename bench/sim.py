@@ -38,6 +38,7 @@ from bench.lib.metrics import (
     run_line,
     run_record,
     steady_metrics,
+    turn_table,
     window_metrics,
 )
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
@@ -334,7 +335,8 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
         engine.close()
     return {"mode": mode, "engine_mode": engine_mode, "rate": rate, "scale": k,
             "think_s": s.think_s, "window_s": window, "wall_s": span,
-            "metrics": window_metrics(records, span), "counters": counters}  # fmt: skip
+            "metrics": window_metrics(records, span), "counters": counters,
+            "turns": turn_table(records)}  # fmt: skip
 
 
 def report_settings(settings: dict):

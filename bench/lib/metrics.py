@@ -67,6 +67,21 @@ def window_metrics(records: list[wl.TurnRecord], wall: float) -> dict[str, Any]:
     return m
 
 
+TURN_COLUMNS = ("conversation", "index", "sent_s", "ttft_s", "latency_s", "output_tokens",
+                "context_tokens", "cut", "error")  # fmt: skip
+
+
+def turn_table(records: list[wl.TurnRecord]) -> dict[str, Any]:
+    """Every turn of a run, compactly (times in ms): a real run and its simulated twin can
+    then be compared turn by turn, not only by their means (one window near saturation is
+    one draw of which turns queue and which are cut)."""
+    rows = [[r.conversation, r.index, round(r.sent_s * 1e3), round(r.ttft_s * 1e3),
+             round(r.latency_s * 1e3), r.output_tokens, r.context_tokens,
+             int(bool(r.stats.get("censored"))), int(r.error is not None)]
+            for r in sorted(records, key=lambda r: r.sent_s)]  # fmt: skip
+    return {"columns": list(TURN_COLUMNS), "times": "ms", "rows": rows}
+
+
 def cache_use(ok: list[wl.TurnRecord], extra: tuple[str, ...] = ()) -> dict[str, int]:
     """Context tokens of the turns, and how much of it each way of keeping KV supplied."""
     keys = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", "disk_tokens", *extra)

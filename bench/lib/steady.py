@@ -53,7 +53,7 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.drivers import turn_stats
-from bench.lib.metrics import cache_use, steady_metrics, window_metrics
+from bench.lib.metrics import cache_use, steady_metrics, turn_table, window_metrics
 from bench.lib.virtual import wait_next
 
 FORMAT = "pensieve-steady/1"
@@ -532,4 +532,5 @@ def run_row(
         "window_s": s.steady_window_s,
         "wall_s": wall_s,
         "metrics": window(records, s.steady_warmup_s, stop, going_on(state, convs)),
+        "turns": turn_table(records),
     }

@@ -62,6 +62,10 @@ def test_dry_run_of_every_part_writes_one_report(tmp_path) -> None:
         assert m["errors"] == 0 and m["turns"] > 0 and x["scale"] == 30.0
         assert x["think_replayed_s"] == pytest.approx(2.0)
         assert x["max_waiting"] == BENCH_QUEUE  # what its twin replays
+        table = x["turns"]  # every turn, for a turn-by-turn comparison with the twin
+        rows = [dict(zip(table["columns"], row, strict=True)) for row in table["rows"]]
+        assert sum(r["cut"] for r in rows) == m["cancelled_at_drain"]
+        assert sum(1 for r in rows if not r["cut"] and not r["error"]) == m["turns"]
     assert set(sv["capacity"]) == set(sv["capacity_p90"]) == {"stateless", "gpu", "pensieve"}
     for c in sv["capacity"].values():
         assert {"crossed", "under_rate", "over_rate", "capacity_rps", "at_least_rps"} <= set(c)

@@ -127,6 +127,9 @@ def test_the_steady_part_is_rehearsed_from_its_states_with_its_budget(dry):
     assert not out["skipped"] and out["fits"]
     for r in out["runs"]:
         assert r["seeded"] > 0 and r["metrics"]["turns"] > 0
+        table = r["turns"]  # every turn sent, warm-up and drain too, for a turn-by-turn twin
+        assert len(table["rows"]) > r["metrics"]["turns"]
+        assert all(len(row) == len(table["columns"]) for row in table["rows"])
         assert r["estimated_wall_s"] <= r["seed_s"] + s.steady_warmup_s + s.steady_window_s + (
             s.steady_drain_s
         )
