@@ -306,6 +306,11 @@ def slowdowns(runs: list[dict]) -> list[tuple[float, float]]:
             if r["mode"] == "ttl-pin" and "failed" not in r and r["memory"] in oracle]  # fmt: skip
 
 
+def nearest(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The (memory, slowdown) point nearest `GOAL_SLOWDOWN`."""
+    return min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))
+
+
 def goal_memory(runs: list[dict], run_at) -> tuple[float | None, list[dict]]:
     """The memory where ttl-pin's p90 job time is `GOAL_SLOWDOWN` x the oracle's: from the
     sweep's crossing, then ttl-pin and the oracle alone run at each new interpolation (the
@@ -318,7 +323,7 @@ def goal_memory(runs: list[dict], run_at) -> tuple[float | None, list[dict]]:
         points = slowdowns(runs + search)
         if not points:
             break
-        near = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))
+        near = nearest(points)
         if abs(near[1] - GOAL_SLOWDOWN) <= GOAL_TOLERANCE:
             return near[0], search
         target = crossing(points, GOAL_SLOWDOWN)
@@ -327,7 +332,7 @@ def goal_memory(runs: list[dict], run_at) -> tuple[float | None, list[dict]]:
         search += run_at(target)
     points = slowdowns(runs + search)
     if target is not None and points:  # the search ran out: the nearest it saw
-        target = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))[0]
+        target = nearest(points)[0]
     return target, search
 
 
@@ -400,7 +405,7 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
             runs += [one(m, target) for m in modes if m not in pair]
             runs += [r for r in search if r["memory"] == target]
     if target is None and (points := slowdowns(runs)):  # not crossed: the nearest swept
-        target = min(points, key=lambda p: abs(p[1] - GOAL_SLOWDOWN))[0]
+        target = nearest(points)[0]
     return {
         "history_chunks": hist,
         "bytes_per_chunk": per,

@@ -368,8 +368,12 @@ def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
     for real in report["serve"]["runs"]:
         oracle = real["cpu_cache_chunks"] if real["mode"] == "oracle" else None
         queue = real.get("max_waiting", REPORT_QUEUE)
-        run = twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                       real["scale"], device, oracle, queue)  # fmt: skip
+
+        def again(jitter: int | None = None, real=real, oracle=oracle, queue=queue) -> dict:
+            return twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
+                            real["scale"], device, oracle, queue, jitter)  # fmt: skip
+
+        run = again()
         runs.append(run)
         point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
         for key in ("throughput_rps", "norm_latency_mean"):
@@ -378,11 +382,10 @@ def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
         if ms := step_ms(real, run, host):
             point["step_ms"] = ms
         if spread:
-            point["norm_latency_mean"].update(latency_spread(
-                [run] + [twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                                  real["scale"], device, oracle, queue, jitter=seed)
-                         for seed in range(1, spread + 1)],
-                real["metrics"]["norm_latency_mean"]))  # fmt: skip
+            draws = [run] + [again(seed) for seed in range(1, spread + 1)]
+            point["norm_latency_mean"].update(
+                latency_spread(draws, real["metrics"]["norm_latency_mean"])
+            )
         points.append(point)
         ms = point.get("step_ms")
         steps = f", {ms['real']:.1f} ms/step, simulated {ms['sim']:.1f}" if ms else ""

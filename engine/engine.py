@@ -104,7 +104,7 @@ class Engine:
             gpu,
             cpu,
             cs,
-            Policy(config.eviction, cost, cs, self.clock),
+            Policy(config.eviction, cost, cs, self.clock, config.tool_value),
             config.cache_mode,
             config.admit_reserve,
             config.swap_out_threshold,
@@ -112,7 +112,6 @@ class Engine:
             share=config.share_prefixes,
             counters=self.counters,
         )
-        self.cache.policy.tool_value = config.tool_value
         share, quantum = config.prefetch_limits(b.gpu)
         self.scheduler = Scheduler(
             self.cache,

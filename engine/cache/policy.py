@@ -65,7 +65,9 @@ class Policy:
     every other chunk (and the evictor never drops them), then those of conversations
     whose user is typing, each group in value order."""
 
-    def __init__(self, kind: Eviction | str, cost: CostModel, chunk_size: int, clock) -> None:
+    def __init__(
+        self, kind: Eviction | str, cost: CostModel, chunk_size: int, clock, tool_value: bool = True
+    ) -> None:
         self.kind = Eviction(kind)
         self.cost = cost
         self.chunk_size = chunk_size
@@ -81,7 +83,7 @@ class Policy:
         self.returns = Returns()  # fed by the engine at each turn's end and arrival
         self.pins = Pins()  # clients' retention: pins and priorities
         self.tools = ToolWaits()  # conversations waiting for a tool's result
-        self.tool_value = True  # a waiting conversation is valued by its tool's wait
+        self.tool_value = tool_value  # a waiting conversation is valued by its tool's wait
 
     @property
     def expectations(self) -> int:
