@@ -1,72 +1,33 @@
-"""The engine: turns in, tokens out; each conversation's KV kept across turns."""
+"""The engine: turns in, tokens out; each conversation's KV kept across turns. A facade that
+builds the parts over one backend and holds the lock: conversations (`engine/conversations.py`)
+own their records and lives, the step loop (`engine/steps.py`) runs the scheduler's plans."""
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
 
-import torch
-
-from engine import retention
 from engine.backends import Backend, pick
-from engine.cache.manager import KVCacheManager, chain_hashes
+from engine.cache.manager import KVCacheManager
 from engine.cache.pins import Retained
 from engine.cache.policy import CostModel, Policy
+from engine.cache.retention import Retainer
+from engine.capture import capture
+from engine.conversations import Conversations
 from engine.disk import DiskIndex
-from engine.drain import DEFAULT_S as DEFAULT_RETRY_S
-from engine.errors import ConversationBusy, EngineOverloaded
 from engine.guide import check
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.reads import Reads
 from engine.request import Request, Status
-from engine.sampler import Sampled, make_generator
-from engine.scheduler import Scheduler, StepPlan
+from engine.scheduler import Scheduler
 from engine.seed import Seed, plant
-from engine.snapshot import (
-    Capture,
-    EngineCounters,
-    EngineSnapshot,
-    Held,
-    PoolUsage,
-    SharingUsage,
-)
+from engine.snapshot import Capture, EngineCounters, EngineSnapshot
 from engine.spill import DiskWrites
-from engine.stream import Claims, StreamState, extend_hashes, resync
-from engine.types import (
-    CacheMode,
-    EngineConfig,
-    Eviction,
-    FinishReason,
-    Turn,
-    TurnResult,
-    TurnStats,
-)
+from engine.steps import Steps
+from engine.types import CacheMode, EngineConfig, Eviction, Turn, TurnResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Flight:
-    """A launched step whose tokens the host has not read: the lagged path reads them during
-    the next step's forward."""
-
-    rows: list[Request]  # the turn of each sampled token, in order
-    before: dict[Request, int]  # each turn's kv_len before the step's pieces moved it
-    sampled: Sampled | list[int] | None  # the tokens: on their way (lagged), or read already
-
-    def on_device(self) -> torch.Tensor | None:
-        """The tokens on the device: what the next step's placeholders are filled from."""
-        return self.sampled.tokens if isinstance(self.sampled, Sampled) else None
-
-    def tokens(self) -> list[int]:
-        s = self.sampled
-        if s is None:
-            return []
-        return s if isinstance(s, list) else s.tolist()
 
 
 class Engine:
@@ -94,17 +55,18 @@ class Engine:
         gpu, cpu = b.tier_sizes()
         self.pool = b.pool(gpu, cpu)
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
-        self.owns_history = history is None
+        owns_history = history is None
         self.history = MemoryHistory() if history is None else history
         self.clock = LocalClock(self.now) if clock is None else clock
         self.counters = EngineCounters()  # the cache and prefetch add to it too
         costed = config.eviction != Eviction.LRU and config.cache_mode != CacheMode.STATELESS
         cost = b.policy_cost(self.max_context) if costed else CostModel.linear(cs, self.max_context)
+        policy = Policy(config.eviction, cost, cs, self.clock, config.tool_value, config.tool_holds)
         self.cache = KVCacheManager(
             gpu,
             cpu,
             cs,
-            Policy(config.eviction, cost, cs, self.clock, config.tool_value),
+            policy,
             config.cache_mode,
             config.admit_reserve,
             config.swap_out_threshold,
@@ -121,6 +83,8 @@ class Engine:
             prefetch_share=share,
             prefetch_step_tokens=quantum,
             now=self.now,
+            stop_token_ids=self.stop_token_ids,
+            max_context=self.max_context,
         )
         self.runner = b.runner(self.pool)
         # Constrained decoding: the llguidance tokenizer is built on the first guided turn.
@@ -128,9 +92,6 @@ class Engine:
         if self.guides is not None:
             self.runner.guides = self.guides
         b.finish(self.runner, self.pool, self.max_context, gpu)
-        self.streams: dict[str, StreamState] = {}  # written here only
-        self.claims = Claims()  # one turn per conversation at a time, for every front
-        self._seq = itertools.count()
         self.disk: DiskIndex | None = None
         self.writes: DiskWrites | None = None
         if config.disk_cache_dir and config.cache_mode == CacheMode.PENSIEVE:
@@ -138,14 +99,23 @@ class Engine:
             self.writes = DiskWrites(self.disk, self.pool, self.cache)
             self.cache.spill_to(self.writes.restore_s)
         self.reads = Reads(
-            b, self.history, self.owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
+            b, self.history, owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
         )
-        self.lock = threading.RLock()  # guards all state below; held for a whole step
+        self.retainer = Retainer(self.cache, self.pool.bytes_per_chunk, self.now)
+        self.conversations = c = Conversations(
+            config, self.cache, self.scheduler, self.history, owns_history, self.clock,
+            self.counters, self.now, self.device, self.max_context, self.retainer,
+            self.disk, self.writes,
+        )  # fmt: skip
+        self.streams, self.claims = c.streams, c.claims  # read by fronts, benchmarks, tests
         # The host runs a step ahead: it plans and launches step N before reading N-1's tokens
         ahead = config.async_steps
         ahead = self.device.type == "cuda" if ahead is None else ahead
-        self.ahead = ahead and getattr(self.runner, "runs_ahead", False)
-        self._flight: Flight | None = None  # the lagged step launched and not read yet
+        self.steps = Steps(
+            b, self.scheduler, self.cache, c, self.pool, self.runner, self.reads, self.writes,
+            self.counters, self.now, ahead and getattr(self.runner, "runs_ahead", False),
+        )  # fmt: skip
+        self.lock = threading.RLock()  # guards all state below; held for a whole step
 
     # ---- turns in ----------------------------------------------------------------------------
 
@@ -171,22 +141,11 @@ class Engine:
         """Check the turn (`validate`), claim its conversation (ConversationBusy if a turn
         of it is in flight), and apply the queue's limit: with `queued` turns submitted and
         not running, `max_waiting` or more refuse it (EngineOverloaded, its claim released;
-        `retry_s(queued)`: when to try again). Needs no step: the async front calls it on
-        its event loop, a simulated replay before each `submit`."""
+        `retry_s(queued)`: when to try again); a pin past its owner's cap is refused here
+        (PinRefused). Needs no step: the async front calls it on its event loop, a
+        simulated replay before each `submit`."""
         self.validate(turn)
-        self.claims.claim(turn.conversation_id)
-        limit = self.config.max_waiting
-        if queued >= limit:
-            self.claims.release(turn.conversation_id)
-            wait = DEFAULT_RETRY_S if retry_s is None else retry_s(queued)
-            raise EngineOverloaded(f"the engine has {limit} turns queued already", wait)
-        try:
-            retention.reserve(self, turn)  # a pin past its owner's cap is refused here
-        except BaseException:
-            self.claims.release(turn.conversation_id)
-            self.cache.policy.unexpect(turn.conversation_id)
-            self.cache.policy.pins.unhold(turn.conversation_id)
-            raise
+        self.conversations.claim(turn, queued, retry_s)
 
     def queued(self) -> int:
         """Real turns submitted and not running (waiting for admission, or suspended): what
@@ -200,78 +159,19 @@ class Engine:
         if not accepted:
             self.accept(turn)
         try:
-            return self._queue(turn, on_token)
+            # Built outside the lock: a large grammar takes a while (llguidance drops the GIL).
+            sp = turn.sampling
+            guide = None if sp.guide is None else self.guides.matcher(sp.guide)
+            with self.lock:
+                return self.conversations.open(turn, on_token, guide)
         except BaseException:
-            self.claims.release(turn.conversation_id)
-            self.cache.policy.unexpect(turn.conversation_id)
-            self.cache.policy.pins.unhold(turn.conversation_id)
+            self.conversations.withdraw(turn.conversation_id)
             raise
 
-    def _queue(self, turn: Turn, on_token: Callable[[int], None] | None) -> Request:
-        # Built outside the lock: a large grammar takes a while (llguidance drops the GIL).
-        guide = None if turn.sampling.guide is None else self.guides.matcher(turn.sampling.guide)
-        with self.lock:
-            state = self.streams.get(turn.conversation_id)
-            state = state or StreamState(turn.conversation_id)
-            length = state.length if turn.context_len is None else turn.context_len
-            total = length + len(turn.prompt_token_ids)
-            if total >= self.max_context:
-                raise ValueError(
-                    f"context of {total} tokens reaches the model's limit of {self.max_context}"
-                )
-            if self.cache.n_chunks(total + 1) > self.cache.gpu_capacity():
-                raise ValueError(
-                    f"context of {total} tokens does not fit the KV cache "
-                    f"({self.cache.gpu_capacity()} chunks of {self.cache.chunk_size})"
-                )
-            self.streams[state.id] = state
-            table = self.cache.table(state.id)
-            # Its prefetch ends; a running one goes on if the context stays, to be taken over.
-            prefetch = self.scheduler.supersede(state.id, keep=length == state.length)
-            if length != state.length:
-                resync(state, length, self.cache)
-            now = self.now()
-            policy = self.cache.policy
-            # `returns` learns how long people take; a tool's result is learned apart
-            if state.idle_since is not None and not policy.tools.is_waiting(state.id):
-                self.cache.returned(now - state.idle_since)
-            if state.job_since is None or not policy.tools.is_waiting(state.id):
-                state.job_since = now  # a new job; a tool's result goes on with its own
-            policy.tools.arrived(state.id, now)  # a tool's result, maybe: learned
-            self.clock.touch(state.id, now)
-            # Queued, it is about to run: its chunks are the last idle ones to go (by its
-            # idle time alone, `returns` and the tool value would value it as idle)
-            policy.expect(state.id, math.inf)
-            hold = policy.tools.hold_s() if self.config.tool_holds else None
-            if hold is not None:  # a tool wait's hold: renewed while the turn waits to run
-                policy.pins.hold_queued(state.id, now, hold)
-            prompt = list(turn.prompt_token_ids)
-            chain, shared = [], 0
-            if state.length == 0:
-                chain, shared = self.cache.link_prompt(table, prompt)
-                state.kv_len = shared
-            req = Request(
-                turn=turn,
-                state=state,
-                table=table,
-                seq=next(self._seq),
-                base=state.kv_len,
-                tokens=state.tail + prompt[shared:],
-                stats=TurnStats(prompt_tokens=len(prompt), shared_tokens=shared, arrival_s=now),
-                generator=make_generator(turn.sampling, self.device),
-                on_token=on_token,
-                chain=chain,
-                guide=guide,
-                rank=state.job_since if self.config.job_order else now,
-            )
-            state.tail = []
-            if self.owns_history:
-                self.history.append(state.id, list(turn.prompt_token_ids))
-            self.counters.prompt_tokens += len(turn.prompt_token_ids)
-            self.scheduler.add(req, prefetch)
-            return req
+    def cancel(self, req: Request) -> None:
+        req.cancelled = True
 
-    # ---- prefetch ----------------------------------------------------------------------------
+    # ---- a conversation's life ---------------------------------------------------------------
 
     def prefetch(self, conversation_id: str) -> None:
         """The user of an idle conversation is typing: the scheduler's prefetch starts
@@ -279,12 +179,7 @@ class Engine:
         no-op for unknown, busy or prefetching conversations, the baseline modes, a context
         all on the GPU)."""
         with self.lock:
-            state = self.streams.get(conversation_id)
-            if state is None or conversation_id in self.claims:  # unknown, or its turn is here
-                return
-            now = self.now()
-            if self.scheduler.hint(state, next(self._seq), now):
-                self.clock.touch(conversation_id, now)  # its chunks are worth keeping now
+            self.conversations.hint(conversation_id)
 
     def fork(
         self, parent_id: str, child_id: str, token_ids: list[int], parent_len: int | None = None
@@ -296,32 +191,7 @@ class Engine:
         linked; 0 (a busy, unknown or partly dropped parent, sharing off) leaves the child
         unknown: its first turn recomputes its context from history, as after a restart."""
         with self.lock:
-            if child_id in self.streams or self.cache.find(child_id) is not None:
-                raise ValueError(f"conversation {child_id!r} exists already")
-            parent = self.streams.get(parent_id)
-            table = self.cache.find(parent_id)
-            cs = self.cache.chunk_size
-            if (
-                parent is None
-                or table is None
-                or parent_id in self.claims
-                or (parent_len is not None and parent.length != parent_len)
-                or len(token_ids) > parent.length
-            ):
-                return 0
-            chain = chain_hashes(list(token_ids), cs)
-            linked = self.cache.fork(table, child_id, chain, parent.kv_len)
-            if not linked:
-                return 0
-            full = len(token_ids) // cs * cs
-            self.streams[child_id] = StreamState(
-                child_id, length=len(token_ids), kv_len=linked, tail=list(token_ids[linked:]),
-                hashes=chain[: full // cs], unhashed=list(token_ids[full:]),
-            )  # fmt: skip
-            if self.owns_history:
-                self.history.append(child_id, list(token_ids))
-            self.clock.touch(child_id, self.now())
-            return linked
+            return self.conversations.fork(parent_id, child_id, token_ids, parent_len)
 
     def rewrite(self, conversation_id: str, keep: int, token_ids: list[int], length: int) -> bool:
         """Replace the stream's tokens after its first `keep` with `token_ids`, whose KV the
@@ -329,24 +199,14 @@ class Engine:
         history. `length`: the stream's length in the caller's history before the change.
         False (nothing changed) for an unknown or busy conversation, or another length."""
         with self.lock:
-            state = self.streams.get(conversation_id)
-            if (
-                state is None
-                or conversation_id in self.claims
-                or state.length != length
-                or not 0 <= keep <= length
-            ):
-                return False
-            self.scheduler.supersede(conversation_id, keep=False)  # its context changes
-            resync(state, keep, self.cache)  # the cut, as when a caller's history is shorter
-            extend_hashes(state, keep, list(token_ids), None, self.cache.chunk_size)
-            state.tail += token_ids
-            state.length += len(token_ids)
-            if self.owns_history:
-                self.history.truncate(conversation_id, keep)
-                self.history.append(conversation_id, list(token_ids))
-            self.counters.reencoded_tokens += len(token_ids)
-            return True
+            return self.conversations.rewrite(conversation_id, keep, token_ids, length)
+
+    def free(self, conversation_id: str, erase: bool = False) -> None:
+        """Forget a conversation's cache (its turns must have ended). `erase`: remove its
+        chunks from the disk tier too, and its pin (a deleted conversation's; another
+        conversation that starts the same way recomputes what it shared)."""
+        with self.lock:
+            self.conversations.free(conversation_id, erase)
 
     def seed(self, seeds: Iterable[Seed]) -> None:
         """Place conversations in the tiers as a given state says, without running their
@@ -355,26 +215,16 @@ class Engine:
         turns are in flight, for a conversation held already or a residency this engine
         cannot hold."""
         with self.lock:
-            plant(self, seeds)
+            if self.has_work():
+                raise ValueError("turns are in flight: seed an idle engine")
+            plant(self.conversations, self.pool, seeds)
 
     def tools_called(self, conversation_id: str, tools: list[str]) -> None:
         """The conversation's last turn ended calling `tools`: it waits for their results,
         expected back in the time those tools took before, its KV held in memory meanwhile
         (`engine/cache/toolwait.py`)."""
         with self.lock:
-            state = self.streams.get(conversation_id)
-            if state is None or conversation_id in self.claims:
-                return
-            since = state.idle_since if state.idle_since is not None else self.now()
-            policy = self.cache.policy
-            if not policy.tools.is_waiting(conversation_id):  # its end was a tool call's
-                policy.returns.retract()
-            policy.tools.wait(conversation_id, tools, since)
-            hold = policy.tools.hold_s() if self.config.tool_holds else None
-            if hold is not None:  # most results come back within it: keep its KV till then
-                policy.pins.hold(conversation_id, since + hold)
-            elif self.config.tool_value:  # most come back within it: kept over idle chats
-                policy.expect(conversation_id, since + policy.tools.expect_s())
+            self.conversations.tools_called(conversation_id, tools)
 
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin and priority go at once (its client deleted it)."""
@@ -384,232 +234,43 @@ class Engine:
         """What the conversation's retention holds now (its pin, until when in wall time; its
         priority; a finished session), for the caller to keep across a restart; None:
         nothing. Thread-safe."""
-        return retention.retained(self, conversation_id)
+        return self.retainer.retained(conversation_id)
 
     def restore_retention(self, kept: list[Retained]) -> int:
         """Put back retention `retained` read out before a restart: pins still in force (until
         the same wall time, counted against their owners' caps), priorities, finished
         sessions. Returns the pins put back. Thread-safe."""
-        return retention.restore(self, kept)
-
-    def cancel(self, req: Request) -> None:
-        req.cancelled = True
-
-    def free(self, conversation_id: str, erase: bool = False) -> None:
-        """Forget a conversation's cache (its turns must have ended). `erase`: remove its
-        chunks from the disk tier too, and its pin (a deleted conversation's; another
-        conversation that starts the same way recomputes what it shared)."""
-        with self.lock:
-            state = self.streams.get(conversation_id)
-            if conversation_id in self.claims:
-                raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
-            if erase and state is not None and self.disk is not None:
-                for j, key in enumerate(state.hashes):
-                    self.disk.remove(key, j)
-            self.scheduler.supersede(conversation_id, keep=False)
-            self.streams.pop(conversation_id, None)
-            self.cache.forget(conversation_id)
-            self.cache.policy.tools.forget(conversation_id)
-            self.cache.policy.pins.unhold(conversation_id)
-            if erase:  # deleted: its pin goes too (a cache reset keeps it for the next turn)
-                self.cache.policy.pins.release(conversation_id)
-            if self.owns_history:
-                self.history.forget(conversation_id)
+        return self.retainer.restore(kept)
 
     # ---- the step loop -----------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._flight is not None
+        return self.steps.has_work()
 
     @property
     def in_flight(self) -> bool:
         """A lagged step was launched and its tokens are not read yet (the next `step` or
         `flush` reads them)."""
-        return self._flight is not None
+        return self.steps.flight is not None
 
     def step(self) -> list[Request]:
-        """Plan and run one batch; returns the turns that ended in it. Lagged (`async_steps`):
-        launch this step, then read the previous one's tokens; the turns returned are those
-        ended by them (or cancelled, failed, out of room in this call)."""
+        """Plan and run one batch; returns the turns that ended in it (`Steps.step`)."""
         self.backend.use_device()  # steps may run on another thread than the one that built it
         with self.lock:
-            ended = self._drop_cancelled()
-            self.reads.collect(self.scheduler.queued())
-            plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
-            self.reads.start(plan.reads)
-            if self.writes is not None:
-                self.writes.spill(self.streams)
-            now = self.now()
-            for req in plan.failed:  # its history could not be read: that turn alone fails
-                log.error("history read for %s failed: %s", req.state.id, req.error)
-                self._end(req, FinishReason.ERROR, now)
-                ended.append(req)
-            if self.ahead:
-                flight = self._launch(plan)
-                previous, self._flight = self._flight, flight
-                ended += self._finish(previous)
-                ended += self._end_full(plan)  # after the token in flight: it counts
-                if flight is not None:
-                    self._run_ahead(flight)
-            else:
-                ended += self._end_full(plan)
-                ended += self._finish(self._launch(plan))
-            self._publish(ended)  # after the step's copies: publishing may free blocks
-            self.counters.steps += 1
-            return ended
+            return self.steps.step()
 
     def flush(self) -> list[Request]:
         """Read the tokens of the lagged step in flight, if any, launching none; returns the
         turns they ended."""
         self.backend.use_device()
         with self.lock:
-            flight, self._flight = self._flight, None
-            ended = self._finish(flight)
-            self._publish(ended)
-            return ended
-
-    def _publish(self, ended: list[Request]) -> None:
-        """First turns that ended share their prompt's full chunks with later conversations."""
-        for req in ended:
-            if req.chain and req.finish_reason is not FinishReason.ERROR:
-                n = req.state.kv_len // self.cache.chunk_size
-                self.cache.publish(req.table, req.chain[:n])
-
-    def _launch(self, plan: StepPlan) -> Flight | None:
-        """Start the plan's copies and forward (sampling on the device); its pieces' positions
-        count as computed from here on (the device runs them in order). Lagged, the tokens
-        are not waited for; else they are read before this returns."""
-        if not plan.pieces:
-            self.pool.begin_step(plan.before)
-            self.pool.swap_in_now()  # no forward to pipeline it with
-            self.scheduler.computed(plan)
-            self.pool.end_step(plan.after)
-            return None
-        sampled: Sampled | list[int] | None
-        if self.ahead:
-            last = self._flight
-            on_device = None if last is None else last.on_device()
-            sampled = self.runner.launch(plan.pieces, plan.before, on_device)
-        else:
-            sampled = self.runner.step(plan.pieces, plan.before)
-        before: dict[Request, int] = {}
-        for p in plan.pieces:
-            state = p.req.state
-            if p.end > state.kv_len:
-                before.setdefault(p.req, state.kv_len)
-                state.kv_len = p.end
-        self.scheduler.computed(plan)
-        self.pool.end_step(plan.after)
-        return Flight([p.req for p in plan.pieces if p.sample], before, sampled)
-
-    def _finish(self, flight: Flight | None) -> list[Request]:
-        """Accept a launched step's tokens (the host waits for them here); returns the turns
-        they ended. A turn that ended meanwhile drops its token."""
-        if flight is None or not flight.rows:
-            return []
-        tokens = flight.tokens()
-        now = self.now()
-        ended = []
-        for req, token in zip(flight.rows, tokens, strict=True):
-            if req.status == Status.FINISHED:
-                continue
-            self.counters.generated_tokens += 1
-            reason = req.accept(token, now, self.stop_token_ids, self.max_context)
-            if reason is not None:
-                self._end(req, reason, now)
-                ended.append(req)
-        return ended
-
-    def _end_full(self, plan: StepPlan) -> list[Request]:
-        """Turns with no room to generate more end as if by max_tokens."""
-        ended = []
-        now = self.now()
-        for req in plan.full:
-            if req.status == Status.RUNNING:
-                self._end(req, FinishReason.LENGTH, now)
-                ended.append(req)
-        return ended
-
-    def _run_ahead(self, flight: Flight) -> None:
-        """Plan the next step before this one's tokens are known: each turn sampling in it
-        whose token is not known to be its last gets a placeholder for it. Turns whose next
-        step needs a mask from the host (a grammar, min_tokens not reached) go step by step:
-        the mask needs the token."""
-        limit = self.max_context
-        for row, req in enumerate(flight.rows):
-            sp = req.turn.sampling
-            n = len(req.output) + 1  # with the token in flight
-            if (
-                req.status == Status.RUNNING
-                and req.guide is None
-                and sp.min_tokens <= n < sp.max_tokens
-                and req.total + 1 < limit
-            ):
-                req.run_ahead(row)
-
-    def _end(self, req: Request, reason: FinishReason, now: float) -> None:
-        self._unwind(req)
-        self.scheduler.finish(req, reason)
-        self._close(req, now)
-
-    def _unwind(self, req: Request) -> None:
-        """`req` ends while a lagged step may hold its next token or positions: the token is
-        dropped (`Request.take_back`), and the positions of a running turn do not count as
-        computed (its stream's tail keeps them; its next turn computes them again), as if
-        that step had not planned it."""
-        req.take_back()
-        flight = self._flight
-        if flight is not None and req.status == Status.RUNNING and req in flight.before:
-            req.state.kv_len = flight.before[req]
-
-    def _close(self, req: Request, now: float) -> None:
-        """The turn ended: its stream goes on from its tokens, and it is free again."""
-        state = req.state
-        state.length = req.total
-        state.tail = req.tokens[state.kv_len - req.base :]
-        self.claims.release(state.id)
-        extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
-        req.guide = None  # its matcher is freed with it
-        req.stats.finish_s = now
-        if not req.output:
-            req.stats.first_token_s = now
-        self.clock.touch(state.id, now)
-        state.idle_since = now
-        self.cache.policy.unexpect(state.id)
-        self.cache.policy.pins.unhold(state.id)
-        self.cache.ended()
-        retention.settle(self, req, now)
-        if self.owns_history:
-            self.history.append(state.id, req.output)
-
-    def _drop_cancelled(self) -> list[Request]:
-        ended = []
-        now = self.now()
-        for req in self.scheduler.turns():
-            if req.cancelled and req.status != Status.FINISHED:
-                self._end(req, FinishReason.CANCELLED, now)
-                ended.append(req)
-        return ended
+            return self.steps.flush()
 
     def fail_all(self, error: BaseException) -> list[Request]:
         """End every turn in flight with `error` (a step failed: the state may be broken);
         returns them."""
         with self.lock:
-            for req in self.scheduler.turns():
-                try:
-                    self._unwind(req)
-                except Exception:  # the turn fails regardless
-                    log.exception("could not unwind %s", req.state.id)
-            self._flight = None  # its tokens are not read: the state may be broken
-            failed = self.scheduler.fail_all(error)
-            now = self.now()
-            for req in failed:
-                try:
-                    self._close(req, now)
-                except Exception:  # the turn is failed regardless
-                    log.exception("could not close %s", req.state.id)
-                    self.claims.release(req.state.id)
-            return failed
+            return self.steps.fail_all(error)
 
     def next_read_s(self) -> float | None:
         """Where time is virtual: when the first history read still running ends (None:
@@ -640,49 +301,9 @@ class Engine:
         """The facts of a snapshot, read under the lock in O(1) a conversation (`Held`);
         `build()` spells them out without it."""
         with self.lock:
-            now = self.now()
-            c, streams, last_active = self.cache, self.streams, self.clock.last_active
-            running, waiting = self.scheduler.counts()
-            on_disk = self.disk.keys() if self.disk is not None else None  # dropped: "disk"
-            held = []
-            for t in c.tables.values():
-                state = streams.get(t.id)
-                d, s, o = t.n_dropped, t.n_shared, t.n_off_gpu
-                shared = tuple((x.tier, len(x.holders)) for x in t.chunks[d:s]) if s > d else ()
-                disk: tuple[int, ...] = ()
-                if on_disk and state is not None:
-                    hashes = state.hashes
-                    disk = tuple(j for j in range(min(d, len(hashes))) if hashes[j] in on_disk)
-                held.append(
-                    Held(
-                        t.id,
-                        0 if state is None else state.length,
-                        d,
-                        shared,
-                        o - s,
-                        len(t.chunks) - o,
-                        disk,
-                        t.pinned,
-                        last_active(t.id),
-                        c.lowest_value(t, now),
-                    )  # fmt: skip
-                )
-            head = EngineSnapshot(
-                device=str(self.device),
-                model=self.config.model,
-                chunk_size=c.chunk_size,
-                cache_mode=self.config.cache_mode,
-                eviction=self.config.eviction,
-                gpu=PoolUsage(*c.usage("gpu")),
-                cpu=PoolUsage(*c.usage("cpu")),
-                counters=replace(self.counters, running=running, waiting=waiting),
-                conversations=(),
-                context_limit=self.context_limit,
-                sharing=SharingUsage(*c.sharing_usage()),
-                disk=None if self.writes is None else self.writes.usage(),
-                pins=retention.usage(self, now),
+            return capture(
+                self.conversations, self.scheduler.counts(), str(self.device), self.context_limit
             )
-            return Capture(now, head, tuple(held))
 
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle

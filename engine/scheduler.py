@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter
@@ -95,8 +95,12 @@ class Scheduler:
         prefetch_share: float = 0.25,
         prefetch_step_tokens: int | None = None,
         now: Callable[[], float] = time.time,
+        stop_token_ids: Collection[int] = (),
+        max_context: int = 1 << 30,
     ) -> None:
         self.cache = cache
+        self.stop_token_ids = stop_token_ids  # what a turn's token ends it at (`update`)
+        self.max_context = max_context
         self.now = now  # the engine's clock: wall time, or a simulation's
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -405,11 +409,47 @@ class Scheduler:
 
     # ---- after a step ----------------------------------------------------------------------
 
-    def computed(self, plan: StepPlan) -> None:
-        """The plan's forward ran: recompute prefetches with nothing left to compute end."""
+    def launched(self, plan: StepPlan) -> dict[Request, int]:
+        """The plan's forward was launched: its pieces' positions count as computed (the
+        device runs them in order); recompute prefetches with nothing left end. Returns each
+        advanced turn's computed length before the step (`end` puts it back for a turn that
+        ends before the step's tokens are read)."""
+        before: dict[Request, int] = {}
         for p in plan.pieces:
-            if p.req.prefetch and p.req.status == Status.RUNNING and not p.req.pending:
-                self._end_prefetch(p.req, PrefetchEnd.DONE)
+            req, state = p.req, p.req.state
+            if p.end > state.kv_len:
+                before.setdefault(req, state.kv_len)
+                state.kv_len = p.end
+            if req.prefetch and req.status == Status.RUNNING and not req.pending:
+                self._end_prefetch(req, PrefetchEnd.DONE)
+        return before
+
+    def update(
+        self, rows: list[Request], tokens: list[int], rewind: dict[Request, int]
+    ) -> list[Request]:
+        """A step's tokens were read, one per row: each turn takes its own (one that ended
+        meanwhile drops it); those a token ends leave (`end`, with `rewind`: the lagged step
+        in flight) and are returned for the engine to close."""
+        now = self.now()
+        ended = []
+        for req, token in zip(rows, tokens, strict=True):
+            if req.status == Status.FINISHED:
+                continue
+            reason = req.accept(token, now, self.stop_token_ids, self.max_context)
+            if reason is not None:
+                self.end(req, reason, rewind)
+                ended.append(req)
+        return ended
+
+    def end(self, req: Request, reason: FinishReason, rewind: dict[Request, int]) -> None:
+        """End a real turn while a lagged step may hold its next token or positions: the
+        token is dropped (`Request.take_back`), and a running turn's positions in that step
+        (`rewind`: its length before it) do not count as computed (its stream's tail keeps
+        them; its next turn computes them again), as if that step had not planned it."""
+        req.take_back()
+        if req.status == Status.RUNNING and req in rewind:
+            req.state.kv_len = rewind[req]
+        self.finish(req, reason)
 
     def _end_prefetch(self, req: Request, why: PrefetchEnd) -> None:
         """End a recompute prefetch, running or queued: its pins go, its KV stays."""

@@ -27,7 +27,8 @@ from engine.cache.sharing import chain_hashes
 from engine.stream import StreamState
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.conversations import Conversations
+    from engine.kv_pool import KVPool
 
 
 @dataclass
@@ -48,28 +49,26 @@ class Seed:
         return len(self.tokens) if self.computed is None else self.computed
 
 
-def plant(engine: Engine, seeds: Iterable[Seed]) -> None:
-    """Place every seed in `engine` (its lock held), all or none: ValueError, with nothing
-    changed, while turns are in flight, for a conversation the engine holds already, for a
-    residency its mode cannot hold (`KVCacheManager.blocks_to_place`), or for more blocks
-    than its tiers have free."""
+def plant(conv: Conversations, pool: KVPool, seeds: Iterable[Seed]) -> None:
+    """Place every seed (the engine's lock held, no turn in flight), all or none:
+    ValueError, with nothing changed, for a conversation held already, for a residency the
+    cache's mode cannot hold (`KVCacheManager.blocks_to_place`), or for more blocks than its
+    tiers have free."""
     seeds = list(seeds)
-    cache = engine.cache
-    if engine.has_work():
-        raise ValueError("turns are in flight: seed an idle engine")
+    cache = conv.cache
     ids = [s.conversation_id for s in seeds]
     if len(set(ids)) != len(ids):
         raise ValueError("a conversation is seeded twice")
     gpu = cpu = 0
     for s in seeds:
         cid = s.conversation_id
-        if cid in engine.claims:
+        if cid in conv.claims:
             raise ValueError(f"conversation {cid!r} has a turn in flight")
-        if cid in engine.streams or cache.find(cid) is not None:
+        if cid in conv.streams or cache.find(cid) is not None:
             raise ValueError(f"conversation {cid!r} is held already: free it first")
         if not 0 <= s.kv_len <= len(s.tokens):
             raise ValueError(f"{cid!r}: {s.kv_len} computed positions of {len(s.tokens)}")
-        if len(s.tokens) >= engine.max_context:
+        if len(s.tokens) >= conv.max_context:
             raise ValueError(f"{cid!r}: {len(s.tokens)} tokens reach the model's limit")
         try:
             g, c = cache.blocks_to_place(s.residency, s.kv_len)
@@ -81,13 +80,13 @@ def plant(engine: Engine, seeds: Iterable[Seed]) -> None:
         raise ValueError(
             f"the seeds take {gpu} GPU and {cpu} CPU blocks; {free_gpu} and {free_cpu} are free"
         )
-    cs, pool = cache.chunk_size, engine.pool
+    cs = cache.chunk_size
     parts = None  # what a disk tier's seeded files hold: any block's bytes
     for s in seeds:
         cid, tokens = s.conversation_id, list(s.tokens)
         cache.place(cache.table(cid), s.residency, s.kv_len)
         full = len(tokens) // cs * cs
-        engine.streams[cid] = StreamState(
+        conv.streams[cid] = StreamState(
             cid,
             length=len(tokens),
             kv_len=s.kv_len,
@@ -96,12 +95,12 @@ def plant(engine: Engine, seeds: Iterable[Seed]) -> None:
             hashes=chain_hashes(tokens[:full], cs),
             unhashed=tokens[full:],
         )
-        if engine.owns_history:  # else the caller's history must hold these tokens
-            engine.history.forget(cid)
-            engine.history.append(cid, tokens)
-        engine.clock.touch(cid, s.last_active)
+        if conv.owns_history:  # else the caller's history must hold these tokens
+            conv.history.forget(cid)
+            conv.history.append(cid, tokens)
+        conv.clock.touch(cid, s.last_active)
         for i, tier in enumerate(s.residency):
             if tier == DISK:
                 if parts is None:
                     parts = pool.read_block("cpu" if pool.cpu_blocks else "gpu", 0)
-                engine.disk.seed(engine.streams[cid].hashes[i], i, parts, pool.bytes_per_chunk)
+                conv.disk.seed(conv.streams[cid].hashes[i], i, parts, pool.bytes_per_chunk)

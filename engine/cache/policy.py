@@ -5,6 +5,7 @@ waits for a tool (`toolwait`), scaled by a client's priority and held by its pin
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -66,7 +67,13 @@ class Policy:
     whose user is typing, each group in value order."""
 
     def __init__(
-        self, kind: Eviction | str, cost: CostModel, chunk_size: int, clock, tool_value: bool = True
+        self,
+        kind: Eviction | str,
+        cost: CostModel,
+        chunk_size: int,
+        clock,
+        tool_value: bool = True,
+        tool_holds: bool = False,
     ) -> None:
         self.kind = Eviction(kind)
         self.cost = cost
@@ -84,6 +91,58 @@ class Policy:
         self.pins = Pins()  # clients' retention: pins and priorities
         self.tools = ToolWaits()  # conversations waiting for a tool's result
         self.tool_value = tool_value  # a waiting conversation is valued by its tool's wait
+        self.tool_holds = tool_holds  # ... and held in memory for most tools' wait
+
+    # ---- what happened: the engine tells, the policy updates what it holds --------------------
+
+    def arrived(self, conversation_id: str, now: float, idle_since: float | None) -> bool:
+        """A turn of the conversation was queued (idle since `idle_since`, None: never ended
+        one): `returns` learns the gap, a tool's result its tool's time; it is about to run,
+        so its chunks are the last idle ones to go. True: it begins a new job (it carries
+        no tool's result)."""
+        waiting = self.tools.is_waiting(conversation_id)
+        if idle_since is not None and not waiting:  # a tool's result is learned apart
+            self.returns.returned(now - idle_since)
+        self.tools.arrived(conversation_id, now)
+        self.expect(conversation_id, math.inf)
+        hold = self.tools.hold_s() if self.tool_holds else None
+        if hold is not None:  # a tool wait's hold: renewed while the turn waits to run
+            self.pins.hold_queued(conversation_id, now, hold)
+        return not waiting
+
+    def withdrawn(self, conversation_id: str) -> None:
+        """A turn accepted for the conversation did not run (refused, or it failed to
+        queue): nothing of it is expected or held any more."""
+        self.unexpect(conversation_id)
+        self.pins.unhold(conversation_id)
+
+    def ended(self, conversation_id: str) -> None:
+        """The conversation's turn ended (`returns` learns from it)."""
+        self.withdrawn(conversation_id)
+        self.returns.ended()
+
+    def called_tools(self, conversation_id: str, tools: list[str], since: float) -> None:
+        """Its last turn (ended at `since`) called `tools`: it waits for their results,
+        expected back in the time those tools took before, its KV held in memory meanwhile."""
+        if not self.tools.is_waiting(conversation_id):  # its end was a tool call's
+            self.returns.retract()
+        self.tools.wait(conversation_id, tools, since)
+        hold = self.tools.hold_s() if self.tool_holds else None
+        if hold is not None:  # most results come back within it: keep its KV till then
+            self.pins.hold(conversation_id, since + hold)
+        elif self.tool_value:  # most come back within it: kept over idle chats
+            self.expect(conversation_id, since + self.tools.expect_s())
+
+    def forgotten(self, conversation_id: str, erased: bool) -> None:
+        """The conversation's cache was forgotten; `erased`: it was deleted, its pin goes too
+        (a cache reset keeps it for the next turn)."""
+        self.tools.forget(conversation_id)
+        self.pins.unhold(conversation_id)
+        if erased:
+            self.pins.release(conversation_id)
+
+    def waiting_for_tools(self, conversation_id: str) -> bool:
+        return self.tools.is_waiting(conversation_id)
 
     @property
     def expectations(self) -> int:

@@ -20,7 +20,7 @@ PROMPT = list(range(10, 40))
 def make(ahead: bool, model: str = "dummy:tiny", **kw) -> Engine:
     kw = {"gpu_cache_chunks": 32, "cpu_cache_chunks": 16} | kw
     engine = Engine(EngineConfig(model=model, device="cpu", async_steps=ahead, **kw))
-    assert engine.ahead == ahead
+    assert engine.steps.ahead == ahead
     return engine
 
 
@@ -43,9 +43,11 @@ def launched(engine: Engine) -> list[list[tuple[Request, int, int, bool]]]:
 
 
 def test_default_is_on_for_cuda_only():
-    assert not Engine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=8)).ahead
+    assert not Engine(
+        EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=8)
+    ).steps.ahead
     sim = Engine(EngineConfig(model="dummy:tiny", device="sim:h100", async_steps=True))
-    assert not sim.ahead  # a simulated device stays in step
+    assert not sim.steps.ahead  # a simulated device stays in step
 
 
 def test_stop_token_while_the_next_piece_is_in_flight(hf):
