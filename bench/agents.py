@@ -152,7 +152,6 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
     """One replay of the workload on its own simulated engine."""
     from engine import Engine, EngineConfig
     from engine.backends.local import serving_dtype
-    from engine.retention import usage
     from engine.types import Retention
 
     plans = work.agents + work.chats
@@ -186,7 +185,7 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
     def on_step() -> None:
         now = engine.now()
         if now >= next_sample[0]:
-            u = usage(engine, now)
+            u = engine.retainer.usage(now)
             pinned.append(u.gpu_bytes + u.cpu_bytes)
             next_sample[0] = now + SAMPLE_S
 
