@@ -14,7 +14,7 @@ against no owner and is not a pin in the stats.
 
 What a conversation's pins hold (its pin, its priority, a finished session) is read out as
 `Retained` for the server to keep durably (`record`) and put back after a restart
-(`restore`); the engine converts its clock to wall time for it (engine/retention.py).
+(`restore`); the `Retainer` converts the engine's clock to wall time for it (engine/cache/retention.py).
 
 The front (the event loop) reserves while the engine's loop thread settles, releases and
 reads: changes take a lock, reads of one pin are single dict lookups.
