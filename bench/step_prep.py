@@ -20,9 +20,9 @@ import torch
 from bench.lib.common import environment
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.copies import CopyPlan
+from engine.plan import Piece
 from engine.request import Request
 from engine.runner import Runner
-from engine.scheduler import Piece
 from engine.stream import StreamState
 from engine.types import SamplingParams, Turn, TurnStats
 

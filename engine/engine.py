@@ -228,7 +228,7 @@ class Engine:
 
     def unpin(self, conversation_id: str) -> None:
         """Let the conversation's pin and priority go at once (its client deleted it)."""
-        self.cache.policy.pins.release(conversation_id)
+        self.retainer.release(conversation_id)
 
     def retained(self, conversation_id: str) -> Retained | None:
         """What the conversation's retention holds now (its pin, until when in wall time; its

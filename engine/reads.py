@@ -14,8 +14,8 @@ from engine.backends.base import Backend
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.disk import DiskIndex, Loaded
 from engine.persistence import TokenHistory
+from engine.plan import Read
 from engine.request import Request
-from engine.scheduler import Read
 
 
 class Reads:

@@ -11,8 +11,8 @@ from engine.guide import Guides, MaskJob, plan_masks
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward
 from engine.model.decoder import Decoder
+from engine.plan import Piece
 from engine.sampler import Sampled, Sampler
-from engine.scheduler import Piece
 
 __all__ = ["Runner", "StepInputs"]
 

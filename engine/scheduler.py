@@ -34,55 +34,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from enum import StrEnum
 from operator import attrgetter
 
 from engine.cache.manager import KVCacheManager, NoRoom
-from engine.copies import CopyPlan
+from engine.plan import Fetch, Piece, StepPlan, history
 from engine.prefetch import Prefetcher
 from engine.request import PrefetchEnd, Request, Status
 from engine.stream import StreamState
 from engine.types import FinishReason
 
 log = logging.getLogger(__name__)
-
-
-class Fetch(StrEnum):
-    """Whether a waiting turn's history is here for its admission (`Scheduler._history`)."""
-
-    READY = "ready"
-    PENDING = "pending"
-    FAILED = "failed"
-
-
-@dataclass(slots=True)  # dozens a step
-class Piece:
-    """One sub-request of a step: positions [start, end) of a turn's conversation."""
-
-    req: Request
-    start: int
-    end: int
-    sample: bool  # its last position is the last known token: sample the next one
-
-
-@dataclass(frozen=True)
-class Read:
-    """A history read the engine must start: `req`'s tokens before it, and with a disk tier
-    the chunks it has of the table's dropped run of `dropped` chunks."""
-
-    req: Request
-    dropped: int
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    pieces: list[Piece] = field(default_factory=list)
-    before: CopyPlan = field(default_factory=CopyPlan)  # swap-outs, swap-ins: with the forward
-    after: CopyPlan = field(default_factory=CopyPlan)  # ahead-of-time copies: after it
-    full: list[Request] = field(default_factory=list)  # filled the whole GPU tier: end LENGTH
-    failed: list[Request] = field(default_factory=list)  # history read failed: end ERROR
-    reads: list[Read] = field(default_factory=list)  # history to read for waiting turns
 
 
 class Scheduler:
@@ -298,9 +259,6 @@ class Scheduler:
         req.stats.suspensions += 1
         self._enqueue(req)  # by rank: behind a waiting step of a job begun before its own
 
-    def _dropped_tokens(self, req: Request) -> int:
-        return self.cache.recompute_tokens(req.table, req.state.kv_len)
-
     def _can_admit(self, req: Request) -> bool:
         if req.prefetch:
             return self.cache.can_prefetch(req.table, req.total)
@@ -316,7 +274,7 @@ class Scheduler:
         try:
             while queue and budget > 0 and len(self.running) < self.max_running:
                 req = queue[0]
-                status = self._history(req, plan)
+                status = history(req, self.cache, plan)
                 if status == Fetch.PENDING:
                     skipped.append(queue.popleft())  # its history is still being read
                     continue
@@ -343,28 +301,6 @@ class Scheduler:
         finally:  # whatever happens, a turn whose history is being read stays queued
             queue.extendleft(reversed(skipped))
         return budget
-
-    def _history(self, req: Request, plan: StepPlan) -> Fetch:
-        """READY once `req.prefix` holds the history its dropped positions need (and, with a
-        disk tier, `req.loaded` what the tier has of the dropped run as it is now); PENDING
-        while it is read, or after asking the engine to read it (`plan.reads`); FAILED if
-        the read failed or found the history short (`req.error` says why)."""
-        if req.fetch is not None:
-            return Fetch.PENDING
-        if req.error is not None:
-            return Fetch.FAILED
-        n = req.prefix_needed(self._dropped_tokens(req))
-        dropped = self.cache.loadable(req.table)
-        fresh = not dropped or req.read_for == dropped  # more dropped since: read again
-        if req.prefix is not None and len(req.prefix) >= n and fresh:
-            return Fetch.READY
-        if req.prefix is not None and req.read_for == dropped:  # read for this state already
-            req.error = LookupError(
-                f"history of {req.state.id!r} has {len(req.prefix)} tokens, {n} are needed"
-            )
-            return Fetch.FAILED
-        plan.reads.append(Read(req, dropped))
-        return Fetch.PENDING
 
     def _yield_prefetch(self, plan: StepPlan) -> bool:
         """End the latest running prefetch, if any, so that its context no longer holds the

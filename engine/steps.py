@@ -14,11 +14,12 @@ from engine.backends import Backend
 from engine.cache.manager import KVCacheManager
 from engine.conversations import Conversations
 from engine.kv_pool import KVPool
+from engine.plan import StepPlan
 from engine.reads import Reads
 from engine.request import Request, Status
 from engine.runner import Runner
 from engine.sampler import Sampled
-from engine.scheduler import Scheduler, StepPlan
+from engine.scheduler import Scheduler
 from engine.snapshot import EngineCounters
 from engine.spill import DiskWrites
 from engine.types import FinishReason

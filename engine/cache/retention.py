@@ -55,6 +55,10 @@ class Retainer:
             held = 0 if table is None else _held_chunks(table)
             self.pins.settle(conversation_id, now, held * self.bytes_per_chunk)
 
+    def release(self, conversation_id: str) -> None:
+        """Its client deleted it: its pin and priority go at once."""
+        self.pins.release(conversation_id)
+
     def retained(self, conversation_id: str) -> Retained | None:
         """What the pins hold of the conversation, its pin's `until` in wall time (the
         engine's clock may be virtual, or any a test gives; a restarted engine's starts

@@ -120,7 +120,7 @@ def test_a_later_ranked_turn_planned_first_in_a_step_is_suspended_whole() -> Non
 
 
 def test_a_suspended_turn_waits_behind_the_steps_of_earlier_jobs() -> None:
-    from engine.scheduler import StepPlan
+    from engine.plan import StepPlan
 
     sched, cache = scheduler(gpu=8)  # two 3-chunk contexts at a time
     chat = turn(sched, cache, "chat", 0, rank=20.0)

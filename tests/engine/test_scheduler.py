@@ -7,8 +7,9 @@ from __future__ import annotations
 from engine.cache.manager import KVCacheManager
 from engine.cache.policy import CostModel, Policy
 from engine.persistence import LocalClock
+from engine.plan import Read
 from engine.request import Request, Status
-from engine.scheduler import Read, Scheduler
+from engine.scheduler import Scheduler
 from engine.stream import StreamState
 from engine.types import Turn, TurnStats
 
