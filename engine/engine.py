@@ -16,7 +16,7 @@ from engine.backends import Backend, pick
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.pins import Retained
 from engine.cache.policy import CostModel, Policy
-from engine.disk import DiskIndex
+from engine.disk.tier import DiskTier
 from engine.drain import DEFAULT_S as DEFAULT_RETRY_S
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.guide import check
@@ -34,7 +34,6 @@ from engine.snapshot import (
     PoolUsage,
     SharingUsage,
 )
-from engine.spill import DiskWrites
 from engine.stream import Claims, StreamState, extend_hashes, resync
 from engine.types import (
     CacheMode,
@@ -131,15 +130,10 @@ class Engine:
         self.streams: dict[str, StreamState] = {}  # written here only
         self.claims = Claims()  # one turn per conversation at a time, for every front
         self._seq = itertools.count()
-        self.disk: DiskIndex | None = None
-        self.writes: DiskWrites | None = None
+        self.disk: DiskTier | None = None
         if config.disk_cache_dir and config.cache_mode == CacheMode.PENSIEVE:
-            self.disk = b.disk(cost, self.pool.bytes_per_chunk)
-            self.writes = DiskWrites(self.disk, self.pool, self.cache)
-            self.cache.spill_to(self.writes.restore_s)
-        self.reads = Reads(
-            b, self.history, self.owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
-        )
+            self.disk = DiskTier(b.disk(cost, self.pool.bytes_per_chunk), self.pool, self.cache)
+        self.reads = Reads(b, self.history, self.owns_history, self.cache, self.disk)
         self.lock = threading.RLock()  # guards all state below; held for a whole step
         # The host runs a step ahead: it plans and launches step N before reading N-1's tokens
         ahead = config.async_steps
@@ -404,8 +398,7 @@ class Engine:
             if conversation_id in self.claims:
                 raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
             if erase and state is not None and self.disk is not None:
-                for j, key in enumerate(state.hashes):
-                    self.disk.remove(key, j)
+                self.disk.erase(state.hashes)
             self.scheduler.supersede(conversation_id, keep=False)
             self.streams.pop(conversation_id, None)
             self.cache.forget(conversation_id)
@@ -437,8 +430,8 @@ class Engine:
             self.reads.collect(self.scheduler.queued())
             plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
             self.reads.start(plan.reads)
-            if self.writes is not None:
-                self.writes.spill(self.streams)
+            if self.disk is not None:
+                self.disk.spill(self.streams)
             now = self.now()
             for req in plan.failed:  # its history could not be read: that turn alone fails
                 log.error("history read for %s failed: %s", req.state.id, req.error)
@@ -679,7 +672,7 @@ class Engine:
                 conversations=(),
                 context_limit=self.context_limit,
                 sharing=SharingUsage(*c.sharing_usage()),
-                disk=None if self.writes is None else self.writes.usage(),
+                disk=None if self.disk is None else self.disk.usage(),
                 pins=retention.usage(self, now),
             )
             return Capture(now, head, tuple(held))
@@ -689,10 +682,10 @@ class Engine:
         conversations: all of them and wait (a graceful stop: the next process reads them
         instead of recomputing), or at most `limit` without waiting (while the engine is
         idle, so that a crash loses little). Returns the chunks queued."""
-        if self.writes is None or not self.disk.writable:
+        if self.disk is None or not self.disk.writable:
             return 0
         with self.lock:
-            n = self.writes.write_back(self.streams, limit)
+            n = self.disk.write_back(self.streams, limit)
         if limit is None:
             self.disk.flush()
         return n

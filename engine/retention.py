@@ -26,7 +26,7 @@ def reserve(engine: Engine, turn: Turn) -> None:
     r = turn.retention
     if r is None:
         return
-    if r.disk_s and engine.writes is None:
+    if r.disk_s and engine.disk is None:
         raise ValueError(
             "prompt_cache_retention: this server has no disk tier (disk_cache_dir) to keep "
             "a conversation's KV past memory"
@@ -54,9 +54,8 @@ def settle(engine: Engine, req: Request, now: float) -> None:
         held = 0 if table is None else _held_chunks(table)
         pins.settle(cid, now, held * engine.pool.bytes_per_chunk)
     r = req.turn.retention
-    if r is not None and r.disk_s and engine.writes is not None and engine.disk is not None:
-        engine.disk.keep(list(req.state.hashes), engine.disk.now() + r.disk_s)
-        engine.writes.write_back(engine.streams, limit=len(req.state.hashes), only=cid)
+    if r is not None and r.disk_s and engine.disk is not None:
+        engine.disk.keep(req.state, r.disk_s)
 
 
 def retained(engine: Engine, conversation_id: str) -> Retained | None:
