@@ -8,8 +8,8 @@ the chunk tables, and the facade over the parts that do each job:
 - `EvictionOrder` (order.py): which chunk each tier gives up next;
 - `Evictor` (eviction.py): freeing blocks in that order, ahead-of-time swap-out;
 - `Sharing` (sharing.py): shared prefixes, linked by hash chain and reference-counted;
-- `PrefetchSwapIn` (prefetch.py): CPU chunks back to the GPU while a user is typing;
-- `Spills` (spills.py): chunks that lose their last copy in memory, for the disk tier.
+- `PrefetchSwapIn` (swap_in_ahead.py): CPU chunks back to the GPU while a user is typing;
+- `Spills` (to_disk.py): chunks that lose their last copy in memory, for the disk tier.
 
 The manager itself admits, grows, releases, suspends and cuts back conversations' turns.
 """
@@ -24,10 +24,10 @@ from engine.cache.chunks import BOTH, CPU, DISK, DROPPED, GPU, RESIDENCIES, Chun
 from engine.cache.eviction import Evictor
 from engine.cache.order import REORDER_S, UNEXPECTED, EvictionOrder
 from engine.cache.policy import Policy
-from engine.cache.prefetch import PrefetchSwapIn
 from engine.cache.sharing import Sharing, chain_hashes
-from engine.cache.spills import Spill, Spills
+from engine.cache.swap_in_ahead import PrefetchSwapIn
 from engine.cache.tiers import Tiers
+from engine.cache.to_disk import Spill, Spills
 from engine.copies import CopyPlan
 from engine.snapshot import EngineCounters
 from engine.types import CacheMode
@@ -471,7 +471,7 @@ class KVCacheManager:
         t.tokens = tokens
         self.order.changed(t)
 
-    # ---- prefetch (prefetch.py), swap-out ahead (eviction.py), spills (spills.py) ----------
+    # ---- prefetch (swap_in_ahead.py), swap-out ahead (eviction.py), spills (to_disk.py) ---
 
     def on_cpu(self, t: ChunkTable) -> bool:
         """The idle table holds chunks on the CPU tier only: a prefetch can bring them back."""
