@@ -20,6 +20,9 @@ from engine.stream import StreamState
 
 
 class DiskTier:
+    # Slots: a setting meant for the store (`choice`, `read_limit_bps`) set here would be lost
+    __slots__ = ("store", "pool", "chunk_size", "writes")
+
     def __init__(self, store: DiskIndex, pool, cache: KVCacheManager) -> None:
         self.store = store  # the chunks: files, or a simulated drive
         self.pool = pool
