@@ -71,9 +71,9 @@ def returning(
     )  # fmt: skip
     engine = Engine(config, history=history)
     if engine.disk is not None:
-        engine.disk.choice = choice
-        engine.disk.read_limit_bps = limit
-        engine.disk._probe()  # the bandwidth the cost rule starts from, throttle included
+        engine.disk.store.choice = choice
+        engine.disk.store.read_limit_bps = limit
+        engine.disk.store._probe()  # the bandwidth the cost rule starts from, throttle included
     rng = random.Random(1)
     ttft, disk_tokens, recomputed = [], 0, 0
     for i, context in enumerate(contexts):

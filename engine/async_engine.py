@@ -224,7 +224,7 @@ class AsyncEngine:
     @property
     def disk_tier(self) -> bool:
         """The engine keeps a disk tier it writes to (`prompt_cache_retention` needs one)."""
-        return self.engine.writes is not None
+        return self.engine.disk is not None
 
     def snapshot(self) -> EngineSnapshot:
         """Residency as of at most a fraction of a second ago (never waits for a step)."""

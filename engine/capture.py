@@ -52,7 +52,7 @@ def capture(
         conversations=(),
         context_limit=context_limit,
         sharing=SharingUsage(*c.sharing_usage()),
-        disk=None if conv.writes is None else conv.writes.usage(),
+        disk=None if conv.disk is None else conv.disk.usage(),
         pins=conv.retainer.usage(now),
     )
     return Capture(now, head, tuple(held))

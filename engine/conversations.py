@@ -11,7 +11,7 @@ import torch
 
 from engine.cache.manager import KVCacheManager, chain_hashes
 from engine.cache.retention import Retainer
-from engine.disk import DiskIndex
+from engine.disk.tier import DiskTier
 from engine.drain import DEFAULT_S as DEFAULT_RETRY_S
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.guide import Matcher
@@ -20,7 +20,6 @@ from engine.request import Request
 from engine.sampler import make_generator
 from engine.scheduler import Scheduler
 from engine.snapshot import EngineCounters
-from engine.spill import DiskWrites
 from engine.stream import Claims, StreamState, extend_hashes, resync
 from engine.types import EngineConfig, Turn, TurnStats
 
@@ -44,14 +43,13 @@ class Conversations:
         device: torch.device,
         max_context: int,
         retainer: Retainer,
-        disk: DiskIndex | None = None,
-        writes: DiskWrites | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.config, self.cache, self.scheduler = config, cache, scheduler
         self.history, self.owns_history = history, owns_history
         self.clock, self.counters, self.now = clock, counters, now
         self.device, self.max_context = device, max_context
-        self.retainer, self.disk, self.writes = retainer, disk, writes
+        self.retainer, self.disk = retainer, disk
         self.policy = cache.policy
         self.streams: dict[str, StreamState] = {}
         self.claims = Claims()
@@ -72,7 +70,7 @@ class Conversations:
             raise EngineOverloaded(f"the engine has {limit} turns queued already", wait)
         try:
             r = turn.retention
-            if r is not None and r.disk_s and self.writes is None:
+            if r is not None and r.disk_s and self.disk is None:
                 raise ValueError(
                     "prompt_cache_retention: this server has no disk tier (disk_cache_dir) to "
                     "keep a conversation's KV past memory"
@@ -161,9 +159,8 @@ class Conversations:
         self.policy.ended(state.id)
         self.retainer.settle(state.id, now)
         r = req.turn.retention
-        if r is not None and r.disk_s and self.writes is not None and self.disk is not None:
-            self.disk.keep(list(state.hashes), self.disk.now() + r.disk_s)
-            self.writes.write_back(self.streams, limit=len(state.hashes), only=state.id)
+        if r is not None and r.disk_s and self.disk is not None:
+            self.disk.keep(state, r.disk_s)
         if self.owns_history:
             self.history.append(state.id, req.output)
 
@@ -245,8 +242,7 @@ class Conversations:
         if conversation_id in self.claims:
             raise ConversationBusy(f"conversation {conversation_id!r} has a turn in flight")
         if erase and state is not None and self.disk is not None:
-            for j, key in enumerate(state.hashes):
-                self.disk.remove(key, j)
+            self.disk.erase(state.hashes)
         self.scheduler.supersede(conversation_id, keep=False)
         self.streams.pop(conversation_id, None)
         self.cache.forget(conversation_id)

@@ -15,7 +15,7 @@ from engine.cache.policy import CostModel, Policy
 from engine.cache.retention import Retainer
 from engine.capture import capture
 from engine.conversations import Conversations
-from engine.disk import DiskIndex
+from engine.disk.tier import DiskTier
 from engine.guide import check
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.reads import Reads
@@ -23,7 +23,6 @@ from engine.request import Request, Status
 from engine.scheduler import Scheduler
 from engine.seed import Seed, plant
 from engine.snapshot import Capture, EngineCounters, EngineSnapshot
-from engine.spill import DiskWrites
 from engine.steps import Steps
 from engine.types import CacheMode, EngineConfig, Eviction, Turn, TurnResult
 
@@ -92,27 +91,21 @@ class Engine:
         if self.guides is not None:
             self.runner.guides = self.guides
         b.finish(self.runner, self.pool, self.max_context, gpu)
-        self.disk: DiskIndex | None = None
-        self.writes: DiskWrites | None = None
+        self.disk: DiskTier | None = None
         if config.disk_cache_dir and config.cache_mode == CacheMode.PENSIEVE:
-            self.disk = b.disk(cost, self.pool.bytes_per_chunk)
-            self.writes = DiskWrites(self.disk, self.pool, self.cache)
-            self.cache.spill_to(self.writes.restore_s)
-        self.reads = Reads(
-            b, self.history, owns_history, self.cache, self.pool.bytes_per_chunk, self.disk
-        )
+            self.disk = DiskTier(b.disk(cost, self.pool.bytes_per_chunk), self.pool, self.cache)
+        self.reads = Reads(b, self.history, owns_history, self.cache, self.disk)
         self.retainer = Retainer(self.cache, self.pool.bytes_per_chunk, self.now)
         self.conversations = c = Conversations(
             config, self.cache, self.scheduler, self.history, owns_history, self.clock,
-            self.counters, self.now, self.device, self.max_context, self.retainer,
-            self.disk, self.writes,
+            self.counters, self.now, self.device, self.max_context, self.retainer, self.disk,
         )  # fmt: skip
         self.streams, self.claims = c.streams, c.claims  # read by fronts, benchmarks, tests
         # The host runs a step ahead: it plans and launches step N before reading N-1's tokens
         ahead = config.async_steps
         ahead = self.device.type == "cuda" if ahead is None else ahead
         self.steps = Steps(
-            b, self.scheduler, self.cache, c, self.pool, self.runner, self.reads, self.writes,
+            b, self.scheduler, self.cache, c, self.pool, self.runner, self.reads, self.disk,
             self.counters, self.now, ahead and getattr(self.runner, "runs_ahead", False),
         )  # fmt: skip
         self.lock = threading.RLock()  # guards all state below; held for a whole step
@@ -310,10 +303,10 @@ class Engine:
         conversations: all of them and wait (a graceful stop: the next process reads them
         instead of recomputing), or at most `limit` without waiting (while the engine is
         idle, so that a crash loses little). Returns the chunks queued."""
-        if self.writes is None or not self.disk.writable:
+        if self.disk is None or not self.disk.writable:
             return 0
         with self.lock:
-            n = self.writes.write_back(self.streams, limit)
+            n = self.disk.write_back(self.streams, limit)
         if limit is None:
             self.disk.flush()
         return n

@@ -11,8 +11,9 @@ plan, `collect` puts finished reads on their turns (`Request.prefix`, `.loaded`,
 from __future__ import annotations
 
 from engine.backends.base import Backend
-from engine.cache.manager import KVCacheManager, chain_hashes
-from engine.disk import DiskIndex, Loaded
+from engine.cache.manager import KVCacheManager
+from engine.disk.index import Loaded
+from engine.disk.tier import DiskTier
 from engine.persistence import TokenHistory
 from engine.plan import Read
 from engine.request import Request
@@ -25,14 +26,12 @@ class Reads:
         history: TokenHistory,
         in_memory: bool,
         cache: KVCacheManager,
-        chunk_bytes: int,
-        disk: DiskIndex | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.backend = backend
         self.history = history
         self.in_memory = in_memory  # the engine's own history: reading it is no I/O
         self.cache = cache
-        self.chunk_bytes = chunk_bytes
         self.disk = disk
 
     def collect(self, queued: list[Request]) -> None:
@@ -71,7 +70,8 @@ class Reads:
                     req.error = e
                 continue
             args = (req.state.id, req.base, read.dropped, req.prefix)
-            req.fetch = self.backend.read_later(self.disk, self.read_back, *args)
+            store = self.disk.store if self.disk is not None else None  # a simulation times it
+            req.fetch = self.backend.read_later(store, self.read_back, *args)
 
     def pending(self, queued: list[Request]) -> list:
         return [r.fetch for r in queued if r.fetch is not None]
@@ -86,10 +86,7 @@ class Reads:
             prefix = self.history.read(cid, 0, base)
         if not dropped or self.disk is None:
             return prefix, None
-        cs = self.cache.chunk_size
-        keys = chain_hashes(prefix[: dropped * cs], cs)
-        whole = dropped * cs >= base  # nothing after the dropped run is held
-        loaded = self.disk.load(keys, dropped, self.chunk_bytes, whole)
+        loaded = self.disk.load(prefix, dropped, base)
         if loaded is not None:  # on CUDA page-locked: copied layer by layer, async
             loaded.parts = self.backend.pin(loaded.parts)
         return prefix, loaded

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.cache.chunks import ChunkTable
-from engine.disk import Loaded
+from engine.disk.index import Loaded
 from engine.guide import Matcher
 from engine.stream import StreamState
 from engine.types import FinishReason, Turn, TurnResult, TurnStats

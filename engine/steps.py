@@ -13,6 +13,7 @@ import torch
 from engine.backends import Backend
 from engine.cache.manager import KVCacheManager
 from engine.conversations import Conversations
+from engine.disk.tier import DiskTier
 from engine.kv_pool import KVPool
 from engine.plan import StepPlan
 from engine.reads import Reads
@@ -21,7 +22,6 @@ from engine.runner import Runner
 from engine.sampler import Sampled
 from engine.scheduler import Scheduler
 from engine.snapshot import EngineCounters
-from engine.spill import DiskWrites
 from engine.types import FinishReason
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Steps:
     pool: KVPool
     runner: Runner
     reads: Reads
-    writes: DiskWrites | None
+    disk: DiskTier | None
     counters: EngineCounters
     now: Callable[[], float]
     ahead: bool  # launch step N before reading N-1's tokens
@@ -76,8 +76,8 @@ class Steps:
         self.reads.collect(self.scheduler.queued())
         plan = self.scheduler.schedule(swap_in_busy=self.pool.swap_in_busy())
         self.reads.start(plan.reads)
-        if self.writes is not None:
-            self.writes.spill(self.conversations.streams)
+        if self.disk is not None:
+            self.disk.spill(self.conversations.streams)
         for req in plan.failed:  # its history could not be read: that turn alone fails
             log.error("history read for %s failed: %s", req.state.id, req.error)
             ended.append(self._end(req, FinishReason.ERROR))

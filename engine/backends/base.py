@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.cache.policy import CostModel
-from engine.disk import DiskIndex
+from engine.disk.index import DiskIndex
 from engine.guide import Guides
 from engine.kv_pool import KVPool
 from engine.model.shapes import ModelArgs
@@ -94,6 +94,7 @@ class Backend:
         raise NotImplementedError
 
     def disk(self, cost: CostModel, bytes_per_chunk: int) -> DiskIndex:
+        """The disk tier's store of chunks (the engine holds it in a `DiskTier`)."""
         raise NotImplementedError
 
     def guides(self) -> Guides | None:

@@ -10,7 +10,7 @@ import torch
 from engine.backends.base import Backend
 from engine.cache.policy import CostModel
 from engine.cache.profile import load_or_profile
-from engine.disk import DiskTier, namespace
+from engine.disk.files import ChunkFiles, namespace
 from engine.graphs import StepGraphs, buckets
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward, usable
@@ -109,14 +109,14 @@ class Local(Backend):
             self.attention,
         )
 
-    def disk(self, cost: CostModel, bytes_per_chunk: int) -> DiskTier:
+    def disk(self, cost: CostModel, bytes_per_chunk: int) -> ChunkFiles:
         """Files under `disk_cache_dir`, in a namespace of the model and its KV layout."""
         c, a = self.config, self.args
         space = namespace(
             c.model, str(self.dtype), c.kv_dtype, c.chunk_size, a.n_layers, a.n_kv_heads,
             a.head_dim,
         )  # fmt: skip
-        return DiskTier(c.disk_cache_dir, int(c.disk_cache_gb * 1e9), space, cost, c.chunk_size)
+        return ChunkFiles(c.disk_cache_dir, int(c.disk_cache_gb * 1e9), space, cost, c.chunk_size)
 
     @property
     def graphs_enabled(self) -> bool:

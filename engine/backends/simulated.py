@@ -14,7 +14,7 @@ from engine.backends.base import Backend
 from engine.backends.local import DTYPES
 from engine.cache.policy import CostModel
 from engine.calibrate import Build, cpu_device
-from engine.disk import DiskIndex
+from engine.disk.index import DiskIndex
 from engine.model.loader import model_args
 from engine.sim import PREFIX
 from engine.sim.clock import VirtualClock

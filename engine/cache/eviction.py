@@ -9,8 +9,8 @@ import math
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.order import Candidate, EvictionOrder
 from engine.cache.sharing import Sharing
-from engine.cache.spills import Spills
 from engine.cache.tiers import Tiers
+from engine.cache.to_disk import Spills
 from engine.copies import CopyPlan
 from engine.snapshot import EngineCounters
 

@@ -20,8 +20,8 @@ from array import array
 
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.order import EvictionOrder
-from engine.cache.spills import Spills
 from engine.cache.tiers import Tiers
+from engine.cache.to_disk import Spills
 from engine.snapshot import EngineCounters
 
 

@@ -1,6 +1,6 @@
 """The disk tier of a simulated device, and reads off the step loop in virtual time.
 
-`SimDisk` is the real tier's bookkeeping (`engine.disk.DiskIndex`: the index by key, the
+`SimDisk` is the real tier's bookkeeping (`engine.disk.index.DiskIndex`: the index by key, the
 capacity kept by retention value, the choice of what to read back) with no file and no
 tensor: a chunk is a key and a size. Its bytes take the time the device's drive needs
 (`devices.Disk`), in the order the real engine moves them:
@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from engine.disk import QUEUE, DiskIndex
+from engine.disk.index import QUEUE, DiskIndex
 from engine.sim.clock import VirtualClock
 from engine.sim.devices import Disk
 

@@ -88,8 +88,8 @@ def test_a_disk_retention_keeps_the_conversation_files(tmp_path):
     ask(engine, "kept", 70, Retention(disk_s=86400))
     engine.disk.flush()
     hashes = engine.streams["kept"].hashes
-    assert hashes and all(engine.disk.kept[h] > engine.disk.now() for h in hashes)
-    assert all(engine.disk.has(h, j) for j, h in enumerate(hashes))
+    assert hashes and all(engine.disk.store.kept[h] > engine.disk.store.now() for h in hashes)
+    assert all(engine.disk.store.has(h, j) for j, h in enumerate(hashes))
 
 
 def test_a_turn_ending_in_tool_calls_waits_and_the_next_turn_teaches_the_gap():

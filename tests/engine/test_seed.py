@@ -138,7 +138,7 @@ def test_a_seed_is_all_or_none_and_only_into_an_idle_engine():
 
 def test_chunks_on_disk_are_read_back(tmp_path):
     e = engine(disk_cache_dir=str(tmp_path), gpu_cache_chunks=16, cpu_cache_chunks=4)
-    e.disk.choice = "load"  # read back whatever recomputing would cost
+    e.disk.store.choice = "load"  # read back whatever recomputing would cost
     tokens = stream(6 * CS + 1)
     e.seed([Seed("c", tokens, tiers("dkkcgg"), e.now() - 5.0, computed=6 * CS)])
     assert len(list(tmp_path.rglob("*.kv"))) == 2 and e.snapshot().disk.used == 2

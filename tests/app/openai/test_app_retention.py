@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from engine.keeps import NAME, parse
+from engine.disk.keeps import NAME, parse
 from tests.app_fixtures import TINY, Server, auth, connect, recv, say, server_on, wait_for
 
 pytestmark = pytest.mark.timeout(300)

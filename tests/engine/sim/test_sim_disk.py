@@ -10,7 +10,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.copies import CopyPlan
-from engine.disk import QUEUE
+from engine.disk.index import QUEUE
 from engine.sim.clock import VirtualClock
 from engine.sim.devices import Disk
 from engine.sim.disk import SimDisk
@@ -103,7 +103,7 @@ def test_dropped_chunks_come_back_from_the_simulated_disk(tmp_path) -> None:
     c = engine.snapshot().counters
     assert c.spilled_tokens > 0 and c.disk_tokens > 0
     assert sum(o[2] for o in out) == c.disk_tokens
-    assert engine.disk.reads > 0 and engine.disk.read_until > 0
+    assert engine.disk.store.reads > 0 and engine.disk.store.read_until > 0
     assert not where.exists()  # no files
     engine.cache.check()
     plain, _ = run()

@@ -111,6 +111,6 @@ def test_erasing_a_conversation_removes_its_files(hf, tmp_path):
     keys = {i: list(engine.streams[f"c{i}"].hashes) for i in range(2)}
     engine.free("c0", erase=True)
     engine.free("c1")  # forgotten by the engine, kept on disk
-    assert not any(engine.disk.has(k, j) for j, k in enumerate(keys[0]))
-    assert all(engine.disk.has(k, j) for j, k in enumerate(keys[1]))
+    assert not any(engine.disk.store.has(k, j) for j, k in enumerate(keys[0]))
+    assert all(engine.disk.store.has(k, j) for j, k in enumerate(keys[1]))
     engine.close()

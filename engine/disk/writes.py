@@ -5,8 +5,7 @@ keyed by each conversation's chunk hash chain (`StreamState.hashes`)."""
 from __future__ import annotations
 
 from engine.cache.manager import KVCacheManager
-from engine.disk import DiskIndex
-from engine.snapshot import PoolUsage
+from engine.disk.index import DiskIndex
 from engine.stream import StreamState
 
 
@@ -15,12 +14,6 @@ class DiskWrites:
         self.disk = disk
         self.pool = pool
         self.cache = cache
-
-    def restore_s(self) -> float | None:
-        """Seconds to read a chunk back from the disk tier (None: it is not writing)."""
-        if not self.disk.writable:
-            return None
-        return self.disk.read_s(self.pool.bytes_per_chunk) or None
 
     def spill(self, streams: dict[str, StreamState]) -> None:
         """Chunks the cache dropped in this step's planning: copied out of their blocks
@@ -61,10 +54,3 @@ class DiskWrites:
                 held.add(state.hashes[j])
                 n += 1
         return n
-
-    def usage(self) -> PoolUsage:
-        """The disk tier in chunks: capacity, used, free."""
-        chunk = max(1, self.pool.bytes_per_chunk)
-        total = self.disk.capacity // chunk
-        used = min(total, self.disk.bytes // chunk)
-        return PoolUsage(total, used, total - used)

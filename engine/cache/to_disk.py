@@ -1,5 +1,5 @@
-"""The disk tier's hook: the chunks that lose their last copy in memory, queued for the
-engine to write out (`take`)."""
+"""The cache's side of the disk tier: the chunks that lose their last copy in memory (spills),
+queued for the disk tier to copy out and write (`take`; `engine/disk/`)."""
 
 from __future__ import annotations
 

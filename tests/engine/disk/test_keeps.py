@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.disk import DiskTier
-from engine.keeps import NAME
-from tests.engine.test_disk import KEY, chunk
+from engine.disk.files import ChunkFiles
+from engine.disk.keeps import NAME
+from tests.engine.disk.test_files import KEY, chunk
 
 DAY = 86_400.0
 
@@ -19,12 +19,12 @@ def size() -> int:
     return len(b"".join(p.numpy().tobytes() for p in chunk(0))) + 200  # payload and header
 
 
-def tier(path, capacity: int = 1 << 30) -> DiskTier:
+def tier(path, capacity: int = 1 << 30) -> ChunkFiles:
     # later chunks cost more to recompute: unkept, the first ones go first
-    return DiskTier(path, capacity, "space", cost=lambda context: float(context))
+    return ChunkFiles(path, capacity, "space", cost=lambda context: float(context))
 
 
-def write(d: DiskTier, keys: range) -> None:
+def write(d: ChunkFiles, keys: range) -> None:
     for i in keys:
         d.put(KEY[i], i, chunk(i))
         d.flush()
@@ -97,7 +97,7 @@ def test_a_journal_that_cannot_be_written_only_loses_the_durability(tmp_path, ca
     write(d, range(2))
     (d.dir / NAME).unlink(missing_ok=True)
     (d.dir / NAME).mkdir()  # every append now fails
-    with caplog.at_level(logging.WARNING, logger="engine.keeps"):
+    with caplog.at_level(logging.WARNING, logger="engine.disk.keeps"):
         d.keep([KEY[0]], time.time() + DAY)
         d.keep([KEY[1]], time.time() + DAY)
         d.remove(KEY[1], 1)

@@ -6,7 +6,7 @@ One append-only file, `kept.log`, of `<hex key> <until>` lines (wall time; an un
 drops the key's keep: a deleted conversation's). Every process sharing the directory
 (replicas on shared storage) appends to it with O_APPEND, one write a call and never an
 fsync: a crash may lose the last lines, which loses their durability only. Read in order,
-the lines rebuild the keeps as `DiskTier.keep` and `remove` made them (the furthest until
+the lines rebuild the keeps as `ChunkFiles.keep` and `remove` made them (the furthest until
 wins, 0 removes); a torn or garbage line is skipped. A tier compacts the file when it starts
 (expired keeps and keys without a file go) and writes it anew beside it, then renames it
 over: under an exclusive lock of `kept.lock`, which appenders take shared, so no line a

@@ -1,4 +1,4 @@
-"""DiskTier alone: files written behind the caller and read back verified, the index rebuilt
+"""ChunkFiles alone: files written behind the caller and read back verified, the index rebuilt
 at start, capacity kept by retention value, and a disk that refuses writes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shutil
 
 import torch
 
-from engine.disk import DiskTier
+from engine.disk.files import ChunkFiles
 
 KEY = [bytes([i]) * 16 for i in range(8)]
 
@@ -24,19 +24,19 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def test_round_trip_and_restart(tmp_path):
-    d = DiskTier(tmp_path, 1 << 30, "space")
+    d = ChunkFiles(tmp_path, 1 << 30, "space")
     assert d.put(KEY[0], 0, chunk(0)) and d.has(KEY[0], 0)
     d.flush()
     assert same(d.read(KEY[0], 0), chunk(0))
     assert not d.put(KEY[0], 0, chunk(0))  # stored once
-    again = DiskTier(tmp_path, 1 << 30, "space")  # a new process: the index from the files
+    again = ChunkFiles(tmp_path, 1 << 30, "space")  # a new process: the index from the files
     assert KEY[0] in again.index and again.bytes == d.bytes
     assert same(again.read(KEY[0], 0), chunk(0))
     assert again.read(KEY[1], 1) is None
 
 
 def test_a_chunk_queued_for_writing_reads_back_at_once(tmp_path):
-    d = DiskTier(tmp_path, 1 << 30, "space")
+    d = ChunkFiles(tmp_path, 1 << 30, "space")
     with d.lock:  # the writer cannot take it yet
         d.pending[KEY[2]] = chunk(2)
     assert d.has(KEY[2], 2) and same(d.read(KEY[2], 2), chunk(2))
@@ -44,7 +44,7 @@ def test_a_chunk_queued_for_writing_reads_back_at_once(tmp_path):
 
 def test_over_capacity_the_lowest_value_goes(tmp_path):
     size = len(b"".join(p.numpy().tobytes() for p in chunk(0))) + 200  # payload and header
-    d = DiskTier(tmp_path, 4 * size, "space", cost=lambda context: float(context))
+    d = ChunkFiles(tmp_path, 4 * size, "space", cost=lambda context: float(context))
     for i in range(6):  # later chunks cost more to recompute: the first ones go
         d.put(KEY[i], i, chunk(i))
         d.flush()
@@ -54,7 +54,7 @@ def test_over_capacity_the_lowest_value_goes(tmp_path):
 
 
 def test_a_disk_that_refuses_writes_stops_writing(tmp_path):
-    d = DiskTier(tmp_path / "kv", 1 << 30, "space")
+    d = ChunkFiles(tmp_path / "kv", 1 << 30, "space")
     shutil.rmtree(d.dir)
     d.dir.parent.mkdir(exist_ok=True)
     d.dir.write_text("not a directory")  # every write now fails
@@ -66,7 +66,7 @@ def test_a_disk_that_refuses_writes_stops_writing(tmp_path):
 
 
 def test_the_cost_rule_reads_only_what_is_cheaper(tmp_path):
-    d = DiskTier(tmp_path, 1 << 30, "space", cost=lambda context: context * 1e-3, chunk_size=32)
+    d = ChunkFiles(tmp_path, 1 << 30, "space", cost=lambda context: context * 1e-3, chunk_size=32)
     for i in range(4):
         d.put(KEY[i], i, chunk(i))
     d.flush()
@@ -83,7 +83,7 @@ def test_the_cost_rule_reads_only_what_is_cheaper(tmp_path):
 
 
 def test_removed_chunks_are_gone_queued_or_written(tmp_path):
-    d = DiskTier(tmp_path, 1 << 30, "space")
+    d = ChunkFiles(tmp_path, 1 << 30, "space")
     d.put(KEY[5], 5, chunk(5))
     d.flush()
     with d.lock:  # queued, the writer not there yet
