@@ -126,3 +126,16 @@ def test_the_graph_sees_every_kind_of_import(tmp_path) -> None:
 def test_no_import_circle(package: str) -> None:
     found = circles(import_graph(package))
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_app_files_and_classes_stay_readable() -> None:
+    """No file of `app/` over 500 lines, no class over 400."""
+    long = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                long.append(f"{path.relative_to(ROOT)}: class {node.name}")
+    assert not long, long
