@@ -25,7 +25,7 @@ from app.middleware import SameOriginWrites, SecurityHeaders
 from app.services import Services
 from app.settings import Settings
 from app.socket.chat import chat_endpoint
-from app.turns import retention
+from app.turns import retention, warm
 
 log = logging.getLogger("pensieve")
 
@@ -78,9 +78,10 @@ async def lifespan(app: Starlette):
         if settings.cluster:
             sv.cluster = await _join_cluster(settings, sv)
             stack.push_async_callback(sv.cluster.stop)  # before the engine stops
-        await retention.restore(
-            engine, store, sv.replica
-        )  # the pins that were in force when it last stopped
+        # the pins that were in force when it last stopped
+        await retention.restore(engine, store, sv.replica)
+        # before ready: the first message pays no one-time costs
+        sv.warm_up_s = await warm.warm_up(engine)
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:

@@ -58,6 +58,7 @@ class Services:
     db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
     cluster: Membership | None = None  # this replica's membership (--cluster)
     running: bool = True
+    warm_up_s: float | None = None  # the start's warm-up (app/turns/warm.py); None: none ran
 
     def engine_running(self) -> bool:
         """Serving, and the engine's step loop is alive (not crashed)."""
