@@ -84,7 +84,13 @@ async def healthz(request: Request) -> Response:
         status, code = "degraded", 200  # still serving, on the local clock
     else:
         status, code = "ok", 200
-    return JSONResponse({"status": status, "checks": checks}, status_code=code)
+    # the warm-up ran before ready (app/turns/warm.py): its seconds, null where none is needed
+    body = {"status": status, "checks": checks, "warm_up_s": _rounded(sv.warm_up_s)}
+    return JSONResponse(body, status_code=code)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 2)
 
 
 async def metrics(request: Request) -> Response:

@@ -90,9 +90,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from app.chat import ws_max_size
     from app.logs import redact_access_logs
     from app.main import create_app
+    from app.socket.chat import ws_max_size
     from store.db import check_database
 
     settings = _settings(args)

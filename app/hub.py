@@ -10,21 +10,35 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from app.chat import ChatSocket
-    from app.live import LiveTurn
+# Close codes the hub sends: a newer connection to the chat, the server stopping, the chat
+# deleted (as the chat socket refuses a chat it does not know).
+REPLACED, GOING_AWAY, UNKNOWN_CHAT = 4409, 1001, 4404
 
-# Close codes the hub sends: a newer connection to the chat, the server stopping.
-REPLACED, GOING_AWAY = 4409, 1001
+
+class LiveSocket(Protocol):
+    """A live chat socket, as the hub holds it (app/socket/chat.py)."""
+
+    conversation_id: str
+    arrival: int  # connection order: the later connection to a chat wins
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class RunningTurn(Protocol):
+    """A chat socket's running turn, as the hub holds it (app/socket/live.py)."""
+
+    conversation_id: str
+
+    def cancel(self) -> None: ...
 
 
 class Hub:
     """Live chat sockets by conversation: a newer connection replaces the older one."""
 
     def __init__(self) -> None:
-        self._live: dict[str, ChatSocket] = {}
+        self._live: dict[str, LiveSocket] = {}
         self._arrivals = itertools.count()
         # One writer of a chat's stored history at a time, across sockets and the API: a turn
         # from reading the history to storing its reply, an edit, items added, a delete. (A
@@ -33,7 +47,7 @@ class Hub:
         # writer holds or awaits it.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: set[asyncio.Task] = set()  # turns, some still committing after their client
-        self._running: dict[str, LiveTurn] = {}  # chat socket turns by conversation
+        self._running: dict[str, RunningTurn] = {}  # chat socket turns by conversation
         self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
 
     # --- one history writer per chat -------------------------------------------------------
@@ -77,18 +91,18 @@ class Hub:
     def sockets(self) -> int:
         return len(self._live)
 
-    def running(self, conversation_id: str) -> LiveTurn | None:
+    def running(self, conversation_id: str) -> RunningTurn | None:
         """The chat socket turn of the conversation, whichever socket started it."""
         return self._running.get(conversation_id)
 
-    def begin(self, turn: LiveTurn) -> None:
+    def begin(self, turn: RunningTurn) -> None:
         self._running[turn.conversation_id] = turn
 
-    def end(self, turn: LiveTurn) -> None:
+    def end(self, turn: RunningTurn) -> None:
         if self._running.get(turn.conversation_id) is turn:
             del self._running[turn.conversation_id]
 
-    async def claim(self, chat: ChatSocket) -> bool:
+    async def claim(self, chat: LiveSocket) -> bool:
         """Make `chat` the live socket of its conversation, unless a connection that arrived
         later already is (their auth lookups may finish in either order)."""
         old = self._live.get(chat.conversation_id)
@@ -100,7 +114,7 @@ class Hub:
             await old.close(REPLACED, "replaced by a newer connection")
         return True
 
-    def release(self, chat: ChatSocket) -> None:
+    def release(self, chat: LiveSocket) -> None:
         if self._live.get(chat.conversation_id) is chat:
             del self._live[chat.conversation_id]
 

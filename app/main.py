@@ -13,9 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, openai, pages, rest, retained
+from app import admin, openai, pages, rest
 from app.auth import admin_token_from_file
-from app.chat import chat_endpoint
 from app.cluster import replica
 from app.cluster.directory import Directory
 from app.cluster.handoff import HandOff
@@ -25,6 +24,8 @@ from app.logs import redact_access_logs
 from app.middleware import SameOriginWrites, SecurityHeaders
 from app.services import Services
 from app.settings import Settings
+from app.socket.chat import chat_endpoint
+from app.turns import retention, warm
 
 log = logging.getLogger("pensieve")
 
@@ -77,7 +78,10 @@ async def lifespan(app: Starlette):
         if settings.cluster:
             sv.cluster = await _join_cluster(settings, sv)
             stack.push_async_callback(sv.cluster.stop)  # before the engine stops
-        await retained.restore(sv)  # the pins that were in force when it last stopped
+        # the pins that were in force when it last stopped
+        await retention.restore(engine, store, sv.replica)
+        # before ready: the first message pays no one-time costs
+        sv.warm_up_s = await warm.warm_up(engine)
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:

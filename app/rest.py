@@ -7,8 +7,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.chat import UNKNOWN_CHAT
 from app.http import MAX_SYSTEM_PROMPT, BadRequest, Text, current_user, parse_body, problem
+from app.hub import UNKNOWN_CHAT
 from app.services import services
 
 MAX_TITLE = 200

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from engine import warm
 from engine.cache.pins import Retained
 from engine.drain import DrainRate
 from engine.engine import Engine
@@ -99,6 +100,23 @@ class AsyncEngine:
         self._capture = self.engine.capture()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    async def warm_up(self, prompt: list[int]) -> list[int] | None:
+        """One tiny turn on `prompt` before serving, so the first real turn does not pay the
+        one-time costs of a first forward (engine/warm.py); it leaves no trace. Returns the
+        tokens it generated, or None where a warm-up is pointless (a simulated device)."""
+        if not warm.needed(self.config):
+            return None
+        tallies = await self._on_loop(warm.Tallies.of, self.engine)
+        result = await self.generate(warm.warm_turn(prompt))
+        await self.free(warm.WARM_ID, erase=True)
+        await self._on_loop(self._forget_warm_up, tallies)
+        return list(result.token_ids)
+
+    def _forget_warm_up(self, tallies: warm.Tallies) -> None:
+        tallies.put_back(self.engine)
+        self.drain = DrainRate()
+        self._refresh_snapshot(force=True)
 
     async def stop(self) -> None:
         self._stop.set()

@@ -155,7 +155,7 @@ class ApiResponse(Base):
 class ConversationRetention(Base):
     """What a conversation's retention held in the engine when its last turn ended (a pin
     in memory until `pinned_until`, a priority, a finished session), put back into the
-    engine when the server starts again (app/retained.py)."""
+    engine when the server starts again (app/turns/retention.py)."""
 
     __tablename__ = "retention"
 

@@ -23,7 +23,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.cluster import handoff
-from app.frames import TurnRequest, check_text
 from app.openai.access import body_of, check_model, model_id, owner
 from app.openai.errors import UNAVAILABLE, ApiError, pipeline_error
 from app.openai.formats import guide_of
@@ -42,6 +41,7 @@ from app.openai.tools import ToolChoice, ToolDef, checked, forcing_guide, wire
 from app.services import Services, services
 from app.turns import matching, toolcalls
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
+from app.turns.request import TurnRequest, check_text
 from app.turns.toolcalls import Call, reply_text
 from engine.types import SamplingParams
 
@@ -298,7 +298,7 @@ async def chat_completions(request: Request) -> Response:
     specs = [f.spec() for f in tools] or None
     req = TurnRequest(content, sampling, given, role=role, tools=specs, retention=keep)
     sink = ApiSink(body.stop or [], calls=bool(tools) and body.tool_choice != "none")
-    turn = ChatTurn(sv, cid, sink).run(req, t0, aligner(sv, cid, chat, req))
+    turn = ChatTurn(sv.turn_deps(), cid, sink).run(req, t0, aligner(sv, cid, chat, req))
     task, first = await start(sv, turn, sink)
     refused = refusal(first)
     if refused is not None:

@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.chat import UNKNOWN_CHAT
 from app.cluster import handoff
+from app.hub import UNKNOWN_CHAT
 from app.openai import items as it
 from app.openai.access import body_of, check_metadata, not_found, owner, validate
 from app.openai.errors import UNAVAILABLE, ApiError

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from app.frames import check_text
 from app.openai.errors import ApiError
+from app.turns.request import check_text
 from app.turns.toolcalls import Call, parse, reply_text
 
 # API roles -> the stored roles (the chat template has no developer role).

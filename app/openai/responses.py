@@ -31,9 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app import retained
 from app.cluster import handoff
-from app.frames import TurnRequest
 from app.openai import items as it
 from app.openai.access import (
     body_of,
@@ -64,7 +62,9 @@ from app.openai.serving import (
     usage,
 )
 from app.services import Services, services
+from app.turns import retention
 from app.turns.pipeline import DB_ERRORS, ChatTurn, Done
+from app.turns.request import TurnRequest
 from app.turns.toolcalls import Call
 from store import ApiResponse
 
@@ -312,7 +312,7 @@ async def create_response(request: Request) -> Response:
     check = before_turn(sv, target, entries, req, sink)
 
     async def turn() -> None:
-        await ChatTurn(sv, target.cid, sink).run(req, t0, check)
+        await ChatTurn(sv.turn_deps(), target.cid, sink).run(req, t0, check)
         if target.created and sink.body is None:  # refused or failed: leave nothing behind
             async with sv.hub.lock(target.cid):
                 await drop(sv, target.cid)
@@ -436,7 +436,7 @@ async def delete_response(request: Request) -> Response:
         sv, row = await _owned_response(request)
         await sv.store.delete_response(row.id, row.owner_id)
         sv.engine.unpin(row.conversation_id)  # its pin goes at once; the chat stays
-        await retained.clear(sv, row.conversation_id)
+        await retention.clear(sv.store, row.conversation_id)
     except ApiError as e:
         return e.response()
     except DB_ERRORS:

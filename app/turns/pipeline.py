@@ -17,12 +17,11 @@ from typing import Protocol
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app import retained
-from app.frames import TurnRequest
-from app.services import Services
-from app.turns import matching, toolcalls
+from app.turns import matching, retention, toolcalls
+from app.turns.deps import TurnDeps
 from app.turns.detok import Detokenizer
 from app.turns.reencode import Reencoded, reencode
+from app.turns.request import TurnRequest
 from app.turns.window import NoRoom, Plan, plan_turn
 from engine.cache.pins import PinRefused
 from engine.errors import ConversationBusy, EngineOverloaded
@@ -80,8 +79,8 @@ class Sink(Protocol):
 class ChatTurn:
     """One turn of conversation `conversation_id` for `sink`."""
 
-    def __init__(self, sv: Services, conversation_id: str, sink: Sink) -> None:
-        self.sv = sv
+    def __init__(self, deps: TurnDeps, conversation_id: str, sink: Sink) -> None:
+        self.deps = deps
         self.conversation_id = conversation_id
         self.sink = sink
 
@@ -90,7 +89,7 @@ class ChatTurn:
         first under the lock (it may change the stored chat); False from it ends the turn."""
         cid = self.conversation_id
         try:
-            async with self.sv.hub.lock(cid):
+            async with self.deps.hub.lock(cid):
                 if before_turn is None or await before_turn():
                     await self._turn(req, t0)
         except DB_ERRORS as e:
@@ -121,7 +120,10 @@ class ChatTurn:
             redo = await self._reencode(plan, out, req.tools) if finished == out else None
             await self._commit(plan, finished, t0, chain, redo)
         # what the turn's end left of the chat's retention, kept across a restart
-        await retained.save(self.sv, self.conversation_id, req.retention is not None)
+        d = self.deps
+        await retention.save(
+            d.engine, d.store, d.replica, self.conversation_id, req.retention is not None
+        )
 
     def _await_tools(self, out: Streamed) -> None:
         """A reply that calls tools: its conversation waits for their results (the eviction
@@ -129,15 +131,15 @@ class ChatTurn:
         hears of the reply, so before its next turn."""
         _, calls = toolcalls.parse(out.text)
         if calls:
-            self.sv.engine.tools_called(self.conversation_id, [c.name for c in calls])
+            self.deps.engine.tools_called(self.conversation_id, [c.name for c in calls])
 
     async def _prepare(self, req: TurnRequest) -> tuple[Plan, list[int], str] | None:
         """Plan the prompt from SQL and store the user's message: its tokens are durable
         before the engine sees them, so after a crash the engine recomputes this context
         from SQL, byte for byte. Returns the plan, the ids of the stored messages and the chat's
         prefix hash through them."""
-        sv, cid, sink = self.sv, self.conversation_id, self.sink
-        store = sv.store
+        d, cid, sink = self.deps, self.conversation_id, self.sink
+        store = d.store
         conv = await store.get_conversation(cid)
         if conv is None:
             await sink.error("not_found", "this chat no longer exists")
@@ -154,11 +156,11 @@ class ChatTurn:
         try:
             plan = await asyncio.to_thread(
                 plan_turn,
-                sv.engine.tokenizer,
+                d.engine.tokenizer,
                 conv.system_prompt,
                 history,
                 req.content,
-                sv.engine.context_limit,
+                d.engine.context_limit,
                 req.sampling.max_tokens,
                 req.max_tokens_given,
                 req.before,
@@ -194,12 +196,12 @@ class ChatTurn:
         except HistoryConflict:  # the chat moved on under us (another server): nothing written
             await sink.error("conflict", "the chat changed meanwhile; send the message again")
             return None
-        sv.clock.touch(cid)
+        d.clock.touch(cid)
         return plan, [*ids, msg.id], chain
 
     async def _submit(self, req: TurnRequest, plan: Plan, message_ids: list[int]):
         """Hand the turn to the engine; a refusal takes the user's message back."""
-        engine, cid, sink = self.sv.engine, self.conversation_id, self.sink
+        engine, cid, sink = self.deps.engine, self.conversation_id, self.sink
         if plan.fresh:  # a new window: the engine's copy of the old one is of no use
             try:
                 await engine.free(cid)
@@ -239,14 +241,14 @@ class ChatTurn:
         before."""
         try:
             for message_id in reversed(message_ids):
-                await self.sv.store.delete_last_message(self.conversation_id, message_id)
+                await self.deps.store.delete_last_message(self.conversation_id, message_id)
         except DB_ERRORS:  # left as a question without a reply, which the next turn renders
             log.exception("could not take back a refused message of %s", self.conversation_id)
 
     async def _stream(self, stream) -> Streamed | None:
         """Pass the reply's text on as it comes; None when the turn failed (already
         answered)."""
-        engine, sink = self.sv.engine, self.sink
+        engine, sink = self.deps.engine, self.sink
         detok = Detokenizer(engine.tokenizer, set(engine.stop_token_ids))
         first: float | None = None
         try:
@@ -284,21 +286,21 @@ class ChatTurn:
         the engine forget its copy so the next turn rebuilds the context from SQL."""
         cid = self.conversation_id
         try:
-            await self.sv.engine.free(cid)
+            await self.deps.engine.free(cid)
         except Exception:  # the engine recomputes on the next turn's context_len anyway
             log.exception("could not free %s", cid)
         try:
-            await self.sv.store.append_message(cid, "assistant", "", [], finish_reason="error")
+            await self.deps.store.append_message(cid, "assistant", "", [], finish_reason="error")
         except DB_ERRORS:  # a question without a reply: the next turn renders it all the same
             log.warning("could not record the failed turn of %s", cid)
 
     async def _reencode(self, plan: Plan, out: Streamed, tools) -> Reencoded | None:
         """The turn as the chat template renders it in history, where that differs from
         the tokens generated (a thinking reply: app/turns/reencode.py); None: as generated."""
-        sv = self.sv
-        if not sv.settings.reencode_replies or not plan.messages:
+        d = self.deps
+        if not d.reencode_replies or not plan.messages:
             return None
-        engine = sv.engine
+        engine = d.engine
         try:
             return await asyncio.to_thread(
                 reencode,
@@ -322,15 +324,15 @@ class ChatTurn:
         `redo`: the turn re-encoded as its template renders it in history: the stored
         stream is cut back to where it differs and goes on with those tokens, in SQL and
         in the engine, whose next turn computes them."""
-        sv, cid = self.sv, self.conversation_id
+        d, cid = self.deps, self.conversation_id
         start = plan.context_len + len(plan.prompt)
         token_ids = out.token_ids
         try:
             if redo is not None:
                 if redo.keep < start:  # the turn's prompt rendered differently too
-                    await sv.store.truncate(cid, redo.keep)
+                    await d.store.truncate(cid, redo.keep)
                 start, token_ids = redo.keep, redo.token_ids
-            reply = await sv.store.append_message(
+            reply = await d.store.append_message(
                 cid,
                 "assistant",
                 out.text,
@@ -343,7 +345,7 @@ class ChatTurn:
                 ),
             )
         except Exception as e:
-            await sv.engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
+            await d.engine.free(cid)  # SQL lacks the reply the engine holds: recompute from SQL
             if not isinstance(e, DB_ERRORS):
                 raise
             log.warning("could not store the reply of %s: %r", cid, e)
@@ -355,12 +357,12 @@ class ChatTurn:
         reencoded = 0
         if redo is not None:
             generated = plan.context_len + len(plan.prompt) + len(out.token_ids)
-            if await sv.engine.rewrite(cid, redo.keep, redo.token_ids, generated):
+            if await d.engine.rewrite(cid, redo.keep, redo.token_ids, generated):
                 reencoded = len(redo.token_ids)
             else:  # the engine's copy is not what SQL holds now: rebuilt from SQL
-                await sv.engine.free(cid)
-        sv.clock.touch(cid)
+                await d.engine.free(cid)
+        d.clock.touch(cid)
         end = time.perf_counter()
         ttft = (out.first_token_at or end) - t0
-        sv.metrics.observe_turn(ttft, end - t0, out.finish_reason)
+        d.metrics.observe_turn(ttft, end - t0, out.finish_reason)
         await self.sink.done(Done(reply.id, plan, out, ttft, end - t0, reencoded))

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 from transformers import AutoTokenizer
 
-from app.chat import ws_max_size
-from app.frames import BadFrame, parse_json, parse_message
 from app.settings import Settings
+from app.socket.chat import ws_max_size
+from app.socket.frames import BadFrame, parse_json, parse_message
 from app.turns.detok import Detokenizer
 from app.turns.prompt import chat_messages, common_prefix, render_delta
 from app.turns.window import NoRoom, plan_turn

@@ -7,28 +7,25 @@ import contextlib
 import json
 import logging
 import time
+from typing import cast
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.auth import origin_allowed, owner_token
-from app.frames import (
-    BadFrame,
-    TurnRequest,
-    parse_edit,
-    parse_json,
-    parse_message,
-    parse_regenerate,
-)
-from app.live import LiveTurn
-from app.retention import NoDiskTier, retention_of
+from app.hub import UNKNOWN_CHAT
 from app.services import Services, services
+from app.socket.frames import BadFrame, parse_edit, parse_json, parse_message, parse_regenerate
+from app.socket.live import LiveTurn
 from app.turns import edits
 from app.turns.pipeline import DB_ERRORS, ChatTurn
+from app.turns.request import TurnRequest
+from app.turns.retention import NoDiskTier, retention_of
 
 log = logging.getLogger("pensieve.chat")
 
-# Close codes of the chat socket; 4409 (replaced by a newer connection) is the hub's.
-NO_CREDENTIALS, NOT_OWNER, UNKNOWN_CHAT = 4401, 4403, 4404
+# Close codes of the chat socket; 4409 (replaced by a newer connection) and 4404 (unknown
+# chat) are the hub's.
+NO_CREDENTIALS, NOT_OWNER = 4401, 4403
 BAD_ORIGIN = 4403
 TRY_AGAIN_LATER = 1013
 
@@ -85,11 +82,11 @@ class ChatSocket:
     @property
     def turn(self) -> LiveTurn | None:
         """The chat's running turn, whichever socket started it."""
-        return self.sv.hub.running(self.conversation_id)
+        return cast("LiveTurn | None", self.sv.hub.running(self.conversation_id))
 
     def _gone(self) -> None:
         """The client went away: the chat's running turn waits a while for it to come back
-        (see app/live.py)."""
+        (see app/socket/live.py)."""
         self.open = False
         if self.turn is not None:
             self.turn.detach(self)
@@ -169,11 +166,13 @@ class ChatSocket:
                 req = parse_message(
                     frame, st.max_message_chars, st.max_tokens_default, st.max_tokens_limit
                 )
-            req.retention = retention_of(self.sv, self.owner_id, *req.asked)
+            req.retention = retention_of(
+                self.owner_id, *req.asked, self.sv.engine.disk_tier, st.max_pinned_mb_per_owner
+            )
             if frame["type"] == "edit":
-                before = edits.edit(self.sv, cid, seq, live)
+                before = edits.edit(self.sv.turn_deps(), cid, seq, live)
             elif frame["type"] == "regenerate":
-                before = edits.regenerate(self.sv, cid, req, live)
+                before = edits.regenerate(self.sv.turn_deps(), cid, req, live)
         except BadFrame as e:
             return await self.error(e.code, str(e))
         except NoDiskTier as e:
@@ -193,7 +192,9 @@ class ChatSocket:
     # --- one turn: the shared pipeline, with the chat's live turn as its sink ------------
     async def run_turn(self, live: LiveTurn, req: TurnRequest, t0: float, before_turn=None) -> None:
         try:
-            await ChatTurn(self.sv, self.conversation_id, live).run(req, t0, before_turn)
+            await ChatTurn(self.sv.turn_deps(), self.conversation_id, live).run(
+                req, t0, before_turn
+            )
         finally:
             live.ended()
             self.sv.hub.end(live)

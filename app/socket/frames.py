@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from app.retention import RetentionField, RetentionName
-from engine.types import Retention, SamplingParams
+from app.turns.request import TurnRequest, check_text
+from app.turns.retention import RetentionField, RetentionName
+from engine.types import SamplingParams
 
 
 class BadFrame(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class TurnRequest:
-    """What a client asks of one turn (the app's; the engine's `Request` is another thing):
-    its message and sampling; `max_tokens_given` when the client chose the reply's length."""
-
-    content: str
-    sampling: SamplingParams
-    max_tokens_given: bool
-    # (role, text) messages sent ahead of `content` in one request (the OpenAI API).
-    before: list[tuple[str, str]] = field(default_factory=list)
-    role: str = "user"  # or "tool": `content` is a function's result (the OpenAI API)
-    tools: list[dict] | None = None  # function definitions offered to the model
-    retention: Retention | None = None  # what the cache keeps of the chat after the turn
-    # the retention fields as sent (a frame's), made a `Retention` where the owner is known
-    asked: tuple[RetentionName | None, RetentionField | None] = (None, None)
 
 
 def parse_json(text: str) -> dict:
@@ -47,17 +30,6 @@ def parse_json(text: str) -> dict:
     return frame
 
 
-def check_text(text: str) -> str | None:
-    """Why SQL and the tokenizer cannot take this text, or None."""
-    if "\x00" in text:
-        return "must not contain NUL characters"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "must not contain unpaired UTF-16 surrogates"
-    return None
-
-
 class SamplingFrame(BaseModel):
     """The sampling fields a frame that starts a turn may carry; limits from the settings
     come in the validation context."""
@@ -68,7 +40,7 @@ class SamplingFrame(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    # what the cache keeps of the chat after the turn, as on the OpenAI API (app/retention.py)
+    # what the cache keeps of the chat after the turn, as on the OpenAI API (app/turns/retention.py)
     prompt_cache_retention: RetentionName | None = None
     retention: RetentionField | None = None
 
