@@ -62,29 +62,16 @@ class Engine:
         cost = b.policy_cost(self.max_context) if costed else CostModel.linear(cs, self.max_context)
         policy = Policy(config.eviction, cost, cs, self.clock, config.tool_value, config.tool_holds)
         self.cache = KVCacheManager(
-            gpu,
-            cpu,
-            cs,
-            policy,
-            config.cache_mode,
-            config.admit_reserve,
-            config.swap_out_threshold,
-            now=self.now,
-            share=config.share_prefixes,
+            gpu, cpu, cs, policy, config.cache_mode, config.admit_reserve,
+            config.swap_out_threshold, now=self.now, share=config.share_prefixes,
             counters=self.counters,
-        )
+        )  # fmt: skip
         share, quantum = config.prefetch_limits(b.gpu)
         self.scheduler = Scheduler(
-            self.cache,
-            config.max_batch_tokens,
-            config.max_running,
-            config.unified,
-            prefetch_share=share,
-            prefetch_step_tokens=quantum,
-            now=self.now,
-            stop_token_ids=self.stop_token_ids,
-            max_context=self.max_context,
-        )
+            self.cache, config.max_batch_tokens, config.max_running, config.unified,
+            prefetch_share=share, prefetch_step_tokens=quantum, now=self.now,
+            stop_token_ids=self.stop_token_ids, max_context=self.max_context,
+        )  # fmt: skip
         self.runner = b.runner(self.pool)
         # Constrained decoding: the llguidance tokenizer is built on the first guided turn.
         self.guides = b.guides()

@@ -41,18 +41,15 @@ class Tallies:
     """What a turn adds to an engine's learned totals, read before the warm-up."""
 
     counters: EngineCounters
-    returns_ends: float
-    returns_back: float
+    learned: tuple[float, float]  # the policy's return chances (`Policy.learned`)
 
     @classmethod
     def of(cls, engine: Engine) -> Tallies:
-        returns = engine.cache.policy.returns
-        return cls(replace(engine.counters), returns.ends, returns.back)
+        return cls(replace(engine.counters), engine.cache.policy.learned())
 
     def put_back(self, engine: Engine) -> None:
         """On the loop thread, between steps: the tallies as they were. The counters are
         set in place (the cache and prefetch hold the same object)."""
         for f in fields(EngineCounters):
             setattr(engine.counters, f.name, getattr(self.counters, f.name))
-        returns = engine.cache.policy.returns
-        returns.ends, returns.back = self.returns_ends, self.returns_back
+        engine.cache.policy.unlearn(self.learned)

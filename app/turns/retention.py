@@ -10,7 +10,7 @@ engine's `Retention`, counted against the owner's cap of pinned bytes.
 Kept: what the engine's pins hold of a conversation (a pin until a wall time, counted
 against its owner's cap; a priority; a finished session) is written to SQL when each of its
 turns ends, and put back into the engine when the server starts. (The disk tier keeps its
-own keeps, in its directory: engine/keeps.py.) Durability only: a database that refuses a
+own keeps, in its directory: engine/disk/keeps.py.) Durability only: a database that refuses a
 write is logged, and the turn, whose reply is committed already, goes on; one that cannot be
 read at start leaves the pins to their clients' next turns."""
 

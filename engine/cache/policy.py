@@ -141,8 +141,13 @@ class Policy:
         if erased:
             self.pins.release(conversation_id)
 
-    def waiting_for_tools(self, conversation_id: str) -> bool:
-        return self.tools.is_waiting(conversation_id)
+    def learned(self) -> tuple[float, float]:
+        """What the turns served taught `returns` so far: for a caller that must leave no
+        trace (a warm-up) to put back with `unlearn`."""
+        return self.returns.ends, self.returns.back
+
+    def unlearn(self, learned: tuple[float, float]) -> None:
+        self.returns.ends, self.returns.back = learned
 
     @property
     def expectations(self) -> int:
