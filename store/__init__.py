@@ -13,9 +13,11 @@ Typical start-up, on the server's event loop:
 """
 
 from store.activity import RedisClock
+from store.base import HistoryConflict, HistoryError
 from store.db import DEFAULT_URL, database_url
-from store.history import HistoryConflict, HistoryError, HistoryStore, TokenHistory, hash_token
+from store.history import HistoryStore, TokenHistory
 from store.models import ApiResponse, Conversation, ConversationRetention, Message, User
+from store.owners import hash_token
 
 __all__ = [
     "ApiResponse",

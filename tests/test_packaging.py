@@ -67,7 +67,8 @@ def test_installed_package_serves_pages_and_migrates(tmp_path):
         assert script.text == (ROOT / "web" / "chat.js").read_text()
         # The vendored libraries ship too, licenses included.
         for name in ("vendor/marked.js", "vendor/purify.min.js", "vendor/uPlot.min.js",
-                     "vendor/LICENSE.dompurify", "markdown.js", "conversations.js"):  # fmt: skip
+                     "vendor/LICENSE.dompurify", "markdown.js", "conversations.js",
+                     "socket.js"):  # fmt: skip
             asset = httpx.get(f"{url}/static/{name}")
             assert asset.status_code == 200, name
             assert asset.content == (ROOT / "web" / name).read_bytes(), name

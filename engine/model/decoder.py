@@ -1,4 +1,4 @@
-"""The decoder of every supported family (engine/model/families.py) in plain PyTorch; its attention
+"""The decoder of every supported family (engine/model/families/) in plain PyTorch; its attention
 reads and writes the paged KV pool."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import kernels
-from engine.model.families import ACTIVATIONS, to_hf, to_own
+from engine.model.families.base import ACTIVATIONS
+from engine.model.families.checkpoint import to_hf, to_own
 from engine.model.moe import MoE
 from engine.model.shapes import ModelArgs
 
@@ -317,7 +318,7 @@ class Decoder(nn.Module):
         return logits.float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a checkpoint in transformers' naming (strict: see engine/model/families.py)."""
+        """Load a checkpoint in transformers' naming (strict: see engine/model/families/checkpoint.py)."""
         own = to_own(self.args, state)
         if self.args.tie_embeddings:
             own["lm_head.weight"] = own["embed.weight"]

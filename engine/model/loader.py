@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.model.decoder import Decoder
-from engine.model.families import iter_own
+from engine.model.families.checkpoint import iter_own
 from engine.model.shapes import DUMMY_SHAPES, ModelArgs
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.families import ACTIVATIONS
+from engine.model.families.base import ACTIVATIONS
 
 if TYPE_CHECKING:
     from engine.model.shapes import ModelArgs
@@ -118,7 +118,7 @@ class MoE(nn.Module):
         e, ffn, dim = args.n_experts, args.moe_intermediate_size, args.dim
         self.n_experts, self.top_k, self.normalize = e, args.top_k, args.norm_topk_prob
         self.router = nn.Linear(dim, e, bias=False)
-        # Stacked as the checkpoint's rows (families.py), seen as [E, out, in] when used
+        # Stacked as the checkpoint's rows (families/qwen3_moe.py), seen as [E, out, in] when used
         self.w13 = nn.Parameter(torch.empty(e * 2 * ffn, dim))
         self.w2 = nn.Parameter(torch.empty(e * dim, ffn))
         self.act = ACTIVATIONS[args.hidden_act]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.model.families import FAMILIES, Family, family_of
+from engine.model.families import FAMILIES, family_of
+from engine.model.families.base import Family
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch
 import kernels
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.model.decoder import Decoder
-from engine.model.families import UnsupportedModel, to_hf
+from engine.model.families.base import UnsupportedModel
+from engine.model.families.checkpoint import to_hf
 from engine.model.loader import convert_bundled, load
 from engine.model.shapes import BUNDLED_VOCAB, DUMMY_SHAPES, ModelArgs
 from tests.devices import cuda, gpu
