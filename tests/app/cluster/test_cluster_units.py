@@ -166,7 +166,9 @@ def test_a_replica_whose_port_was_taken_starts_on_another_and_a_failing_one_is_l
     try:
         launcher.start()
         assert launcher.replicas == [moved]
-        assert moved.port != taken and moved.tries == 1 and moved.healthy()
+        assert moved.port != taken and moved.tries == 1
+        # up (the launcher saw it healthy); a loaded machine may take over a second to answer
+        assert any(moved.healthy() or time.sleep(0.5) for _ in range(20))
         assert failing.tries == START_TRIES and failing.proc.poll() is not None
         for _ in range(100):  # HAProxy's first health check
             try:
