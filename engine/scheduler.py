@@ -382,9 +382,7 @@ class Scheduler:
         token is dropped (`Request.take_back`), and a running turn's positions in that step
         (`rewind`: its length before it) do not count as computed (its stream's tail keeps
         them; its next turn computes them again), as if that step had not planned it."""
-        req.take_back()
-        if req.status == Status.RUNNING and req in rewind:
-            req.state.kv_len = rewind[req]
+        unwind(req, rewind)
         self.finish(req, reason)
 
     def _end_prefetch(self, req: Request, why: PrefetchEnd) -> None:
@@ -428,3 +426,11 @@ class Scheduler:
         self.waiting.clear()
         self.prefetch.clear()
         return turns
+
+
+def unwind(req: Request, rewind: dict[Request, int]) -> None:
+    """`req` ends while a lagged step may hold its next token (dropped) or, running, its
+    positions (`rewind`: its length before that step, put back)."""
+    req.take_back()
+    if req.status == Status.RUNNING and req in rewind:
+        req.state.kv_len = rewind[req]

@@ -20,7 +20,7 @@ from engine.reads import Reads
 from engine.request import Request, Status
 from engine.runner import Runner
 from engine.sampler import Sampled
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, unwind
 from engine.snapshot import EngineCounters
 from engine.types import FinishReason
 
@@ -108,9 +108,7 @@ class Steps:
         rewind = self._rewind()
         for req in self.scheduler.turns():
             try:
-                req.take_back()
-                if req.status == Status.RUNNING and req in rewind:
-                    req.state.kv_len = rewind[req]
+                unwind(req, rewind)
             except Exception:  # the turn fails regardless
                 log.exception("could not unwind %s", req.state.id)
         self.flight = None  # its tokens are not read: the state may be broken
