@@ -14,6 +14,7 @@ decode step; a lock older than any build (`STALE_LOCK_S`) is removed first.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -42,11 +43,14 @@ def module() -> ModuleType | None:
         from torch.utils.cpp_extension import get_default_build_root, load
 
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        build = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_pensieve" / NAME
+        # one directory per source: checkouts of other versions never load each other's build
+        digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+        build = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_pensieve"
+        build = build / f"{NAME}_{digest}"
         build.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build / "lock")
         return load(
-            name=NAME,
+            name=f"{NAME}_{digest}",
             sources=[str(SOURCE)],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
