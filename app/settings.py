@@ -46,6 +46,9 @@ ENGINE_HELP: dict[str, str] = {
     "compile_cpu": "CPU: compile the forward with torch.compile at start (faster steps)",
     "share_prefixes": "pensieve mode: store chunks of first prompts equal across conversations "
     "(a system prompt) once, and link them instead of computing them",
+    "window_savings": "models with sliding and full layers (Gemma 3, gpt-oss) keep a chunk's "
+    "sliding layers' KV only while it is inside their window (off: every layer's; shared "
+    "prefixes need it off)",
     "tool_holds": "hold a conversation waiting for a tool's result in memory for the 90th "
     "percentile of the tool gaps seen (saves recompute where memory is short; chats queue "
     "behind the holds there)",

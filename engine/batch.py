@@ -25,12 +25,21 @@ class StepInputs:
     ends: list[int] = field(default_factory=list)
     tables: list[Sequence[int]] = field(default_factory=list)  # int lists or int32 arrays
     sample: list[int] = field(default_factory=list)  # indices of the sampling pieces
+    # A layout with sliding groups (engine/kv_layout.py): per piece, the tables of groups 1..
+    # (tables[i] is group 0's); empty with one group
+    group_tables: list[list[Sequence[int]]] = field(default_factory=list)
+
+    def by_group(self) -> list[list[Sequence[int]]]:
+        """Every piece's table, group by group: [group][piece]."""
+        return [self.tables, *(list(g) for g in zip(*self.group_tables, strict=True))]
 
 
 @dataclass
 class Batch:
     """The model's inputs: int64 ids, positions, flat KV slots [T] and logit rows [R]; int32
-    query_start [S+1], query_pos [S] and block tables [S, W] (kernels.AttentionMetadata)."""
+    query_start [S+1], query_pos [S] and block tables [S, W] (kernels.AttentionMetadata).
+    With sliding groups (engine/kv_layout.py) the slots are [G, T] and the tables [G, S, W],
+    one of each per group."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -73,10 +82,14 @@ def build(x: StepInputs, chunk_size: int, width: int | None = None) -> Batch:
         piece = torch.repeat_interleave(torch.arange(n), q_lens, output_size=t)
         positions = torch.arange(t) + (start - query_start[:-1]).index_select(0, piece)
     tables = padded_tables(x.tables, width)
+    if x.group_tables:
+        width = tables.shape[1]
+        groups = zip(*x.group_tables, strict=True)
+        tables = torch.stack([tables, *(padded_tables(list(g), width) for g in groups)])
     # slot = block of the position's chunk * chunk_size + offset in the chunk
-    col = positions // chunk_size
-    blocks = tables.view(-1).index_select(0, piece * tables.shape[1] + col)
-    slots = blocks.long() * chunk_size + positions % chunk_size
+    flat = tables.view(-1, tables.shape[-2] * tables.shape[-1])
+    blocks = flat.index_select(1, piece * tables.shape[-1] + positions // chunk_size)
+    slots = (blocks.long() * chunk_size + positions % chunk_size).view(*tables.shape[:-2], -1)
     last = query_start[1:] - 1
     rows = last if len(x.sample) == n else last.index_select(0, _longs(x.sample))
     return Batch(
@@ -124,7 +137,8 @@ class Uploader:
         self._turn ^= 1
         ids, positions, slots, rows = self.upload(b.longs(), torch.int64)
         qs, qp, tables = self.upload(b.ints(), torch.int32)
-        return Batch(ids, positions, slots, rows, qs, qp, tables.view(b.tables.shape))
+        slots, tables = slots.view(b.slots.shape), tables.view(b.tables.shape)
+        return Batch(ids, positions, slots, rows, qs, qp, tables)
 
     def upload(self, parts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
         sizes = [p.numel() for p in parts]

@@ -24,7 +24,8 @@ class CopyPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     background: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    load: list[tuple[list, int]] = field(default_factory=list)  # (a chunk's tensors, gpu)
+    # (a chunk's tensors, its GPU pages: engine/kv_layout.py)
+    load: list[tuple[list, tuple[int, ...]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.background or self.load)

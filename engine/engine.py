@@ -17,6 +17,7 @@ from engine.capture import capture
 from engine.conversations import Conversations
 from engine.disk.tier import DiskTier
 from engine.guide import check
+from engine.kv_layout import KVLayout
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.reads import Reads
 from engine.request import Request, Status
@@ -51,8 +52,11 @@ class Engine:
         self.max_context = self.args.max_context  # a sliding window caps it
 
         cs = config.chunk_size
-        gpu, cpu = b.tier_sizes()
-        self.pool = b.pool(gpu, cpu)
+        # Pages per layer group: a tier's chunks of every layer are more pages with sliding
+        # groups, a chunk outside the window holding fewer (engine/kv_layout.py)
+        layout = KVLayout.of(self.args, config.window_savings)
+        gpu, cpu = (layout.pages(n) for n in b.tier_sizes())
+        self.pool = b.pool(gpu, cpu, layout)
         cpu = self.pool.cpu_blocks  # may be less than asked: pinned memory is limited
         owns_history = history is None
         self.history = MemoryHistory() if history is None else history
@@ -64,7 +68,7 @@ class Engine:
         self.cache = KVCacheManager(
             gpu, cpu, cs, policy, config.cache_mode, config.admit_reserve,
             config.swap_out_threshold, now=self.now, share=config.share_prefixes,
-            counters=self.counters,
+            counters=self.counters, layout=layout,
         )  # fmt: skip
         share, quantum = config.prefetch_limits(b.gpu)
         self.scheduler = Scheduler(

@@ -189,7 +189,12 @@ class StepGraphs:
         self.mixed_replays = 0  # of them, steps with a prompt piece
 
     def fits(self, x: StepInputs, plan: CopyPlan) -> bool:
-        return graphable(x, plan) and bucket_for(len(x.ids), len(x.starts), self.sizes) is not None
+        # A step with sliding groups' tables runs eagerly (its buffers hold one group's)
+        return (
+            not x.group_tables
+            and graphable(x, plan)
+            and bucket_for(len(x.ids), len(x.starts), self.sizes) is not None
+        )
 
     # ---- capture ----------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The KV tensors of both tiers and the copies between them.
 
-Both tiers are laid out [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; the
-CPU tier is page-locked. A copy plan is coalesced into runs of consecutive blocks on both sides,
+Both tiers are laid out [slots, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; the
+CPU tier is page-locked. A block is a page of `engine/kv_layout.py`: `slots` layers of
+`block_size` positions, each layer reading its slot through its group's block table (without
+a window: every layer, one group, slots = layers). A copy plan is coalesced into runs of consecutive blocks on both sides,
 so a run moves as one contiguous transfer per layer and K/V (the pools hand out low block
 ids first, so a conversation's chunks tend to form long runs). On the CPU the same calls
 copy synchronously.
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.copies import CopyPlan, PendingReads, StagingRing
+from engine.kv_layout import KVLayout
 from engine.model.shapes import ModelArgs
 from kernels.quant import CODE_DTYPE, SCALE_DTYPE, QuantizedKV
 
@@ -61,12 +64,14 @@ class KVPool:
         device,
         dtype,
         kv_dtype: str = "auto",
+        layout: KVLayout | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.kv_dtype = kv_dtype
+        self.layout = layout = KVLayout.of(args, savings=False) if layout is None else layout
         parts = _parts(args, block_size, dtype, kv_dtype)
-        layers = args.n_layers
+        layers = layout.slots
         gpu = [
             torch.zeros((layers, 2, gpu_blocks, *shape), device=self.device, dtype=dt)
             for shape, dt in parts
@@ -78,13 +83,15 @@ class KVPool:
         self.cpu_scales = cpu[1] if len(cpu) > 1 else None
         self._tiers = list(zip(gpu, cpu, strict=True))  # (GPU, CPU) tensor pairs every copy moves
         if kv_dtype == "auto":
-            self.layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layers)]
+            slots = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layers)]
         else:
             g, s = self.gpu, self.gpu_scales
-            self.layers = [
+            slots = [
                 tuple(QuantizedKV(g[i, kv], s[i, kv], kv_dtype) for kv in (0, 1))
                 for i in range(layers)
             ]
+        self.layers = [slots[j] for j in layout.slot_of]  # each model layer's view
+        self._copied: set[int] = set()  # the CPU: slots whose swap-in ran this step
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         # Per direction: scattered copies through the kernel in one launch, or run by run on
         # the copy engine (tests turn the kernel on for the CPU under the interpreter).
@@ -131,8 +138,8 @@ class KVPool:
     def bytes_per_block(
         args: ModelArgs, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto"
     ) -> int:
-        """Bytes one block takes in either tier: K and V of every layer, with the scales of
-        an 8-bit KV."""
+        """Bytes a chunk of every layer's KV takes in either tier: K and V of every layer,
+        with the scales of an 8-bit KV (a tier's size in chunks is in these)."""
         total = 0
         for shape, dt in _parts(args, block_size, dtype, kv_dtype):
             n = args.n_layers * 2 * block_size
@@ -145,23 +152,34 @@ class KVPool:
 
     @property
     def bytes_per_chunk(self) -> int:
-        """Bytes of one block in either tier (all layers, K and V, scales)."""
-        return sum(g[:, :, 0].nbytes for g, _ in self._tiers)
+        """Bytes of a chunk of every layer's KV in either tier (K and V, scales): a page's
+        times the pages of every group (what a chunk inside the window holds)."""
+        page = sum(g[:, :, 0].nbytes for g, _ in self._tiers)
+        return page * self.layout.n_layers // self.layout.slots
 
-    def read_block(self, tier: str, block: int) -> list[torch.Tensor]:
-        """A copy on the host of one block's KV (every layer, K and V; and the scales of an
-        8-bit KV): a chunk leaving for the disk tier, read before its block is reused."""
+    def read_pages(self, tier: str, pages: tuple[int, ...]) -> list[torch.Tensor]:
+        """A copy on the host of a chunk's pages (K and V of their slots; and the scales of an
+        8-bit KV): a chunk leaving for the disk tier, read before its pages are reused. One
+        page: [slots, 2, ...] per part; more (a chunk inside the window): [slots, 2, pages,
+        ...]."""
         if self.cuda:
             self.stream.synchronize()  # background swap-outs may still be writing it
         which = 0 if tier == "gpu" else 1
-        return [pair[which][:, :, block].to("cpu", copy=True) for pair in self._tiers]
+        at = pages[0] if len(pages) == 1 else torch.tensor(pages, device=self.device)
+        return [pair[which][:, :, at].to("cpu", copy=True) for pair in self._tiers]
 
-    def _load(self, loads: list[tuple[list, int]], layer: int) -> None:
-        """One layer of the chunks read back from the disk tier (host tensors, page-locked
-        on CUDA) into their GPU blocks: pipelined with the forward like a swap-in."""
-        for parts, block in loads:
+    def _load(self, loads: list[tuple[list, tuple[int, ...]]], slot: int) -> None:
+        """One slot of the chunks read back from the disk tier (host tensors, page-locked
+        on CUDA) into their GPU pages: pipelined with the forward like a swap-in. A file
+        with fewer pages than the chunk was given fills its first (the full layers')."""
+        for parts, pages in loads:
+            n = parts[0].shape[2] if parts[0].dim() == 6 else 1
             for (g, _), part in zip(self._tiers, parts, strict=True):
-                g[layer, :, block].copy_(part[layer], non_blocking=self.cuda)
+                if n == 1:
+                    g[slot, :, pages[0]].copy_(part[slot], non_blocking=self.cuda)
+                    continue
+                for j, page in enumerate(pages[:n]):
+                    g[slot, :, page].copy_(part[slot, :, j], non_blocking=self.cuda)
 
     def begin_step(
         self, plan: CopyPlan, writes: Callable[[], Collection[int]] | None = None
@@ -175,6 +193,7 @@ class KVPool:
         known, so it waits for every swap-out in flight."""
         if not self.cuda:
             self._copy_out(plan.swap_out)
+            self._copied = set()
             self._pending_swap_in = self._moves(plan.swap_in, "in") if plan.swap_in else None
             self._pending_load = plan.load
             return
@@ -192,22 +211,25 @@ class KVPool:
             if plan.swap_in or plan.load:  # no events for the usual step without
                 moves = self._moves(plan.swap_in, "in")
                 events = self._events()
-                for layer, ev in enumerate(events):  # the first layers are ready first
-                    self._copy_in(moves, layer)
-                    self._load(plan.load, layer)
+                for slot, ev in enumerate(events):  # the first layers are ready first
+                    self._copy_in(moves, slot)
+                    self._load(plan.load, slot)
                     ev.record(self.stream)
         self._layer_events = events
 
     def before_attention(self, layer: int) -> None:
-        """Hook called by the model before layer `layer` reads (and writes) its KV."""
+        """Hook called by the model before layer `layer` reads (and writes) its KV: its
+        slot's swap-in must be in."""
+        slot = self.layout.slot_of[layer]
         if self.cuda:
             if self._layer_events is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
-        else:
+                torch.cuda.current_stream(self.device).wait_event(self._layer_events[slot])
+        elif slot not in self._copied:
+            self._copied.add(slot)
             if self._pending_swap_in is not None:
-                self._copy_in(self._pending_swap_in, layer)
+                self._copy_in(self._pending_swap_in, slot)
             if self._pending_load:
-                self._load(self._pending_load, layer)
+                self._load(self._pending_load, slot)
 
     def swap_in_now(self) -> None:
         """No forward follows this step's copies: bring every layer's swap-in in now."""
@@ -239,10 +261,10 @@ class KVPool:
         return True
 
     def _events(self) -> list:
-        """One event per layer, made once: recording one again is safe, as a stream that
+        """One event per slot, made once: recording one again is safe, as a stream that
         waited on it waits on the record that was current when it asked."""
         if self._layer_event_pool is None:
-            self._layer_event_pool = [torch.cuda.Event() for _ in self.layers]
+            self._layer_event_pool = [torch.cuda.Event() for _ in range(self.gpu.shape[0])]
         return self._layer_event_pool
 
     # ---- copies ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.copies import CopyPlan
+from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
 from engine.model.decoder import Decoder
 from engine.model.loader import Loaded, load, model_args, own_tensors
@@ -208,7 +209,9 @@ class TensorParallel:
         shard = load_shard(c, 0, self.world, self.device, self.dtype, None)
         return replace(loaded, model=shard)
 
-    def pool(self, gpu_blocks: int, cpu_blocks: int, backend: str) -> ParallelPool:
+    def pool(
+        self, gpu_blocks: int, cpu_blocks: int, backend: str, layout: KVLayout | None = None
+    ) -> ParallelPool:
         """Every rank's pool of the same block counts; the CPU tier as large as the smallest
         one any rank could pin."""
         if self.config.cpu_cache_chunks is None:
@@ -216,7 +219,7 @@ class TensorParallel:
         self.send(Setup(gpu_blocks, cpu_blocks, backend))
         cs, kv = self.config.chunk_size, self.config.kv_dtype
         pool = ParallelPool(
-            self, self.args, gpu_blocks, cpu_blocks, cs, self.device, self.dtype, kv
+            self, self.args, gpu_blocks, cpu_blocks, cs, self.device, self.dtype, kv, layout
         )
         got = torch.tensor([pool.cpu.shape[2]])
         dist.all_reduce(got, op=dist.ReduceOp.MIN, group=self.control)
@@ -407,6 +410,7 @@ def _serve(config, rank, world, device, dtype, control) -> None:
         device,
         dtype,
         config.kv_dtype,
+        KVLayout.of(args, config.window_savings),  # rank 0's: the same layers
     )
     got = torch.tensor([pool.cpu.shape[2]])
     dist.all_reduce(got, op=dist.ReduceOp.MIN, group=control)

@@ -24,6 +24,8 @@ class Runner:
     def __init__(self, model: Decoder, pool: KVPool, chunk_size: int, backend: str | None) -> None:
         self.model = model
         self.pool = pool
+        model.set_kv_groups(pool.layout.group_of)  # which group's tables each layer reads
+        self.groups = pool.layout.groups
         self.chunk_size = chunk_size
         self.backend = backend
         self.device = pool.device
@@ -66,7 +68,10 @@ class Runner:
             x.ids += p.req.token_range(p.start, p.end)
             x.starts.append(p.start)
             x.ends.append(p.end)
-            x.tables.append(p.req.table.gpu_blocks(-(-p.end // cs)))
+            n = -(-p.end // cs)
+            x.tables.append(p.req.table.gpu_blocks(n))
+            if self.groups > 1:
+                x.group_tables.append(p.req.table.window_blocks(n, self.groups))
             if p.sample:
                 x.sample.append(i)
                 params.append(p.req.turn.sampling)
@@ -118,4 +123,8 @@ class Runner:
         to the other ranks here). The pool learns which blocks the forward writes, so it
         waits only for the swap-outs that read one of them."""
         cs = self.chunk_size
-        self.pool.begin_step(plan, lambda: written_blocks(x.tables, x.starts, x.ends, cs))
+
+        def writes() -> set[int]:
+            return set().union(*(written_blocks(t, x.starts, x.ends, cs) for t in x.by_group()))
+
+        self.pool.begin_step(plan, writes)

@@ -195,7 +195,7 @@ class Scheduler:
         while req.pending and taken < budget:
             start, end = req.pending[0]
             stop = min(end, start + budget - taken)
-            if not self._room(req, stop, plan):
+            if not self._room(req, start, stop, plan):
                 break
             sample = stop == req.total and not req.prefetch
             plan.pieces.append(Piece(req, start, stop, sample=sample))
@@ -206,9 +206,10 @@ class Scheduler:
             req.pending.pop(0)
         return taken
 
-    def _room(self, req: Request, upto: int, plan: StepPlan) -> bool:
-        """Blocks for positions up to `upto`, suspending the latest-arrived turns if needed."""
-        while self.cache.grow(req.table, req.state.kv_len, upto, plan.before) is None:
+    def _room(self, req: Request, start: int, upto: int, plan: StepPlan) -> bool:
+        """Blocks for positions [start, upto), suspending the latest-arrived turns if needed."""
+        table, kv_len = req.table, req.state.kv_len
+        while self.cache.grow(table, kv_len, upto, plan.before, start) is None:
             alive = [r for r in self.running if r.status == Status.RUNNING]
             if alive == [req] and not req.prefetch:  # it alone fills the GPU tier: it
                 # cannot grow any further (a prefetch never grows: it is suspended below)
@@ -317,6 +318,8 @@ class Scheduler:
         loaded, span = req.loaded, None
         if loaded is not None and self.cache.loadable(req.table) == loaded.dropped:
             span = (loaded.first, loaded.last)  # else more was dropped meanwhile: recompute
+            if not self.cache.window_loads(req.table, span, req.state.kv_len, loaded.pages):
+                span = None  # a file lacks pages a sliding layer reads: recompute
         adm = self.cache.admit(req.table, req.state.kv_len, req.total, req.prefetch, span)
         plan.before.extend(adm.copies)
         req.loading = [(loaded.parts[i], block) for i, block in adm.loads]  # type: ignore[union-attr]
@@ -358,6 +361,8 @@ class Scheduler:
                 state.kv_len = p.end
             if req.prefetch and req.status == Status.RUNNING and not req.pending:
                 self._end_prefetch(req, PrefetchEnd.DONE)
+        for req, length in before.items():  # this step may be taken back: up to its start
+            self.cache.slide(req.table, length)
         return before
 
     def update(

@@ -102,5 +102,6 @@ def plant(conv: Conversations, pool: KVPool, seeds: Iterable[Seed]) -> None:
         for i, tier in enumerate(s.residency):
             if tier == DISK:
                 if parts is None:
-                    parts = pool.read_block("cpu" if pool.cpu_blocks else "gpu", 0)
+                    pages = tuple(range(pool.layout.groups))  # any pages' bytes, every group's
+                    parts = pool.read_pages("cpu" if pool.cpu_blocks else "gpu", pages)
                 conv.disk.seed(conv.streams[cid].hashes[i], i, parts, pool.bytes_per_chunk)

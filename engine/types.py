@@ -64,6 +64,10 @@ class EngineConfig:
     # pensieve mode: full chunks of first prompts that are equal across conversations (a
     # system prompt) are stored once and linked by new conversations instead of computed
     share_prefixes: bool = True
+    # A model with sliding and full layers (Gemma 3, gpt-oss) keeps a chunk's sliding layers'
+    # KV only while it is inside their window (engine/kv_layout.py); off: every layer's, as a
+    # model without a window (shared prefixes need it off)
+    window_savings: bool = True
     # A conversation waiting for a tool's result is held in memory (as a client's pin holds
     # it: never dropped, admission waits) for the 90th percentile of the tool gaps seen. Off
     # by default: it saves a third of agents' recompute where memory is short, and chats

@@ -28,6 +28,16 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.query_pos.shape[0]
 
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata of page group `g` when block_tables is [G, S, max_blocks], one table
+        per group (engine/kv_layout.py): the same queries through that group's tables."""
+        key = ("group", g)
+        if key not in self.derived:
+            self.derived[key] = AttentionMetadata(
+                self.query_start, self.query_pos, self.block_tables[g]
+            )
+        return self.derived[key]
+
     @staticmethod
     def build(
         q_lens: list[int], query_pos: list[int], block_tables: list[list[int]], device

@@ -18,6 +18,7 @@ import torch
 from engine.cache.policy import CostModel
 from engine.disk.index import DiskIndex
 from engine.guide import Guides
+from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
 from engine.model.shapes import ModelArgs
 from engine.types import CacheMode, EngineConfig
@@ -83,7 +84,8 @@ class Backend:
             raise ValueError(f"the KV pool holds only {gpu} blocks: not enough memory")
         return gpu, cpu
 
-    def pool(self, gpu_blocks: int, cpu_blocks: int):
+    def pool(self, gpu_blocks: int, cpu_blocks: int, layout: KVLayout):
+        """The KV pool of that many pages (blocks) per tier, laid out by `layout`."""
         raise NotImplementedError
 
     def runner(self, pool):

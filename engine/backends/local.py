@@ -12,6 +12,7 @@ from engine.cache.policy import CostModel
 from engine.cache.profile import load_or_profile
 from engine.disk.files import ChunkFiles, namespace
 from engine.graphs import StepGraphs, buckets
+from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward, usable
 from engine.model.loader import Loaded, cache_root, load
@@ -85,11 +86,12 @@ class Local(Backend):
         c = self.config
         return load(c.model, self.device, self.dtype, c.cache_dir, c.seed)
 
-    def pool(self, gpu_blocks: int, cpu_blocks: int) -> KVPool:
+    def pool(self, gpu_blocks: int, cpu_blocks: int, layout: KVLayout) -> KVPool:
         c = self.config
         return KVPool(
-            self.args, gpu_blocks, cpu_blocks, c.chunk_size, self.device, self.dtype, c.kv_dtype
-        )
+            self.args, gpu_blocks, cpu_blocks, c.chunk_size, self.device, self.dtype, c.kv_dtype,
+            layout,
+        )  # fmt: skip
 
     def runner(self, pool: KVPool) -> Runner:
         return Runner(self.model, pool, self.config.chunk_size, self.attention)
@@ -112,9 +114,11 @@ class Local(Backend):
     def disk(self, cost: CostModel, bytes_per_chunk: int) -> ChunkFiles:
         """Files under `disk_cache_dir`, in a namespace of the model and its KV layout."""
         c, a = self.config, self.args
+        layout = KVLayout.of(a, c.window_savings)
+        pages = (f"pages {layout.slots}x{layout.groups}",) if layout.windowed else ()
         space = namespace(
             c.model, str(self.dtype), c.kv_dtype, c.chunk_size, a.n_layers, a.n_kv_heads,
-            a.head_dim,
+            a.head_dim, *pages,
         )  # fmt: skip
         return ChunkFiles(c.disk_cache_dir, int(c.disk_cache_gb * 1e9), space, cost, c.chunk_size)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from engine.backends.local import Local
+from engine.kv_layout import KVLayout
 from engine.model.loader import Loaded
 from engine.parallel import ParallelPool, ParallelRunner, TensorParallel
 
@@ -27,8 +28,8 @@ class Parallel(Local):
     def load(self) -> Loaded:
         return self.tp.load()  # rank 0's shard; args stay the full model's
 
-    def pool(self, gpu_blocks: int, cpu_blocks: int) -> ParallelPool:
-        return self.tp.pool(gpu_blocks, cpu_blocks, self.attention)
+    def pool(self, gpu_blocks: int, cpu_blocks: int, layout: KVLayout) -> ParallelPool:
+        return self.tp.pool(gpu_blocks, cpu_blocks, self.attention, layout)
 
     def runner(self, pool: ParallelPool) -> ParallelRunner:
         return self.tp.runner(self.model, pool, self.attention)

@@ -15,6 +15,7 @@ from engine.backends.local import DTYPES
 from engine.cache.policy import CostModel
 from engine.calibrate import Build, cpu_device
 from engine.disk.index import DiskIndex
+from engine.kv_layout import KVLayout
 from engine.model.loader import model_args
 from engine.sim import PREFIX
 from engine.sim.clock import VirtualClock
@@ -63,8 +64,8 @@ class Simulation(Backend):
             own = int(self.simulated.memory_bytes * 0.9 - weights) // bytes_per_block
         return own if gpu is None else gpu, 4 * own
 
-    def pool(self, gpu_blocks: int, cpu_blocks: int) -> SimPool:
-        return SimPool(self.simulated, self.clock, self.bytes_per_block, cpu_blocks)
+    def pool(self, gpu_blocks: int, cpu_blocks: int, layout: KVLayout) -> SimPool:
+        return SimPool(self.simulated, self.clock, self.bytes_per_block, cpu_blocks, layout)
 
     def runner(self, pool: SimPool) -> SimRunner:
         return SimRunner(self.simulated, pool)

@@ -17,6 +17,7 @@ from engine.cache.swap_in_ahead import PrefetchSwapIn
 from engine.cache.tiers import Tiers
 from engine.cache.to_disk import Spills
 from engine.copies import CopyPlan
+from engine.kv_layout import KVLayout
 from engine.snapshot import EngineCounters
 
 
@@ -37,7 +38,7 @@ class Admission:
     recompute_tokens: int  # leading positions [0, n) to recompute from raw history
     prefetched_tokens: int = 0  # of cached_tokens: those a prefetch brought back
     copies: CopyPlan = field(default_factory=CopyPlan)  # swap-outs to make room, swap-ins
-    loads: list[tuple[int, int]] = field(default_factory=list)  # (chunk, gpu block) from disk
+    loads: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (chunk, GPU pages)
     disk_tokens: int = 0  # context those loads bring back
     # Positions [recompute_from, kv_len) are recomputed too, with the turn's own tokens: the
     # dropped chunks after those loaded from disk (kv_len when there are none)
@@ -60,8 +61,10 @@ class Admitter:
         prefetching: PrefetchSwapIn,
         spills: Spills,
         counters: EngineCounters,
+        layout: KVLayout | None = None,
     ) -> None:
         self.chunk_size = chunk_size
+        self.layout = layout if layout is not None and layout.windowed else None
         self.admit_reserve = admit_reserve
         self.tables = tables
         self.policy = policy  # its pins hold blocks (`stuck_blocks`)
@@ -77,6 +80,10 @@ class Admitter:
     def n_chunks(self, tokens: int) -> int:
         return -(-tokens // self.chunk_size)
 
+    def window(self, position: int) -> int:
+        """The first chunk sliding layers read from `position` on (0: every one)."""
+        return 0 if self.layout is None else self.layout.first_read(position, self.chunk_size)
+
     def recompute_tokens(self, t: ChunkTable, kv_len: int) -> int:
         """Leading positions an admission now would recompute from raw history."""
         if t.n_dropped == 0:
@@ -84,16 +91,37 @@ class Admitter:
         return min(t.n_shared * self.chunk_size, kv_len)  # its shared run is let go too
 
     def blocks_needed(self, t: ChunkTable, upto: int) -> int:
-        """GPU blocks a turn must allocate to hold positions [0, upto) on the GPU."""
-        on_gpu = t.n_gpu + sum(1 for c in t.shared_run() if c.gpu is not None)
-        return self.n_chunks(upto) - on_gpu
+        """GPU blocks (pages) a turn must allocate to hold positions [0, upto) on the GPU:
+        with sliding groups, every page of a chunk it computes or that comes back inside the
+        window (a dropped one: as if recomputed)."""
+        if self.tiers.groups == 1:
+            on_gpu = len(t.chunks) - t.n_off_gpu
+            on_gpu += sum(1 for c in t.shared_run() if c.gpu is not None)
+            return self.n_chunks(upto) - on_gpu
+        pages = self.tiers.pages
+        back = sum(
+            pages(c.cpu is None or c.cpu_win is not None)
+            for c in t.chunks[: t.n_off_gpu]
+            if c.gpu is None
+        )
+        return back + max(0, self.n_chunks(upto) - len(t.chunks)) * pages(True)
+
+    def pages_held(self, t: ChunkTable, upto: int) -> int:
+        """GPU pages a turn holds once it computed up to `upto`: every chunk's full layers'
+        page, and the sliding groups' pages of the chunks it computes and those the window
+        of its context still reads (a recompute's steps take theirs as they go: `grow`)."""
+        n = self.n_chunks(upto)
+        if self.tiers.groups == 1:
+            return n
+        start = min(t.tokens, upto)
+        return n + (self.tiers.groups - 1) * (n - self.window(start - start % self.chunk_size))
 
     def can_admit(self, t: ChunkTable, upto: int) -> bool:
         """Admit while a share `admit_reserve` of the GPU pool stays unpinned for decoding."""
         pinned = self.tiers.pinned_gpu
         # shared chunks another running turn holds are pinned already
         held = 0 if t.n_dropped else sum(1 for c in t.shared_run() if c.pins)
-        after = pinned + self.n_chunks(upto) - held + self.stuck_blocks(t)
+        after = pinned + self.pages_held(t, upto) - held + self.stuck_blocks(t)
         if pinned == 0:
             return after <= self.gpu.num_blocks
         return after <= self.gpu.num_blocks * (1.0 - self.admit_reserve)
@@ -172,6 +200,7 @@ class Admitter:
             raise ValueError(f"cannot load chunks {loaded} of {t.id!r} from disk")
         if t.n_dropped:  # recomputed from position 0: its shared run is recomputed too
             self.sharing.let_go(t)
+            t.slid = 0  # the recompute gives its chunks sliding pages again
         first, last = loaded or (t.n_dropped, t.n_dropped)
         self.tiers.set_pinned(t, True)
         prefetched = 0
@@ -196,13 +225,16 @@ class Admitter:
             if chunk.gpu is not None:  # a shared chunk already on the GPU
                 cached += tokens
                 continue
-            self.tiers.set_gpu(t, chunk)
+            # Sliding pages: those it had, and a chunk from disk's; a recomputed one gets
+            # them for the steps that compute it (`grow`)
+            window = chunk.cpu_win is not None if chunk.cpu is not None else first <= i < last
+            self.tiers.set_gpu(t, chunk, window)
             chunk.prefetched = prefetch
             if chunk.cpu is not None:
-                copies.swap_in.append((chunk.cpu, chunk.gpu))
+                copies.swap_in += zip(chunk.cpu_pages(), chunk.gpu_pages(), strict=True)
                 swapped += tokens
             elif first <= i < last:
-                loads.append((i, chunk.gpu))
+                loads.append((i, chunk.gpu_pages()))
                 from_disk += tokens
             else:
                 recompute += tokens
@@ -226,16 +258,31 @@ class Admitter:
         )  # fmt: skip
 
     def grow(
-        self, t: ChunkTable, kv_len: int, upto: int, copies: CopyPlan | None = None
+        self,
+        t: ChunkTable,
+        kv_len: int,
+        upto: int,
+        copies: CopyPlan | None = None,
+        start: int | None = None,
     ) -> CopyPlan | None:
-        """Room for a running turn to compute positions [kv_len, upto): the copies that make
-        it (added to `copies` when given: a step's plan, so that a decode allocates none),
-        or None if none can be made. The copies of what was evicted before the room ran out
-        are kept in `copies` all the same: those chunks have left their GPU blocks."""
+        """Room for a running turn to compute positions [start, upto) (`start`: kv_len, or
+        where a recompute's step begins): the copies that make it (added to `copies` when
+        given: a step's plan, so that a decode allocates none), or None if none can be made.
+        With sliding groups the step's chunks and those its window reads get their pages.
+        The copies of what was evicted before the room ran out are kept in `copies` all the
+        same: those chunks have left their GPU blocks."""
         copies = CopyPlan() if copies is None else copies
-        need = self.n_chunks(upto) - len(t.chunks)
+        start = kv_len if start is None else start
+        need = max(0, self.n_chunks(upto) - len(t.chunks)) * self.tiers.pages(True)
+        bare = []  # held chunks the step's sliding layers read or write, without their pages
+        if self.layout is not None:
+            read = t.chunks[self.window(start) : self.n_chunks(upto)]
+            bare = [c for c in read if c.gpu is not None and c.gpu_win is None]
+            need += len(bare) * (self.tiers.groups - 1)
         if need > 0 and not self.evictor.make_room_gpu(need, copies):
             return None
+        for c in bare:
+            self.tiers.window_gpu(t, c)
         self._extend(t, upto)
         self._will_write(t, kv_len)
         return copies
@@ -245,7 +292,7 @@ class Admitter:
         while len(t.chunks) < n:
             chunk = Chunk()
             t.chunks.append(chunk)
-            self.tiers.set_gpu(t, chunk)
+            self.tiers.set_gpu(t, chunk, window=True)
 
     def _will_write(self, t: ChunkTable, start: int) -> None:
         """Positions from `start` on are about to be written: a CPU copy of their chunk goes stale."""

@@ -35,6 +35,17 @@ class Chunk:
     pins: int = 0  # holders running a turn: it stays on the GPU while this is not 0
     prefetched: bool = False  # brought back to the GPU by a prefetch, not yet used by a turn
     ahead: bool = False  # its CPU copy was made ahead of time and has not been read back
+    # With sliding layers (engine/kv_layout.py), the pages of their groups on each tier, held
+    # while the chunk is inside the window; None: it holds its full layers' page only
+    gpu_win: tuple[int, ...] | None = None
+    cpu_win: tuple[int, ...] | None = None
+
+    def gpu_pages(self) -> tuple[int, ...]:
+        """Every page it holds on the GPU, its full layers' first (empty: none)."""
+        return () if self.gpu is None else (self.gpu, *(self.gpu_win or ()))
+
+    def cpu_pages(self) -> tuple[int, ...]:
+        return () if self.cpu is None else (self.cpu, *(self.cpu_win or ()))
 
     @property
     def shared(self) -> bool:
@@ -59,8 +70,10 @@ class ChunkTable:
     n_off_gpu: int = 0
     tokens: int = 0  # positions the chunks stand for (their KV is held, or was dropped)
     pinned: bool = False  # a turn of it is running: none of its chunks may be evicted
-    n_gpu: int = 0  # private chunks with a GPU block
-    n_backed: int = 0  # private chunks with a GPU block and a CPU copy (reclaimable at no cost)
+    n_gpu: int = 0  # GPU pages of its private chunks
+    n_backed: int = 0  # of those, the pages of chunks with a CPU copy (reclaimable at no cost)
+    # Chunks before it hold no sliding pages: the window has passed them (`slide`)
+    slid: int = 0
     # While pinned, its chunks keep their GPU blocks and only more are added: the block ids
     # read so far, each once per pin (`Tiers.set_pinned` resets it), not once per step
     gpu_ids: array | None = field(default=None, repr=False)
@@ -91,6 +104,17 @@ class ChunkTable:
             ids.extend(new)  # type: ignore[arg-type]
         return ids[:n_chunks]
 
+    def window_blocks(self, n_chunks: int, groups: int) -> list[list[int]]:
+        """Per sliding group (1 .. groups - 1), the GPU pages of its first `n_chunks` chunks;
+        page 0 for those the window has left (never read: the kernels skip keys before it)."""
+        out = [[0] * n_chunks for _ in range(groups - 1)]
+        for i in range(min(self.slid, n_chunks), n_chunks):
+            pages = self.chunks[i].gpu_win
+            if pages is not None:
+                for g, page in enumerate(pages):
+                    out[g][i] = page
+        return out
+
     def shared_run(self) -> list[Chunk]:
         return self.chunks[self.n_dropped : self.n_shared]
 
@@ -112,6 +136,10 @@ class ChunkTable:
                 assert c.gpu is not None or not self.pinned, (self.id, i, "running, off GPU")
                 continue
             assert not c.shared, (self.id, i, "shared outside the shared run")
+            both = c.gpu_win is not None and c.cpu is not None
+            assert not both or c.cpu_win is not None, (self.id, i, "a CPU copy, no sliding pages")
+            if i < self.slid:
+                assert c.gpu_win is None and c.cpu_win is None, (self.id, i, "slid past")
             if i < n_dropped:
                 assert c.gpu is None and c.cpu is None, (self.id, i, "should be dropped")
             elif i < n_off_gpu:

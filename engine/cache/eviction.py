@@ -92,11 +92,9 @@ class Evictor:
         chunk = t.chunks[i]
         keep = not force and self._keeps(t, i)
         if chunk.cpu is None and self.tiers.cpu.num_blocks:
-            block = self.alloc_cpu(max_key=cpu_below)
-            if block is not None:
-                self.tiers.set_cpu(t, chunk, block)
-                copies.swap_out.append((chunk.gpu, block))  # type: ignore[arg-type]
-                self.spills.swapping_out(block, chunk.gpu)  # type: ignore[arg-type]
+            pages = self.alloc_cpu_pages(chunk, max_key=cpu_below)
+            if pages is not None:
+                self._swap_out(t, chunk, pages, copies)
                 self.counters.swapped_out_tokens += chunk_tokens(t, i, self.chunk_size)
         if chunk.cpu is None and keep:
             return False
@@ -120,15 +118,13 @@ class Evictor:
         holder's: False)."""
         keep = self._keeps(c, 0)
         if c.cpu is None and self.tiers.cpu.num_blocks:
-            block = self.alloc_cpu(max_key=cpu_below)
+            pages = self.alloc_cpu_pages(c, max_key=cpu_below)
             if c not in self.sharing.shared or c.gpu is None:  # freed while the CPU made room
-                if block is not None:
-                    self.tiers.cpu.release(block)
+                for page in pages or ():
+                    self.tiers.cpu.release(page)
                 return True
-            if block is not None:
-                self.tiers.set_cpu(None, c, block)
-                copies.swap_out.append((c.gpu, block))
-                self.spills.swapping_out(block, c.gpu)
+            if pages is not None:
+                self._swap_out(None, c, pages, copies)
                 self.counters.swapped_out_tokens += self.chunk_size
         if c.cpu is None:
             if keep:
@@ -138,6 +134,29 @@ class Evictor:
         self.tiers.clear_gpu(None, c)
         self.order.cpu.push(c)
         return True
+
+    def _swap_out(
+        self, t: ChunkTable | None, c: Chunk, pages: tuple[int, ...], copies: CopyPlan
+    ) -> None:
+        """Copy the chunk's GPU pages to CPU pages `pages` in this step's swap-out."""
+        pairs = list(zip(c.gpu_pages(), pages, strict=True))
+        self.tiers.set_cpu(t, c, pages)
+        copies.swap_out += pairs
+        for gpu, cpu in pairs:
+            self.spills.swapping_out(cpu, gpu)
+
+    def alloc_cpu_pages(self, c: Chunk, max_key=None) -> tuple[int, ...] | None:
+        """A CPU page for each of the chunk's GPU pages (`alloc_cpu`); None if not all of
+        them can be had (none is kept then)."""
+        pages: list[int] = []
+        for _ in c.gpu_pages():
+            page = self.alloc_cpu(max_key)
+            if page is None:
+                for p in pages:
+                    self.tiers.cpu.release(p)
+                return None
+            pages.append(page)
+        return tuple(pages)
 
     def alloc_cpu(self, max_key=None) -> int | None:
         """A CPU block, dropping the lowest-value CPU chunks if the pool is full (only those
@@ -195,15 +214,16 @@ class Evictor:
             if found is None:
                 break
             t, i = found
-            block = self.alloc_cpu(max_key=self.order.key(t, i))
-            if block is None:
-                break
             chunk = t if isinstance(t, Chunk) else t.chunks[i]
+            pages = self.alloc_cpu_pages(chunk, max_key=self.order.key(t, i))
+            if pages is None:
+                break
             if chunk.gpu is None or chunk.cpu is not None:  # let go while making room
-                cpu.release(block)
+                for page in pages:
+                    cpu.release(page)
                 continue
-            self.tiers.set_cpu(t, chunk, block, ahead=True)  # type: ignore[arg-type]
+            copies.background += zip(chunk.gpu_pages(), pages, strict=True)
+            self.tiers.set_cpu(t, chunk, pages, ahead=True)  # type: ignore[arg-type]
             self.order.cpu.push(t)  # the copy may now be its cheapest CPU block
-            copies.background.append((chunk.gpu, block))
             self.counters.swapped_out_tokens += chunk_tokens(t, i, self.chunk_size)
         return copies

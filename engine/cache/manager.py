@@ -32,6 +32,7 @@ from engine.cache.swap_in_ahead import PrefetchSwapIn
 from engine.cache.tiers import Tiers
 from engine.cache.to_disk import Spill, Spills
 from engine.copies import CopyPlan
+from engine.kv_layout import KVLayout
 from engine.snapshot import EngineCounters
 from engine.types import CacheMode
 
@@ -52,11 +53,17 @@ class KVCacheManager:
         share: bool = False,
         counters: EngineCounters | None = None,
         reorder_s: float = REORDER_S,
+        layout: KVLayout | None = None,
     ) -> None:
         self.chunk_size = chunk_size
         self.policy = policy
         self.mode = mode
-        self.share = share and mode == CacheMode.PENSIEVE  # the baselines keep their behaviour
+        # Pages per layer group (engine/kv_layout.py): None, one group (blocks are chunks)
+        self.layout = layout if layout is not None and layout.windowed else None
+        groups = 1 if self.layout is None else self.layout.groups
+        # The baselines keep their behaviour; prefixes are not shared across sliding groups
+        # (each holder's window leaves a shared chunk at another time)
+        self.share = share and mode == CacheMode.PENSIEVE and groups == 1
         self.tables: dict[str, ChunkTable] = {}
         self.shared: dict[Chunk, None] = {}  # every live shared chunk
         self.counters = EngineCounters() if counters is None else counters  # adds to it
@@ -64,7 +71,7 @@ class KVCacheManager:
         # above are these same objects, never rebound).
         self.order = EvictionOrder(self.tables, self.shared, policy, now, reorder_s)
         cpu_blocks = cpu_blocks if mode == CacheMode.PENSIEVE else 0
-        self.tiers = Tiers(gpu_blocks, cpu_blocks, self.order, self.counters)
+        self.tiers = Tiers(gpu_blocks, cpu_blocks, self.order, self.counters, groups)
         self.gpu, self.cpu = self.tiers.gpu, self.tiers.cpu
         self.spills = Spills(chunk_size, self.counters)
         self.sharing = Sharing(
@@ -94,6 +101,7 @@ class KVCacheManager:
             self.prefetching,
             self.spills,
             self.counters,
+            self.layout,
         )
 
     @property
@@ -219,11 +227,16 @@ class KVCacheManager:
         return self.admission.admit(t, kv_len, upto, prefetch, loaded)
 
     def grow(
-        self, t: ChunkTable, kv_len: int, upto: int, copies: CopyPlan | None = None
+        self,
+        t: ChunkTable,
+        kv_len: int,
+        upto: int,
+        copies: CopyPlan | None = None,
+        start: int | None = None,
     ) -> CopyPlan | None:
-        """Room for a running turn to compute positions [kv_len, upto): the copies that make
-        it, or None if none can be made (`Admitter.grow`)."""
-        return self.admission.grow(t, kv_len, upto, copies)
+        """Room for a running turn to compute positions [start or kv_len, upto): the copies
+        that make it, or None if none can be made (`Admitter.grow`)."""
+        return self.admission.grow(t, kv_len, upto, copies, start)
 
     # ---- the rest of a turn's life ---------------------------------------------------------
 
@@ -231,6 +244,7 @@ class KVCacheManager:
         """The turn ended with `kv_len` positions computed: unpin, keep the KV (or drop it
         all in stateless mode)."""
         self._trim(t, kv_len)
+        self.slide(t, kv_len)
         self.tiers.set_pinned(t, False)
         if self.mode == CacheMode.STATELESS:
             for c in t.chunks:
@@ -243,12 +257,44 @@ class KVCacheManager:
         decode; returns the swap-outs. Its shared chunks stay where they are, unpinned."""
         copies = CopyPlan()
         self._trim(t, kv_len)
+        self.slide(t, kv_len)
         self.tiers.set_pinned(t, False)
         while t.n_off_gpu < len(t.chunks):
             self.evictor.evict_front_gpu(t, copies, force=True)
         self.counters.suspensions += 1
         self.order.changed(t)
         return copies
+
+    def slide(self, t: ChunkTable, position: int) -> None:
+        """The table's sliding layers will read nothing before the window of `position`'s
+        chunk (a turn's computed length, or its length before a step in flight that may be
+        taken back): the chunks before it give up their sliding groups' pages, for good.
+        The window of the chunk's start, not of `position`: a recompute after chunks read
+        back from disk starts there at the latest (`window_loads`)."""
+        if self.layout is None:
+            return
+        first = min(self.admission.window(position - position % self.chunk_size), len(t.chunks))
+        for c in t.chunks[t.slid : first]:
+            if c.gpu_win is not None or c.cpu_win is not None:
+                self.tiers.unwindow(None if c.shared else t, c)
+        t.slid = max(t.slid, first)
+
+    def window_loads(
+        self, t: ChunkTable, span: tuple[int, int], kv_len: int, pages: Callable[[int], int | None]
+    ) -> bool:
+        """Can chunks [first, last) of the dropped run come from the disk tier: with sliding
+        groups, each of them a sliding layer reads again (in the window of the recompute
+        after them, or of the turn's next position) must hold its sliding pages in its file
+        (`pages(i)`: the pages chunk i's file holds). A file written by another conversation
+        whose window had left the chunk holds one."""
+        if self.layout is None:
+            return True
+        first, last = span
+        cs = self.chunk_size
+        after = last * cs if min(kv_len, t.n_dropped * cs) > last * cs else kv_len
+        need = self.admission.window(after - after % cs)
+        wanted = range(max(first, need), last)
+        return all(pages(i) in (None, self.layout.groups) for i in wanted)
 
     def drop_prefix(self, t: ChunkTable, tokens: int) -> None:
         """Positions [0, tokens) hold no valid KV (a recompute stopped half way): drop them."""
@@ -272,6 +318,11 @@ class KVCacheManager:
         if keep > length // self.chunk_size and keep <= t.n_shared:
             # The cut falls inside a shared chunk, which is never written: recompute instead.
             self.sharing.let_go(t)
+        if self.layout is not None:
+            back = self.admission.window(length - length % self.chunk_size)
+            if back < t.slid:  # the window moves back over chunks without sliding pages
+                self.drop_prefix(t, min(length, t.slid * self.chunk_size))
+                t.slid = 0
         for c in t.chunks[keep:]:
             self.sharing.free_chunk(t, c)
         del t.chunks[keep:]
@@ -323,21 +374,28 @@ class KVCacheManager:
         if t.chunks or t.pinned:
             raise ValueError(f"conversation {t.id!r} holds chunks already")
         gpu, cpu = self.blocks_to_place(tiers, tokens)
-        if gpu > self.gpu.num_free or cpu > self.cpu.num_free:
+        if (
+            gpu * self.tiers.groups > self.gpu.num_free
+            or cpu * self.tiers.groups > self.cpu.num_free
+        ):
             raise ValueError(
                 f"{gpu} GPU and {cpu} CPU blocks asked, {self.gpu.num_free} and "
                 f"{self.cpu.num_free} free"
             )
+        first = self.admission.window(tokens - tokens % self.chunk_size)  # as `slide` leaves it
         for tier in tiers:
             c = Chunk()
             t.chunks.append(c)
+            window = len(t.chunks) - 1 >= first
             if tier in (GPU, BOTH):
-                self.tiers.set_gpu(t, c)
+                self.tiers.set_gpu(t, c, window)
             if tier in (CPU, BOTH):
-                self.tiers.set_cpu(t, c, self.cpu.allocate())
+                pages = self.tiers.pages(window)
+                self.tiers.set_cpu(t, c, tuple(self.cpu.allocate() for _ in range(pages)))
         t.n_dropped = t.n_shared = sum(1 for x in tiers if x in (DROPPED, DISK))
         t.n_off_gpu = t.n_dropped + sum(1 for x in tiers if x == CPU)
         t.tokens = tokens
+        t.slid = first if self.layout is not None else 0
         self.order.changed(t)
 
     # ---- prefetch (swap_in_ahead.py), swap-out ahead (eviction.py), spills (to_disk.py) ---
@@ -357,8 +415,8 @@ class KVCacheManager:
         return self.evictor.swap_out_ahead(busy)
 
     def take_spills(self) -> list[Spill]:
-        """(conversation, chunk index, tier, block) of every chunk dropped since the last
-        call, whose block still holds its KV until this step's copies run."""
+        """(conversation, chunk index, tier, pages) of every chunk dropped since the last
+        call, whose pages still hold its KV until this step's copies run."""
         return self.spills.take()
 
     # ---- inspection -----------------------------------------------------------------------
@@ -379,8 +437,9 @@ class KVCacheManager:
         return list(self.tables.values())
 
     def gpu_capacity(self) -> int:
-        """Blocks of the GPU tier."""
-        return self.gpu.num_blocks
+        """Chunks of every layer's KV the GPU tier holds (its blocks; with sliding groups,
+        its pages over the pages a chunk inside the window holds)."""
+        return self.gpu.num_blocks // self.tiers.groups
 
     def usage(self, tier: str) -> tuple[int, int, int]:
         """A tier's blocks: total, used, free."""

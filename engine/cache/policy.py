@@ -175,7 +175,9 @@ class Policy:
         """Retention value of a chunk: recompute cost over idle time, or (`returns`, once it
         has seen enough turns) times the chance of a return per second still to hold. A
         conversation waiting for a tool is worth at least Cost over the tool's expected time
-        still to come; the client's priority scales the whole (0: a finished session)."""
+        still to come; the client's priority scales the whole (0: a finished session).
+        Per page it holds: a chunk inside a sliding window holds every group's pages
+        (engine/kv_layout.py), one outside it only its full layers'."""
         idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
         cost = self.cost(chunk * self.chunk_size)
         cap = self.restore_s() if self.restore_s is not None else None
@@ -188,6 +190,9 @@ class Policy:
         wait = self.tools.remaining(conv.id, idle) if self.tool_value else None
         if wait is not None:  # it comes back when its tool does: about `wait` from now
             value = max(value, cost / max(wait, MIN_IDLE_S))
+        if chunk < len(conv.chunks):
+            c = conv.chunks[chunk]
+            value /= max(len(c.gpu_pages()), len(c.cpu_pages()), 1)
         return value * self.pins.factor(conv.id)
 
     def key(self, conv: ChunkTable, chunk: int, now: float) -> Key:

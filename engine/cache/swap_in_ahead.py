@@ -70,32 +70,32 @@ class PrefetchSwapIn:
             if c.gpu is not None:  # a shared chunk already on the GPU
                 continue
             owner = c if c.shared else t
-            if not self._reclaim_for(t, self.order.key(owner, i), copies):
+            need = len(c.cpu_pages())
+            if not self._reclaim_for(t, self.order.key(owner, i), copies, need):
                 return copies, False
-            self.tiers.set_gpu(None if c.shared else t, c)
+            self.tiers.set_gpu(None if c.shared else t, c, c.cpu_win is not None)
             c.prefetched = True
-            copies.swap_in.append((c.cpu, c.gpu))  # type: ignore[arg-type]
+            copies.swap_in += zip(c.cpu_pages(), c.gpu_pages(), strict=True)
             self.counters.prefetched_tokens += chunk_tokens(t, i, self.chunk_size)
             if i >= t.n_shared:  # the CPU run ends one chunk earlier: the layout holds
                 t.n_off_gpu = i
             self.order.changed(c if c.shared else t)
         return copies, True
 
-    def _reclaim_for(self, t: ChunkTable, key, copies: CopyPlan) -> bool:
-        """A free GPU block for a prefetch of `t`: free already, or the GPU block of the
-        lowest-value idle chunk if it is worth less than `key` (reclaimed at no cost when it
-        has a CPU copy, else evicted as an admission would). Never a running turn's block
+    def _reclaim_for(self, t: ChunkTable, key, copies: CopyPlan, need: int = 1) -> bool:
+        """`need` free GPU pages for a prefetch of `t`: free already, or those of the
+        lowest-value idle chunks if worth less than `key` (reclaimed at no cost when they
+        have a CPU copy, else evicted as an admission would). Never a running turn's block
         (pinned chunks are no candidates), nor one of another expected conversation."""
-        if self.tiers.gpu.num_free:
-            return True
-        found = self.order.pop_gpu()
-        if found is None:
-            return False
-        x, i = found
-        if x is t or self.order.expected(x) or self.order.key(x, i) >= key:
-            return False
-        self.evictor.evict_gpu(x, copies, UNEXPECTED)
-        return self.tiers.gpu.num_free > 0
+        while self.tiers.gpu.num_free < need:
+            found = self.order.pop_gpu()
+            if found is None:
+                return False
+            x, i = found
+            if x is t or self.order.expected(x) or self.order.key(x, i) >= key:
+                return False
+            self.evictor.evict_gpu(x, copies, UNEXPECTED)
+        return True
 
 
 def _idle_gpu_blocks(x: Candidate) -> int:

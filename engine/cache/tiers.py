@@ -3,6 +3,10 @@ admission and ahead-of-time swap-out ask for.
 
 Every change of a chunk's blocks or of a pin goes through `Tiers`, which keeps the counts
 (pinned and reclaimable GPU blocks) up to date as chunks move, so asking is O(1).
+
+A block is a page (engine/kv_layout.py): with one group, a chunk's every layer; with
+sliding groups, a chunk inside the window holds `groups` pages on its tier (`gpu_win`,
+`cpu_win`: the sliding groups'), one outside it. The counts are in pages.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ class Tiers:
         cpu_blocks: int,
         order: EvictionOrder,
         counters: EngineCounters | None = None,
+        groups: int = 1,
     ) -> None:
         self.counters = EngineCounters() if counters is None else counters  # the ahead_* fates
+        self.groups = groups  # pages a chunk inside the window holds on its tier
         self.gpu = BlockPool(gpu_blocks)
         self.cpu = BlockPool(cpu_blocks)
         self.order = order  # told when a chunk is unpinned: a candidate again
@@ -55,11 +61,9 @@ class Tiers:
 
     def pin_shared(self, c: Chunk, sign: int) -> None:
         before = c.pins > 0
+        self._count(None, c, -1)
         c.pins += sign
-        if before != (c.pins > 0) and c.gpu is not None:
-            flip = 1 if c.pins else -1  # counted as pinned now, or no longer
-            self.pinned_gpu += flip
-            self.reclaimable -= flip * (c.cpu is not None)
+        self._count(None, c, 1)
         if before and not c.pins:
             self.order.changed(c)  # a candidate again
 
@@ -67,10 +71,15 @@ class Tiers:
 
     def account(self, t: ChunkTable, c: Chunk, sign: int) -> None:
         """Add (1) or take away (-1) the chunk's blocks from the counts it belongs to."""
-        if c.gpu is not None:
-            self._count(t, c, sign, sign * (c.cpu is not None))
+        self._count(t, c, sign)
 
-    def _count(self, t: ChunkTable | None, c: Chunk, gpu: int, backed: int) -> None:
+    def _count(self, t: ChunkTable | None, c: Chunk, sign: int) -> None:
+        """Add (1) or take away (-1) the chunk's GPU pages, as it is now, from its counts: a
+        change of a chunk is taken away before and added after."""
+        if c.gpu is None:
+            return
+        gpu = sign * len(c.gpu_pages())
+        backed = gpu if c.cpu is not None else 0
         if c.shared:  # counted once, whoever holds it
             pinned = c.pins > 0
         else:
@@ -83,40 +92,77 @@ class Tiers:
         else:
             self.reclaimable += backed
 
-    def set_gpu(self, t: ChunkTable | None, c: Chunk) -> None:
+    def pages(self, window: bool) -> int:
+        """Pages a chunk holds on a tier: `groups` inside the window, 1 outside it."""
+        return self.groups if window else 1
+
+    def set_gpu(self, t: ChunkTable | None, c: Chunk, window: bool = False) -> None:
+        """Give the chunk its GPU pages: its sliding groups' too where `window` (and there
+        are any)."""
         if c.ahead:  # back on the GPU from the copy made ahead of time: it was needed
             self.counters.ahead_read_chunks += 1
             c.ahead = False
+        self._count(t, c, -1)
         c.gpu = self.gpu.allocate()
-        self._count(t, c, 1, c.cpu is not None)
+        if window and self.groups > 1:
+            c.gpu_win = tuple(self.gpu.allocate() for _ in range(self.groups - 1))
+        self._count(t, c, 1)
 
     def clear_gpu(self, t: ChunkTable | None, c: Chunk) -> None:
         if c.ahead and c.cpu is not None:  # reclaimed at no cost thanks to that copy
             self.counters.ahead_reclaimed_chunks += 1
-        self.gpu.release(c.gpu)  # type: ignore[arg-type]
-        c.gpu = None
+        self._count(t, c, -1)
+        for page in c.gpu_pages():
+            self.gpu.release(page)
+        c.gpu = c.gpu_win = None
         c.prefetched = False
-        self._count(t, c, -1, -(c.cpu is not None))
 
-    def set_cpu(self, t: ChunkTable | None, c: Chunk, block: int, ahead: bool = False) -> None:
-        """`ahead`: a copy made ahead of time (counted, and its fate counted later)."""
-        c.cpu = block
+    def set_cpu(
+        self, t: ChunkTable | None, c: Chunk, pages: tuple[int, ...], ahead: bool = False
+    ) -> None:
+        """`pages`: its CPU pages as its GPU pages are (or the one page of a chunk outside
+        the window); `ahead`: a copy made ahead of time (counted, and its fate counted
+        later)."""
+        self._count(t, c, -1)
+        c.cpu, c.cpu_win = pages[0], (pages[1:] or None)
         if ahead:
             c.ahead = True
             self.counters.ahead_chunks += 1
-        self._count(t, c, 0, c.gpu is not None)
+        self._count(t, c, 1)
 
     def clear_cpu(self, t: ChunkTable | None, c: Chunk, stale: bool = False) -> None:
         if c.ahead:
             if c.gpu is not None:  # given up before its GPU block was ever reclaimed
                 self.counters.ahead_wasted_chunks += 1
             c.ahead = False
-        if stale:
-            self.stale.append(c.cpu)  # type: ignore[arg-type]
-        else:
-            self.cpu.release(c.cpu)  # type: ignore[arg-type]
-        c.cpu = None
-        self._count(t, c, 0, -(c.gpu is not None))
+        self._count(t, c, -1)
+        for page in c.cpu_pages():
+            if stale:
+                self.stale.append(page)
+            else:
+                self.cpu.release(page)
+        c.cpu = c.cpu_win = None
+        self._count(t, c, 1)
+
+    def window_gpu(self, t: ChunkTable, c: Chunk) -> None:
+        """Give a GPU chunk its sliding groups' pages (a step computes it, or reads it
+        inside its window). A CPU copy without them is given up."""
+        if c.cpu is not None and c.cpu_win is None:
+            self.clear_cpu(t, c, stale=True)
+        self._count(t, c, -1)
+        c.gpu_win = tuple(self.gpu.allocate() for _ in range(self.groups - 1))
+        self._count(t, c, 1)
+
+    def unwindow(self, t: ChunkTable | None, c: Chunk) -> None:
+        """The window has left the chunk: free its sliding groups' pages on both tiers (a
+        step that read them was queued before: pages handed out again are written after)."""
+        self._count(t, c, -1)
+        for page in c.gpu_win or ():
+            self.gpu.release(page)
+        for page in c.cpu_win or ():
+            self.stale.append(page)  # this step's swap-in may still read it
+        c.gpu_win = c.cpu_win = None
+        self._count(t, c, 1)
 
     def clear(self, t: ChunkTable | None, c: Chunk) -> None:
         """Free both of the chunk's blocks (it is dropped). The CPU copy first: one made
@@ -133,28 +179,32 @@ class Tiers:
         owners: dict[tuple[str, int], str] = {}
 
         def own(c: Chunk, who: str) -> None:
-            for tier, b, pool in (("gpu", c.gpu, self.gpu), ("cpu", c.cpu, self.cpu)):
-                if b is None:
-                    continue
-                assert (tier, b) not in owners, f"{tier} block {b} owned twice"
-                assert not pool.is_free(b), f"{tier} block {b} is owned and free"
-                owners[(tier, b)] = who
+            for tier, pages, pool in (
+                ("gpu", c.gpu_pages(), self.gpu),
+                ("cpu", c.cpu_pages(), self.cpu),
+            ):
+                assert len(pages) in (0, 1, self.groups), (who, tier, "pages", pages)
+                for b in pages:
+                    assert (tier, b) not in owners, f"{tier} block {b} owned twice"
+                    assert not pool.is_free(b), f"{tier} block {b} is owned and free"
+                    owners[(tier, b)] = who
 
         pinned_gpu = reclaimable = 0
         for t in tables:
             for i, c in enumerate(t.chunks):
                 if not t.n_dropped <= i < t.n_shared:
                     own(c, t.id)
-            n_gpu = len(t.chunks) - t.n_off_gpu
-            n_backed = sum(1 for c in t.chunks[t.n_off_gpu :] if c.cpu is not None)
+            gpu = t.chunks[t.n_off_gpu :]
+            n_gpu = sum(len(c.gpu_pages()) for c in gpu)
+            n_backed = sum(len(c.gpu_pages()) for c in gpu if c.cpu is not None)
             assert (t.n_gpu, t.n_backed) == (n_gpu, n_backed), (t.id, "counts drifted")
             pinned_gpu += n_gpu if t.pinned else 0
             reclaimable += 0 if t.pinned else n_backed
         for c in shared:
             own(c, "shared")
             if c.gpu is not None:
-                pinned_gpu += 1 if c.pins else 0
-                reclaimable += 1 if not c.pins and c.cpu is not None else 0
+                pinned_gpu += len(c.gpu_pages()) if c.pins else 0
+                reclaimable += len(c.gpu_pages()) if not c.pins and c.cpu is not None else 0
         assert (self.pinned_gpu, self.reclaimable) == (pinned_gpu, reclaimable), "counts"
         for tier, pool in (("gpu", self.gpu), ("cpu", self.cpu)):
             owned = sum(1 for t, _ in owners if t == tier)

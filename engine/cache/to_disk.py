@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.snapshot import EngineCounters
 
-Spill = tuple[str, int, str, int]  # (conversation, chunk index, tier, block)
+Spill = tuple[str, int, str, tuple[int, ...]]  # (conversation, chunk index, tier, its pages)
 
 
 class Spills:
@@ -15,7 +15,7 @@ class Spills:
         self.counters = counters
         self.spilling = False  # a disk tier takes dropped chunks
         self.queue: list[Spill] = []
-        self._incoming: dict[int, int] = {}  # CPU block -> the GPU block this step swaps out to it
+        self._incoming: dict[int, int] = {}  # CPU page -> the GPU page this step swaps out to it
 
     def begin_step(self) -> None:
         self._incoming = {}
@@ -31,17 +31,17 @@ class Spills:
         if not self.spilling or (i + 1) * self.chunk_size > t.tokens:
             return
         if c.gpu is not None:
-            self.queue.append((t.id, i, "gpu", c.gpu))
-        elif c.cpu in self._incoming:  # its swap-out has not run yet: the GPU block holds it
-            self.queue.append((t.id, i, "gpu", self._incoming[c.cpu]))
+            self.queue.append((t.id, i, "gpu", c.gpu_pages()))
+        elif c.cpu in self._incoming:  # its swap-out has not run yet: the GPU pages hold it
+            self.queue.append((t.id, i, "gpu", tuple(self._incoming[p] for p in c.cpu_pages())))
         elif c.cpu is not None:
-            self.queue.append((t.id, i, "cpu", c.cpu))
+            self.queue.append((t.id, i, "cpu", c.cpu_pages()))
         else:
             return
         self.counters.spilled_tokens += self.chunk_size
 
     def take(self) -> list[Spill]:
-        """(conversation, chunk index, tier, block) of every chunk dropped since the last
-        call, whose block still holds its KV until this step's copies run."""
+        """(conversation, chunk index, tier, pages) of every chunk dropped since the last
+        call, whose pages still hold its KV until this step's copies run."""
         out, self.queue = self.queue, []
         return out

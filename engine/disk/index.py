@@ -32,6 +32,14 @@ class Loaded:
     dropped: int
     parts: dict[int, list[torch.Tensor]]
 
+    def pages(self, i: int) -> int | None:
+        """Pages chunk i's file holds (engine/kv_layout.py: every group's where it was
+        inside its window); None for a simulated tier's, which holds no tensors."""
+        parts = self.parts[i]
+        if not parts:
+            return None
+        return parts[0].shape[2] if parts[0].dim() == 6 else 1
+
 
 @dataclass
 class Entry:

@@ -19,13 +19,13 @@ class DiskWrites:
         """Chunks the cache dropped in this step's planning: copied out of their blocks
         before this step's copies and forward reuse them, written by the disk tier's
         thread."""
-        for cid, i, tier, block in self.cache.take_spills():
+        for cid, i, tier, pages in self.cache.take_spills():
             state = streams.get(cid)
             if state is None or i >= len(state.hashes) or not self.disk.writable:
                 continue
             if state.hashes[i] in self.disk.index:
                 continue
-            self.disk.put(state.hashes[i], i, self.pool.read_block(tier, block))
+            self.disk.put(state.hashes[i], i, self.pool.read_pages(tier, pages))
 
     def write_back(
         self, streams: dict[str, StreamState], limit: int | None, only: str | None = None
@@ -47,8 +47,8 @@ class DiskWrites:
                     continue
                 if limit is not None and n >= limit:
                     return n
-                block = c.gpu if tier == "gpu" else c.cpu
-                parts = self.pool.read_block(tier, block)
+                pages = c.gpu_pages() if tier == "gpu" else c.cpu_pages()
+                parts = self.pool.read_pages(tier, pages)
                 if not self.disk.put(state.hashes[j], j, parts, wait=limit is None):
                     return n  # the writer is behind: later
                 held.add(state.hashes[j])

@@ -46,15 +46,19 @@ def attend_paged(
     slots: torch.Tensor,
     scale: float,
     window: int | None,
+    group: int = 0,
 ) -> torch.Tensor:
     """Writes k, v [T, kv_heads, d] to their slots, then paged attention of q [T, heads, d]
-    (within the layer's sliding window, if it has one)."""
+    (within the layer's sliding window, if it has one) through its page group's tables."""
     write_kv_torch(k_cache, v_cache, k, v, slots)
-    return paged_attention_torch(q, k_cache, v_cache, _step.meta, scale, window)
+    meta = _step.meta
+    if meta.block_tables.dim() == 3:
+        meta = meta.group(group)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
 
 
 @attend_paged.register_fake
-def _(q, k, v, k_cache, v_cache, slots, scale, window):
+def _(q, k, v, k_cache, v_cache, slots, scale, window, group=0):
     return torch.empty_like(q)
 
 
@@ -69,10 +73,10 @@ def _pad(t: torch.Tensor, fill: int) -> torch.Tensor:
     """A copy with at least 2 entries, made under inference mode like every input (Dynamo
     guards on how a tensor was made). Extra ids and positions (fill 0) are inert: slot -1 is
     never written, and a row past query_start[-1] belongs to no sub-request; an extra logit
-    row (row 0) is cut off after the forward."""
-    if t.numel() >= 2:
+    row (row 0) is cut off after the forward. Slots of page groups [G, T]: along T."""
+    if t.shape[-1] >= 2:
         return t.clone()
-    return torch.cat([t, t.new_full((2 - t.numel(),), fill)])
+    return torch.cat([t, t.new_full((*t.shape[:-1], 2 - t.shape[-1]), fill)], dim=-1)
 
 
 class CompiledForward:

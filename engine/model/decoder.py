@@ -126,6 +126,7 @@ class Block(nn.Module):
         # Whether this layer rotates q and k (SmolLM3 leaves some layers without positions).
         self.uses_rope = args.spec.rope and index not in args.no_rope_layers
         self.window = args.window(index)  # its sliding window (None: every key)
+        self.kv_group = 0  # the page group its KV is in (engine/kv_layout.py; set_kv_groups)
         # Gemma 3's sliding layers rotate with a base of their own.
         self.local_rope = self.window is not None and args.rope_local_theta is not None
         self.sandwich = args.spec.sandwich
@@ -183,7 +184,7 @@ class Block(nn.Module):
         k_cache, v_cache = kv
         if torch.compiler.is_compiling():  # one opaque op (engine/model/compiled.py)
             o = torch.ops.pensieve.attend_paged(
-                q, k, v, k_cache, v_cache, slots, a.attn_scale, self.window
+                q, k, v, k_cache, v_cache, slots, a.attn_scale, self.window, self.kv_group
             )
         else:
             kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
@@ -251,6 +252,15 @@ class Decoder(nn.Module):
         }
         # Fused elementwise kernels: None = for the Triton backend on CUDA only (tests force it).
         self.fused: bool | None = None
+        # Per layer, its page group (engine/kv_layout.py), read when a step's block tables
+        # come one per group (`set_kv_groups`)
+        self.kv_groups: tuple[int, ...] = (0,) * args.n_layers
+
+    def set_kv_groups(self, groups: tuple[int, ...]) -> None:
+        """Each layer's page group, as the pool lays its KV out."""
+        self.kv_groups = tuple(groups)
+        for layer, g in zip(self.layers, groups, strict=True):
+            layer.kv_group = g
 
     def tie(self) -> None:
         """Share the embedding with the LM head where the config ties them (again after a
@@ -298,14 +308,19 @@ class Decoder(nn.Module):
         if fused is None:
             fused = x.is_cuda and kernels.pick_backend(x.device, backend) == "triton"
         delta = None  # fused path: the last MLP output, added in the next norm's kernel
+        grouped = slots.dim() == 2  # page groups: [G, T] slots, [G, S, W] tables
         for i, layer in enumerate(self.layers):
             if before_attention is not None:
                 before_attention(i)  # e.g. wait for this layer's swap-in
             r = (local_rope if layer.local_rope else rope) if layer.uses_rope else None
+            m, s = meta, slots
+            if grouped:  # this layer's pages: its group's tables and slots
+                g = self.kv_groups[i]
+                m, s = (None if meta is None else meta.group(g)), slots[g]
             if fused:
-                x, delta = layer.forward_fused(x, delta, r, kv_caches[i], meta, slots, backend)
+                x, delta = layer.forward_fused(x, delta, r, kv_caches[i], m, s, backend)
             else:
-                x = layer(x, r, kv_caches[i], meta, slots, backend)
+                x = layer(x, r, kv_caches[i], m, s, backend)
         if fused:
             rows = delta.index_select(0, logit_rows)
             _, x = add_norm(self.norm, x.index_select(0, logit_rows), rows)

@@ -17,7 +17,7 @@ implements:
 - chunks read back from the disk tier (read into host memory off the step loop, while
   their turn waited: `engine/sim/disk.py`) go to the GPU with the swap-in, layer by layer;
 - a chunk leaving for the disk tier from a GPU block is copied to the host before the
-  step's copies (the real engine's `read_block`, on the step loop); from a CPU block it is
+  step's copies (the real engine's `read_pages`, on the step loop); from a CPU block it is
   a host copy, not counted;
 - on a CPU every copy runs in the step, one after the other.
 Every sampled token is 0: benchmarks replay reply lengths (`ignore_eos`), and the
@@ -27,6 +27,7 @@ scheduler never looks at token ids.
 from __future__ import annotations
 
 from engine.copies import CopyPlan
+from engine.kv_layout import KVLayout
 from engine.sim.clock import VirtualClock
 from engine.sim.cost import Work
 from engine.sim.devices import Device
@@ -35,10 +36,20 @@ from engine.sim.devices import Device
 class SimPool:
     """The copy stream of a simulated device and its bookkeeping of time."""
 
-    def __init__(self, device: Device, clock: VirtualClock, bytes_per_block: int, cpu: int):
+    def __init__(
+        self,
+        device: Device,
+        clock: VirtualClock,
+        bytes_per_chunk: int,
+        cpu: int,
+        layout: KVLayout | None = None,
+    ):
         self.device = device
         self.clock = clock
-        self.block_bytes = bytes_per_block
+        self.layout = layout
+        self.chunk_bytes = bytes_per_chunk  # every layer's KV of a chunk
+        # a block is a page: with sliding groups, a share of the layers (engine/kv_layout.py)
+        self.block_bytes = bytes_per_chunk if layout is None else layout.page_bytes(bytes_per_chunk)
         self.cpu_blocks = cpu
         self.copy_free_at = 0.0  # when the copy stream has done all it was given
         self.swap_in_until = 0.0  # when the last swap-in is copied
@@ -50,12 +61,12 @@ class SimPool:
 
     @property
     def bytes_per_chunk(self) -> int:
-        return self.block_bytes
+        return self.chunk_bytes
 
-    def read_block(self, tier: str, block: int) -> list:
+    def read_pages(self, tier: str, pages: tuple[int, ...]) -> list:
         """A chunk leaving for the disk tier: no tensors, the time of its copy to the host."""
         if tier == "gpu":
-            self._spill_s += self._seconds(1, self.device.copies.swap_out_bps)
+            self._spill_s += self._seconds(len(pages), self.device.copies.swap_out_bps)
         return []
 
     def _seconds(self, blocks: int, bps: float) -> float:
@@ -65,7 +76,8 @@ class SimPool:
     def begin_step(self, plan: CopyPlan) -> None:
         c = self.device.copies
         self._out_s = self._spill_s + self._seconds(len(plan.swap_out), c.swap_out_bps)
-        self._in_s = self._seconds(len(plan.swap_in) + len(plan.load), c.swap_in_bps)
+        loads = sum(len(pages) for _, pages in plan.load)
+        self._in_s = self._seconds(len(plan.swap_in) + loads, c.swap_in_bps)
         self._spill_s = 0.0
 
     def run(self, forward_s: float, host_s: float = 0.0) -> None:

@@ -9,9 +9,13 @@ from hypothesis import strategies as st
 from engine.cache.manager import KVCacheManager
 from engine.cache.order import REORDER_MAX_S, REORDER_S, REORDER_SHARE, _LazyHeap
 from engine.cache.policy import CostModel, Policy
+from engine.kv_layout import KVLayout
 from engine.persistence import LocalClock
 
 CS = 4  # tiny chunks keep the scripts readable
+# Six layers, 2 and 5 full: a page holds 2 layers; a chunk inside the 6-position window holds
+# 3 pages, one outside it (engine/kv_layout.py)
+WINDOWED = KVLayout(6, 2, (0, 1, 0, 0, 1, 1), (1, 1, 0, 2, 2, 0), window=6)
 
 
 class FakeTime:
@@ -265,11 +269,17 @@ def test_double_release_is_caught():
     cpu=st.integers(0, 12),
     mode=st.sampled_from(["pensieve", "gpu", "stateless"]),
     eviction=st.sampled_from(["pensieve", "returns", "lru"]),
+    windowed=st.booleans(),
 )
-def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction):
+def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction, windowed):
     """Randomized multi-turn workload: after every step, no block is leaked or double-owned
-    and every conversation is laid out [dropped | CPU | GPU]."""
-    m, clock, now = manager(gpu=gpu, cpu=cpu, mode=mode, eviction=eviction)
+    and every conversation is laid out [dropped | CPU | GPU]; with sliding groups, every
+    chunk a sliding layer may still read holds their pages, and none the window left."""
+    layout = WINDOWED if windowed else None
+    pages = 3 if windowed else 1
+    m, clock, now = manager(
+        gpu=gpu * pages, cpu=cpu * pages, mode=mode, eviction=eviction, layout=layout
+    )
     kv_len: dict[str, int] = {}  # what the engine's stream records would say
     running = {}
     for cid_n, grow_by, dt in ops:
@@ -280,6 +290,7 @@ def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, evict
         target = kv_len.get(cid, 0) + grow_by
         if cid in running:  # decode a few tokens, or end the turn
             if m.grow(table, kv_len[cid], target) is not None:
+                m.slide(table, kv_len[cid])  # as a launched step does: up to its start
                 kv_len[cid] = target
             else:
                 m.suspend(table, kv_len[cid])
@@ -289,11 +300,48 @@ def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, evict
                 clock.touch(cid)
                 del running[cid]
         elif m.can_admit(table, target):
-            m.admit(table, kv_len.get(cid, 0), target)
-            kv_len[cid] = target
-            running[cid] = True
+            adm = m.admit(table, kv_len.get(cid, 0), target)
+            # its first step: from position 0 where it recomputes (sliding pages as it goes)
+            if m.grow(table, kv_len.get(cid, 0), target, start=0 if adm.recompute_tokens else None):
+                kv_len[cid] = target
+                running[cid] = True
+            else:
+                m.suspend(table, kv_len.get(cid, 0))
         m.swap_out_ahead()
         m.check()
+        if windowed:
+            check_windows(m, kv_len, running)
+
+
+def check_windows(m: KVCacheManager, kv_len: dict[str, int], running: dict) -> None:
+    """Every held chunk a sliding layer may still read holds every group's pages (a running
+    turn's: all it computes too), and none before `slid` does."""
+    for cid, t in m.tables.items():
+        n = kv_len.get(cid, 0)
+        first = m.layout.first_read(n - n % CS, CS)
+        for i, c in enumerate(t.chunks):
+            held = c.gpu is not None or c.cpu is not None
+            if held and i >= first:
+                assert c.gpu is None or c.gpu_win is not None, (cid, i, "window lost")
+                assert c.cpu is None or c.gpu is not None or c.cpu_win is not None, (cid, i)
+
+
+def test_a_chunk_the_window_left_frees_its_sliding_pages():
+    """A chunk holds 3 pages while inside the window and 1 after it; the pages come back."""
+    m, clock, now = manager(gpu=30, cpu=0, layout=WINDOWED)
+    t = m.table("a")
+    m.admit(t, 0, 12)  # 3 chunks, all computed: every group's pages
+    assert m.gpu.num_used == 9
+    m.slide(t, 12)  # a query at 12 or later reads from position 7: chunk 1 on
+    assert [len(c.gpu_pages()) for c in t.chunks] == [1, 3, 3]
+    assert m.gpu.num_used == 7 and t.slid == 1
+    m.release(t, 12)
+    m.check()
+    assert m.tiers.reclaimable == 0 and m.tiers.pinned_gpu == 0
+    # a window reaching back past chunks that lost their pages: recompute them
+    m.truncate(t, 5)
+    assert t.n_dropped == 1 and t.slid == 0
+    m.check()
 
 
 def test_prefetch_swaps_in_back_first_and_keeps_the_copies():
@@ -524,12 +572,15 @@ def test_the_lazy_heap_counts_only_an_items_latest_entry():
     ),
     gpu=st.integers(4, 16),
     cpu=st.integers(0, 12),
+    windowed=st.booleans(),
 )
-def test_random_workload_with_a_disk_tier(ops, gpu, cpu):
+def test_random_workload_with_a_disk_tier(ops, gpu, cpu, windowed):
     """With a disk tier: every chunk that loses its last copy in memory is handed over
     (full chunks only, from a block it still owns), and admissions that load part of a
-    dropped run from disk keep every invariant."""
-    m, clock, now = manager(gpu=gpu, cpu=cpu)
+    dropped run from disk keep every invariant (with sliding groups too)."""
+    pages = 3 if windowed else 1
+    layout = WINDOWED if windowed else None
+    m, clock, now = manager(gpu=gpu * pages, cpu=cpu * pages, layout=layout)
     m.spilling = True
     cs = m.chunk_size
     kv_len: dict[str, int] = {}
@@ -542,6 +593,7 @@ def test_random_workload_with_a_disk_tier(ops, gpu, cpu):
         target = kv_len.get(cid, 0) + grow_by
         if cid in running:
             if m.grow(table, kv_len[cid], target) is not None:
+                m.slide(table, kv_len[cid])
                 kv_len[cid] = target
             else:
                 m.suspend(table, kv_len[cid])
@@ -556,14 +608,22 @@ def test_random_workload_with_a_disk_tier(ops, gpu, cpu):
             adm = m.admit(table, kv_len.get(cid, 0), target, loaded=span)
             assert [i for i, _ in adm.loads] == list(range(*span)) if span else not adm.loads
             assert adm.disk_tokens == len(adm.loads) * cs
-            kv_len[cid] = target
-            running[cid] = True
+            start = 0 if adm.recompute_tokens else adm.recompute_from
+            if m.grow(table, kv_len.get(cid, 0), target, start=start):
+                kv_len[cid] = target
+                running[cid] = True
+            else:
+                m.suspend(table, kv_len.get(cid, 0))
         m.swap_out_ahead()
-        for owner, i, tier, block in m.take_spills():
+        for owner, i, tier, pages in m.take_spills():
             t = m.tables[owner]
             assert (i + 1) * cs <= t.tokens and tier in ("gpu", "cpu")
-            assert 0 <= block < (m.gpu.num_blocks if tier == "gpu" else m.cpu.num_blocks)
+            n = m.gpu.num_blocks if tier == "gpu" else m.cpu.num_blocks
+            assert len(pages) in (1, m.tiers.groups)
+            assert all(0 <= block < n for block in pages)
         m.check()
+        if windowed:
+            check_windows(m, kv_len, running)
 
 
 def test_a_disk_tier_caps_the_value_at_its_read_time():

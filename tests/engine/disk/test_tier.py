@@ -1,6 +1,7 @@
 """The disk tier: chunks the CPU tier drops are written to files and read back instead of
 recomputed, with greedy equality with Hugging Face through every move; a restart reads
-them; damaged files fall back to recompute."""
+them; damaged files fall back to recompute. The first two also on a model whose sliding
+layers keep only their window (files hold the pages a chunk holds)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,36 @@ from tests.engine.test_engine_equality import check_against_hf, prompts
 from tests.oracle import hf_greedy, hf_model
 
 MODEL = "dummy:tiny"
+MODELS = [MODEL, "dummy:tiny-gemma3"]  # the second: five of six layers slide over 64 tokens
+_HF: dict = {}
 
 
 @pytest.fixture(scope="module")
 def hf():
-    return hf_model(Engine(EngineConfig(model=MODEL, device="cpu", gpu_cache_chunks=16)))
+    return hf_of(MODEL)
 
 
-def make(disk: Path, history=None, **kw) -> Engine:
+def hf_of(model: str):
+    if model not in _HF:
+        engine = Engine(EngineConfig(model=model, device="cpu", gpu_cache_chunks=16))
+        _HF[model] = hf_model(engine)
+    return _HF[model]
+
+
+def make(disk: Path, history=None, model: str = MODEL, **kw) -> Engine:
     config = dict(device="cpu", gpu_cache_chunks=9, cpu_cache_chunks=4, max_batch_tokens=64)
     config.update(kw)
-    return Engine(EngineConfig(model=MODEL, disk_cache_dir=str(disk), **config), history=history)
+    return Engine(EngineConfig(model=model, disk_cache_dir=str(disk), **config), history=history)
 
 
 def files(disk: Path) -> list[Path]:
     return sorted(disk.rglob("*.kv"))
 
 
-def test_dropped_chunks_come_back_from_disk(hf, tmp_path):
-    engine = make(tmp_path)
+@pytest.mark.parametrize("model", MODELS)
+def test_dropped_chunks_come_back_from_disk(model, tmp_path):
+    hf = hf_of(model)
+    engine = make(tmp_path, model=model)
     counters = check_against_hf(
         engine, hf, max_tokens=24, seed=1, min_len=40, max_len=64, ignore_eos=True
     )
@@ -60,8 +72,10 @@ def run_chats(engine: Engine, plan, contexts, turns: range, max_tokens: int = 12
     return out
 
 
-def test_a_restart_reads_the_disk_tier_instead_of_recomputing(hf, tmp_path):
-    first = make(tmp_path)  # keeps the history in memory: the durable one a restart reads
+@pytest.mark.parametrize("model", MODELS)
+def test_a_restart_reads_the_disk_tier_instead_of_recomputing(model, tmp_path):
+    hf = hf_of(model)
+    first = make(tmp_path, model=model)  # keeps the history in memory: the durable one
     history = first.history
     plan = prompts(first, 3, 3, seed=5, min_len=40, max_len=64)
     contexts = [[] for _ in plan]
@@ -69,7 +83,7 @@ def test_a_restart_reads_the_disk_tier_instead_of_recomputing(hf, tmp_path):
     first.close()  # a graceful stop writes what memory holds
     assert files(tmp_path)
 
-    again = make(tmp_path, history, gpu_cache_chunks=32, cpu_cache_chunks=16)
+    again = make(tmp_path, history, model, gpu_cache_chunks=32, cpu_cache_chunks=16)
     [results] = run_chats(again, plan, [list(c) for c in contexts], range(2, 3))
     for i, r in enumerate(results):
         want = hf_greedy(hf, contexts[i] + plan[i][2], 12, set())

@@ -69,14 +69,14 @@ def test_one_drive_reads_first_and_drops_writes_past_the_queue() -> None:
 
 def test_loads_are_copied_beside_the_forward_like_a_swap_in() -> None:
     times = []
-    for plan in (CopyPlan(swap_in=[(0, 0), (1, 1)]), CopyPlan(load=[([], 0), ([], 1)])):
+    for plan in (CopyPlan(swap_in=[(0, 0), (1, 1)]), CopyPlan(load=[([], (0,)), ([], (1,))])):
         p, clock = pool()
         p.begin_step(plan)
         p.run(0.5)
         times.append(clock())
     assert times[0] == times[1] == pytest.approx(2.0)  # a 2 s copy beside a 0.5 s forward
     p, clock = pool()
-    assert p.read_block("cpu", 3) == [] and p.read_block("gpu", 4) == []
+    assert p.read_pages("cpu", (3,)) == [] and p.read_pages("gpu", (4,)) == []
     p.begin_step(CopyPlan())  # the GPU block's copy to the host (2 s) before the forward
     p.run(0.5)
     assert clock() == pytest.approx(2.5)
