@@ -113,7 +113,7 @@ def write_llama_like(a: Shape) -> dict:
 
 
 def write_windows(a: Shape) -> dict:
-    """The window keys transformers reads back as `_read_windows` does."""
+    """The window keys transformers reads back as this shape (and as the readers do)."""
     if a.family in ("mistral", "qwen3_moe", "phi3"):
         if a.full_layers and a.sliding_window is not None:
             raise UnsupportedModel(f"{a.family}: every layer slides, or none")
