@@ -27,10 +27,11 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    # Keys `sliding_window` or more positions back are not attended (Mistral: every layer;
-    # Gemma 3: every layer but `full_layers`).
+    # Keys `sliding_window` or more positions back are not attended, in every layer but
+    # `full_layers` (Mistral, Phi-3, Qwen3-MoE: every layer; Gemma 3, and Qwen2, Qwen3 and
+    # SmolLM3 where their configs slide: the layers transformers' `layer_types` says slide).
     sliding_window: int | None = None
-    full_layers: tuple[int, ...] = ()  # Gemma 3's global layers: no window
+    full_layers: tuple[int, ...] = ()  # the global layers: no window
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q/k are not rotated
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first part of each head only
@@ -72,11 +73,11 @@ class ModelArgs:
     @property
     def max_context(self) -> int:
         """Most tokens a conversation may hold. A family whose reader knows which layers slide
-        (`Family.exact_window`: Mistral, Gemma 3) runs past its window, each layer attending
-        within its own; the others stop at the window (up to there windowed attention is full
-        attention). LongRoPE stops at its original length: past it transformers switches
-        every frequency to the long factors mid-conversation, while the keys already cached
-        keep the short ones, a state no paged cache reproduces."""
+        (`Family.exact_window`: every family with a window today) runs past it, each layer
+        attending within its own; one that did not would stop at the window (up to there
+        windowed attention is full attention). LongRoPE stops at its original length: past it
+        transformers switches every frequency to the long factors mid-conversation, while the
+        keys already cached keep the short ones, a state no paged cache reproduces."""
         limit = self.max_position
         if self.sliding_window and not self.spec.exact_window:
             limit = min(limit, self.sliding_window)

@@ -48,7 +48,7 @@ class Family:
     # Gemma: norms after attention and after the MLP too (before the residual add)
     sandwich: bool = False
     scaled_embed: bool = False  # Gemma: embeddings times sqrt(dim), rounded to their dtype
-    # The reader maps every layer's sliding window as transformers does, so the context may
+    # The reader places every layer's sliding window as transformers does, so the context may
     # run past it (else it stops at the window: see `ModelArgs.max_context`).
     exact_window: bool = False
 
@@ -114,6 +114,35 @@ def rms_decoder_config(a: Shape) -> dict:
         "max_position_embeddings": a.max_position,
         "tie_word_embeddings": a.tie_embeddings,
     }
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_windows(window: int | None, types: list[str] | None, n: int) -> dict:
+    """`sliding_window` and `full_layers` from transformers' `layer_types` (`None`: every
+    layer slides over `window`, or none where `window` is None). A sliding layer without a
+    window is refused: transformers' sliding mask raises on it."""
+    if types is None:
+        types = [FULL if window is None else SLIDING] * n
+    if len(types) < n:
+        raise UnsupportedModel(f"layer_types has {len(types)} entries for {n} layers")
+    unknown = set(types[:n]) - {SLIDING, FULL}
+    if unknown:
+        raise UnsupportedModel(f"layer_types {sorted(unknown)} are not supported")
+    full = tuple(i for i in range(n) if types[i] == FULL)
+    if len(full) == n:
+        return {"sliding_window": None, "full_layers": ()}
+    if window is None:
+        raise UnsupportedModel(
+            "layer_types has sliding layers but no sliding_window (or use_sliding_window off)"
+        )
+    return {"sliding_window": window, "full_layers": full}
+
+
+def layer_types(a: Shape) -> list[str]:
+    """transformers' `layer_types` of a shape: each layer sliding or full."""
+    return [FULL if a.window(i) is None else SLIDING for i in range(a.n_layers)]
 
 
 def add_linear(m: WeightMap, own: str, parts: list[tuple[str, int]], bias: bool) -> None:

@@ -4,10 +4,14 @@ own, q/k norms, sandwich norms, a scaled embedding."""
 from __future__ import annotations
 
 from engine.model.families.base import (
+    FULL,
+    SLIDING,
     Shape,
     UnsupportedModel,
     WeightMap,
     activation,
+    layer_types,
+    layer_windows,
     rms_decoder_config,
     rope_parameters,
     rotary_fields,
@@ -32,8 +36,9 @@ def _read_gemma3(config: dict) -> dict:
         "qkv_bias": bias,
         "o_bias": bias,
         "qk_norm": True,
-        "sliding_window": config.get("sliding_window"),
-        "full_layers": _gemma3_full_layers(config),
+        **layer_windows(
+            config.get("sliding_window"), _gemma3_layer_types(config), fields["n_layers"]
+        ),
         "rope_local_theta": local_theta,
         "query_pre_attn_scalar": config.get("query_pre_attn_scalar", 256),
         "final_softcap": config.get("final_logit_softcapping"),
@@ -62,20 +67,15 @@ def _gemma3_rope(config: dict) -> tuple[float, dict | None, float]:
     return theta, scaling, local_theta
 
 
-def _gemma3_full_layers(config: dict) -> tuple[int, ...]:
-    """The layers that attend to every key: `layer_types`, or in older configs every
-    `sliding_window_pattern`-th layer (transformers' default: 6)."""
-    n = config["num_hidden_layers"]
+def _gemma3_layer_types(config: dict) -> list[str]:
+    """Each layer sliding or full: `layer_types`, or in older configs every
+    `sliding_window_pattern`-th layer full (transformers' default: 6)."""
     types = config.get("layer_types")
     if types is None:
         pattern = config.get("sliding_window_pattern", 6)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if len(types) < n:
-        raise UnsupportedModel(f"layer_types has {len(types)} entries for {n} layers")
-    unknown = set(types[:n]) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise UnsupportedModel(f"layer_types {sorted(unknown)} are not supported")
-    return tuple(i for i in range(n) if types[i] == "full_attention")
+        n = config["num_hidden_layers"]
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    return types
 
 
 def _write_gemma3(a: Shape) -> dict:
@@ -89,10 +89,7 @@ def _write_gemma3(a: Shape) -> dict:
         "hidden_activation": a.hidden_act,
         "attention_bias": a.qkv_bias,
         "sliding_window": a.sliding_window,
-        "layer_types": [
-            "full_attention" if i in a.full_layers else "sliding_attention"
-            for i in range(a.n_layers)
-        ],
+        "layer_types": layer_types(a),
         "query_pre_attn_scalar": a.query_pre_attn_scalar,
         "final_logit_softcapping": a.final_softcap,
     }

@@ -7,11 +7,15 @@ from __future__ import annotations
 from functools import partial
 
 from engine.model.families.base import (
+    FULL,
+    SLIDING,
     Family,
     Shape,
     UnsupportedModel,
     WeightMap,
     add_linear,
+    layer_types,
+    layer_windows,
     read_rope,
     rms_decoder_config,
     rope_parameters,
@@ -27,23 +31,49 @@ def read_llama_like(model_type: str, config: dict) -> dict:
         fields |= {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias"))}
     elif model_type == "qwen2":  # q/k/v always carry biases; o and the MLP never do
         fields["qkv_bias"] = True
-        if config.get("use_sliding_window"):
-            fields["sliding_window"] = config.get("sliding_window")
-    elif model_type == "mistral":
-        fields["sliding_window"] = config.get("sliding_window")
     elif model_type in ("qwen3", "qwen3_moe"):  # q/k norms; one attention_bias for q/k/v and o
         bias = bool(config.get("attention_bias", False))
         fields |= {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
-        if config.get("use_sliding_window"):
-            fields["sliding_window"] = config.get("sliding_window")
     elif model_type == "smollm3":
         bias = bool(config.get("attention_bias", False))
         fields |= {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias"))}
         fields["no_rope_layers"] = _smollm3_no_rope(config)
-        slides = "sliding_attention" in (config.get("layer_types") or [])
-        if config.get("use_sliding_window") and slides:  # its layers without RoPE slide
-            fields["sliding_window"] = config.get("sliding_window")
-    return fields
+    return fields | _read_windows(model_type, config, fields)
+
+
+def _read_windows(model_type: str, config: dict, fields: dict) -> dict:
+    """Which layers slide, and over how many keys, as transformers' config and model place
+    them (5.17 to 5.24 alike):
+    - mistral: every layer over `sliding_window` (None: no window).
+    - qwen2, qwen3: `layer_types` where the config has it (transformers 5 writes it), else
+      the layers from `max_window_layers` on (default 28); none unless `use_sliding_window`.
+    - qwen3_moe: every layer, when `use_sliding_window` (its model ignores
+      `max_window_layers` and `layer_types`: one mask for all layers).
+    - smollm3: `layer_types`, else the layers without RoPE, when `use_sliding_window`.
+    """
+    n, window, types = fields["n_layers"], config.get("sliding_window"), config.get("layer_types")
+    if model_type in ("mistral", "qwen3_moe"):
+        types = None
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+        window = None
+    if model_type in ("qwen2", "qwen3") and types is None:
+        start = config.get("max_window_layers", 28)
+        types = [SLIDING if window is not None and i >= start else FULL for i in range(n)]
+    elif model_type == "smollm3":
+        use = config.get("use_sliding_window")
+        if types is None:
+            slides = use and window is not None
+            no_rope = fields["no_rope_layers"]
+            types = [SLIDING if slides and i in no_rope else FULL for i in range(n)]
+        elif SLIDING in types[:n] and not use:
+            # sdpa and eager would slide these layers (the mask follows layer_types), flash
+            # attention would not (its window follows use_sliding_window)
+            raise UnsupportedModel(
+                "smollm3: layer_types has sliding layers but use_sliding_window is off"
+            )
+    elif model_type == "llama":
+        return {}
+    return layer_windows(window, types, n)
 
 
 def _smollm3_no_rope(config: dict) -> tuple[int, ...]:
@@ -70,19 +100,34 @@ def write_llama_like(a: Shape) -> dict:
         if a.qkv_bias != a.o_bias:
             raise UnsupportedModel("a llama config has one attention_bias for q/k/v and o")
         config |= {"attention_bias": a.qkv_bias, "mlp_bias": a.mlp_bias}
-    elif a.family == "qwen2":
-        config |= {"use_sliding_window": a.sliding_window is not None}
-        config |= {"sliding_window": a.sliding_window}
-    elif a.family == "mistral":
-        config["sliding_window"] = a.sliding_window
+    elif a.family in ("qwen2", "mistral"):
+        config |= write_windows(a)
     elif a.family in ("qwen3", "smollm3", "qwen3_moe"):
         if a.qkv_bias != a.o_bias:
             raise UnsupportedModel(f"a {a.family} config has one attention_bias for q/k/v and o")
-        config |= {"attention_bias": a.qkv_bias, "use_sliding_window": a.sliding_window is not None}
-        config["sliding_window"] = a.sliding_window
+        config |= {"attention_bias": a.qkv_bias} | write_windows(a)
         if a.family == "smollm3":
             config["mlp_bias"] = a.mlp_bias
             config["no_rope_layers"] = [int(i not in a.no_rope_layers) for i in range(a.n_layers)]
+    return config
+
+
+def write_windows(a: Shape) -> dict:
+    """The window keys transformers reads back as this shape (and as the readers do)."""
+    if a.family in ("mistral", "qwen3_moe", "phi3"):
+        if a.full_layers and a.sliding_window is not None:
+            raise UnsupportedModel(f"{a.family}: every layer slides, or none")
+        if a.family != "qwen3_moe":
+            return {"sliding_window": a.sliding_window}
+    config = {
+        "use_sliding_window": a.sliding_window is not None,
+        "sliding_window": a.sliding_window,
+    }
+    if a.family in ("qwen2", "qwen3", "smollm3"):
+        types = config["layer_types"] = layer_types(a)
+        full = types.count(FULL)
+        if a.family != "smollm3" and SLIDING not in types[:full]:
+            config["max_window_layers"] = full  # says the same, for readers without types
     return config
 
 
@@ -129,7 +174,7 @@ def llama_like(model_type: str, architecture: str, **kw) -> Family:
 
 
 LLAMA = llama_like("llama", "LlamaForCausalLM")
-QWEN2 = llama_like("qwen2", "Qwen2ForCausalLM")
+QWEN2 = llama_like("qwen2", "Qwen2ForCausalLM", exact_window=True)
 MISTRAL = llama_like("mistral", "MistralForCausalLM", exact_window=True)
-QWEN3 = llama_like("qwen3", "Qwen3ForCausalLM")
-SMOLLM3 = llama_like("smollm3", "SmolLM3ForCausalLM")
+QWEN3 = llama_like("qwen3", "Qwen3ForCausalLM", exact_window=True)
+SMOLLM3 = llama_like("smollm3", "SmolLM3ForCausalLM", exact_window=True)

@@ -8,11 +8,12 @@ from functools import partial
 from engine.model.families.base import (
     Shape,
     UnsupportedModel,
+    layer_windows,
     read_rope,
     rms_decoder_config,
     rotary_fields,
 )
-from engine.model.families.llama import llama_like, llama_names
+from engine.model.families.llama import llama_like, llama_names, write_windows
 
 
 def _read_phi3(config: dict) -> dict:
@@ -38,10 +39,10 @@ def _read_phi3(config: dict) -> dict:
             "factor": scaling.get("factor"),
             "attention_factor": scaling.get("attention_factor"),
         }
-    return rotary_fields("phi3", config, theta, scaling, 1e-5) | {
-        "partial_rotary_factor": float(partial_rotary),
-        "sliding_window": config.get("sliding_window"),
-    }
+    fields = rotary_fields("phi3", config, theta, scaling, 1e-5)
+    # transformers' Phi3 masks every layer with `sliding_window` (Phi-3-mini-4k: 2047)
+    windows = layer_windows(config.get("sliding_window"), None, fields["n_layers"])
+    return fields | windows | {"partial_rotary_factor": float(partial_rotary)}
 
 
 def _write_phi3(a: Shape) -> dict:
@@ -57,8 +58,8 @@ def _write_phi3(a: Shape) -> dict:
         "rope_parameters": rope,
         "partial_rotary_factor": a.partial_rotary_factor,
         "hidden_act": a.hidden_act,
-        "sliding_window": a.sliding_window,
     }
+    config |= write_windows(a)
     if a.rope_scaling:
         old_len = a.rope_scaling["original_max_position_embeddings"]
         config["original_max_position_embeddings"] = old_len
@@ -73,4 +74,5 @@ PHI3 = llama_like(
     read_config=_read_phi3,
     write_config=_write_phi3,
     names=partial(llama_names, fused=True),
+    exact_window=True,
 )

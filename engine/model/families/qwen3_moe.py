@@ -98,4 +98,5 @@ QWEN3_MOE = llama_like(
     read_config=_read_qwen3_moe,
     write_config=_write_qwen3_moe,
     names=_moe_names,
+    exact_window=True,
 )

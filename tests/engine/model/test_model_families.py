@@ -1,8 +1,10 @@
 """Model families against Hugging Face transformers: small random-weight checkpoints of Llama,
-Qwen2 (non-zero q/k/v biases), Mistral (sliding window), OPT, Qwen3 (q/k norms, head_dim
-from the config), SmolLM3 (layers without RoPE), Phi-3 (fused checkpoints, partial rotary
-dims, LongRoPE) and Gemma 3 (sliding and global layers, each with its RoPE base), built and saved by transformers as safetensors dirs with the bundled
-tokenizer; strict refusals; hub ids."""
+Qwen2 (non-zero q/k/v biases), Mistral, OPT, Qwen3 (q/k norms, head_dim from the config),
+SmolLM3 (layers without RoPE), Phi-3 (fused checkpoints, partial rotary dims, LongRoPE),
+Gemma 3 (sliding and global layers, each with its RoPE base) and Qwen3-MoE, built and saved
+by transformers as safetensors dirs with the bundled tokenizer; every family that has a
+sliding window slides in them (Qwen2, Qwen3, SmolLM3, Gemma 3: some layers; Mistral, Phi-3,
+Qwen3-MoE: all), shorter than the conversations; strict refusals; hub ids."""
 
 from __future__ import annotations
 
@@ -66,15 +68,35 @@ def hf_config(family: str, **kw):
         "gemma3_text": tf.Gemma3TextConfig,
         "qwen3_moe": tf.Qwen3MoeConfig,
     }
+    # Sliding windows off the 32-token chunks; conversations run to ~260 tokens, past them.
     extra = {
-        "qwen2": {"tie_word_embeddings": True},
-        # Windows off the 32-token chunks; conversations run to ~260 tokens, past them.
-        "mistral": {"sliding_window": 48},
-        "qwen3": {"head_dim": 32},  # not hidden_size / heads (16): read from the config
-        # Layers 1 and 3 without RoPE (transformers' flags: 1 = rotates).
-        "smollm3": {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0]},
-        # Phi-4-mini's kind: 3/4 of each head rotated, LongRoPE (short factors up to 512).
+        # Layer 1 slides (from max_window_layers on), layer 0 attends to everything.
+        "qwen2": {
+            "tie_word_embeddings": True,
+            "use_sliding_window": True,
+            "sliding_window": 40,
+            "max_window_layers": 1,
+        },
+        "mistral": {"sliding_window": 48},  # every layer
+        # head_dim not hidden_size / heads (16): read from the config. layer_types slides
+        # layer 0 and not layer 1, which max_window_layers cannot say.
+        "qwen3": {
+            "head_dim": 32,
+            "use_sliding_window": True,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        # Layers 1 and 3 without RoPE (transformers' flags: 1 = rotates); they slide.
+        "smollm3": {
+            "num_hidden_layers": 4,
+            "no_rope_layers": [1, 0, 1, 0],
+            "use_sliding_window": True,
+            "sliding_window": 44,
+        },
+        # Phi-4-mini's kind: 3/4 of each head rotated, LongRoPE (short factors up to 512);
+        # every layer slides over 52 keys.
         "phi3": {
+            "sliding_window": 52,
             "partial_rotary_factor": 0.75,
             "original_max_position_embeddings": 512,
             "rope_scaling": {
@@ -97,9 +119,13 @@ def hf_config(family: str, **kw):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
         },
-        # 8 experts, 2 a token, renormalised; layer 1 dense (MoE's defaults are a 30B shape)
+        # 8 experts, 2 a token, renormalised; layer 1 dense (MoE's defaults are a 30B shape).
+        # Every layer slides: its model reads no max_window_layers (as the hub's configs set).
         "qwen3_moe": {
             "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "sliding_window": 56,
+            "max_window_layers": 1,
             "head_dim": 32,
             "num_experts": 8,
             "num_experts_per_tok": 2,
@@ -250,7 +276,16 @@ def without(model: Decoder, **change) -> Decoder:
         ("phi3", "partial_rotary_factor"),
         ("phi3", "short_factor"),
         ("phi3", "attention_factor"),
+        ("qwen2", {"sliding_window": None}),
+        ("qwen2", {"full_layers": ()}),
+        ("qwen3", {"sliding_window": None}),
+        ("qwen3", {"full_layers": ()}),
+        ("smollm3", {"sliding_window": None}),
+        ("smollm3", {"full_layers": ()}),
+        ("phi3", {"sliding_window": None}),
         ("mistral", {"sliding_window": None}),
+        ("qwen3_moe", {"sliding_window": None}),
+        ("qwen3_moe", {"full_layers": (0,)}),  # as max_window_layers would say: not read
         ("gemma3_text", {"sliding_window": None}),
         ("gemma3_text", {"rope_local_theta": None}),
         ("gemma3_text", {"rope_scaling": None}),
@@ -274,7 +309,9 @@ def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
         for layer in model.layers:
             layer.q_norm = layer.k_norm = torch.nn.Identity()
         off = model
-    elif family == "phi3":
+    elif isinstance(change, dict):
+        off = without(model, **change)
+    else:  # phi3's rotary dims and LongRoPE
         scaling = dict(a.rope_scaling)
         if change == "partial_rotary_factor":  # whole heads, their extra pairs unscaled
             scaling["short_factor"] = scaling["short_factor"] + [1.0, 1.0]
@@ -282,8 +319,6 @@ def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
         else:
             scaling[change] = 1.0 if change == "attention_factor" else [1.0] * 6
             off = without(model, rope_scaling=scaling)
-    else:
-        off = without(model, **change)
     assert (own_logits(off, ids) - want).abs().max() > 1e-2
 
 
@@ -342,15 +377,20 @@ def test_qwen2_biases_are_loaded_and_matter(checkpoint):
     assert hf_greedy(hf, prompt, 12, set()) != with_bias
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+WINDOWED = ["qwen2", "mistral", "qwen3", "smollm3", "phi3", "gemma3_text", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_windows_do_not_cap_the_context(family, checkpoint, tmp_path):
-    """Each layer attends within its own window, so the context runs to max_position: one
-    turn decodes from inside the window to three windows past it, equal to transformers."""
+    """Each layer attends within its own window, so the context runs to max_position (Phi-3
+    here: LongRoPE's original 512): one turn decodes from inside the window to past it
+    (Gemma 3's: five times), equal to transformers."""
     path = checkpoint(family)
     engine = Engine(
         EngineConfig(model=str(path), device="cpu", gpu_cache_chunks=16, cache_dir=str(tmp_path))
     )
-    assert engine.args.sliding_window < 50 and engine.max_context == 1024
+    assert engine.args.spec.exact_window and engine.args.sliding_window < 60
+    assert engine.max_context == (512 if family == "phi3" else 1024)
     prompt = list(range(100, 110))
     r = engine.run([Turn("w", prompt, SamplingParams(max_tokens=140, ignore_eos=True))])[0]
     assert r.token_ids == hf_greedy(hf_from(path), prompt, 140, set())
@@ -389,11 +429,85 @@ def test_gemma3_fused_path_keeps_the_sandwich_norms(checkpoint):
         assert Decoder(DUMMY_SHAPES["gemma-3-1b"]).embed_scale[torch.bfloat16] == 34.0
 
 
-def test_a_window_the_reader_cannot_place_still_caps_the_context():
-    """Qwen2's config says which layers slide in ways not read here: up to the window, every
-    layer attends to everything, so the engine stops there."""
-    config = hf_config("qwen2", use_sliding_window=True, sliding_window=80).to_dict()
-    assert ModelArgs.from_hf(config).max_context == 80
+def hf_windows(family: str, config: dict) -> list[int | None]:
+    """Each layer's sliding window as transformers' model (built on the meta device) attends:
+    the attention module's own where it keeps one per layer (Qwen2, Qwen3, SmolLM3,
+    Qwen3-MoE), the config's for every layer where the mask takes it from there (Phi-3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.for_model(family, **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    windows = [
+        getattr(x.self_attn, "sliding_window", hf.sliding_window) for x in model.model.layers
+    ]
+    types = getattr(hf, "layer_types", None)
+    if types is not None and hasattr(model.model, "has_sliding_layers"):  # masks by type
+        assert [w is not None for w in windows] == [t == "sliding_attention" for t in types]
+    return windows
+
+
+SHAPE = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64}
+TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+@pytest.mark.parametrize(
+    "family, config",
+    [
+        # Qwen2.5-7B-Instruct's keys (the older layout: no layer_types): no window
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 2}),
+        # the older layout with a window: the layers from max_window_layers on slide
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 40}),  # default 28: none
+        # transformers 5's layout: layer_types says which layers slide, max_window_layers not
+        (
+            "qwen3",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 40,
+                "max_window_layers": 1,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            },
+        ),
+        # Qwen3-8B's keys: no window
+        ("qwen3", {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 3}),
+        # every layer, whatever max_window_layers says; none without use_sliding_window
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1}),
+        ("qwen3_moe", {"use_sliding_window": False, "sliding_window": 40}),
+        # SmolLM3-3B's keys: no window
+        ("smollm3", {"use_sliding_window": False, "sliding_window": None}),
+        # no layer_types: the layers without RoPE slide (the 3rd here: interval 3)
+        (
+            "smollm3",
+            {"use_sliding_window": True, "sliding_window": 40, "no_rope_layer_interval": 3},
+        ),
+        (
+            "smollm3",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 40,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            },
+        ),
+        # Phi-3-mini-4k: every layer slides over 2047 keys, the context runs to 4096
+        ("phi3", {"sliding_window": 2047, "max_position_embeddings": 4096}),
+        ("phi3", {"sliding_window": None}),
+    ],
+)
+def test_windows_are_read_as_transformers_places_them(family, config):
+    """Which layers slide, from either key layout (transformers 5's `layer_types`, or
+    `max_window_layers` / the layers without RoPE), equal to each layer's window in
+    transformers' model; the context is never capped by a window."""
+    config = SHAPE | TOKENS | {"num_hidden_layers": 3} | config
+    if family == "qwen3_moe":
+        config |= {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
+    args = ModelArgs.from_hf({"model_type": family} | config)
+    want = hf_windows(family, config)
+    assert [args.window(i) for i in range(args.n_layers)] == want
+    assert args.max_context == args.max_position
+    assert ModelArgs.from_hf(args.to_hf()) == args
+    written = {k: v for k, v in args.to_hf().items() if k != "model_type"}
+    assert hf_windows(family, written | TOKENS) == want
 
 
 def test_gemma3_final_softcapping_is_exact(tmp_path):
@@ -549,6 +663,11 @@ def test_phi4_mini_config_reads_as_transformers_does():
     [
         ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 4 layers"),
+        # transformers' sdpa mask would slide layers 1 and 3, flash attention would not
+        ("smollm3", {"use_sliding_window": False}, "use_sliding_window is off"),
+        # a sliding layer without a window: transformers' mask raises
+        ("qwen2", {"use_sliding_window": False}, "sliding layers but no sliding_window"),
+        ("qwen3", {"layer_types": ["sliding_attention"]}, "layer_types has 1 entries"),
         ("phi3", {"rope_scaling": {"rope_type": "dynamic"}}, "rope scaling 'dynamic'"),
         ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
@@ -573,6 +692,13 @@ def test_unsupported_variants_of_the_new_families_are_refused(family, change, me
     config.pop("rope_parameters", None)
     with pytest.raises(UnsupportedModel, match=message):
         ModelArgs.from_hf(config | change)
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen3_moe"])
+def test_a_window_on_some_layers_is_refused_where_transformers_slides_all(family):
+    args = ModelArgs.from_hf(hf_config(family, sliding_window=40).to_dict())
+    with pytest.raises(UnsupportedModel, match="every layer slides, or none"):
+        replace(args, full_layers=(0,)).to_hf()
 
 
 def test_hub_id_resolves_from_the_local_cache(checkpoint, tmp_path, monkeypatch):
