@@ -46,15 +46,16 @@ def attend_paged(
     slots: torch.Tensor,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes k, v [T, kv_heads, d] to their slots, then paged attention of q [T, heads, d]
-    (within the layer's sliding window, if it has one)."""
+    (within the layer's sliding window, if it has one; with its heads' sinks, if any)."""
     write_kv_torch(k_cache, v_cache, k, v, slots)
-    return paged_attention_torch(q, k_cache, v_cache, _step.meta, scale, window)
+    return paged_attention_torch(q, k_cache, v_cache, _step.meta, scale, window, sinks)
 
 
 @attend_paged.register_fake
-def _(q, k, v, k_cache, v_cache, slots, scale, window):
+def _(q, k, v, k_cache, v_cache, slots, scale, window, sinks=None):
     return torch.empty_like(q)
 
 
