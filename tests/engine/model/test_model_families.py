@@ -503,10 +503,11 @@ def test_sliding_windows_do_not_cap_the_context(family, checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_compiled_cpu_forward_keeps_each_layers_window(checkpoint, tmp_path):
-    """The compiled CPU forward's attention op carries each layer's window: Gemma 3 past its
-    window equals transformers there too."""
-    path = checkpoint("gemma3_text")
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_compiled_cpu_forward_keeps_each_layers_window(family, checkpoint, tmp_path):
+    """The compiled CPU forward's attention op carries each layer's window (and gpt-oss's
+    sinks): Gemma 3 and gpt-oss past their windows equal transformers there too."""
+    path = checkpoint(family)
     engine = Engine(
         EngineConfig(
             model=str(path),
@@ -533,6 +534,38 @@ def test_gemma3_fused_path_keeps_the_sandwich_norms(checkpoint):
     torch.testing.assert_close(own_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
     with torch.device("meta"):  # as a GPU load builds it
         assert Decoder(DUMMY_SHAPES["gemma-3-1b"]).embed_scale[torch.bfloat16] == 34.0
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1"
+)
+def test_gpt_oss_triton_path_equals_the_plain_one(checkpoint):
+    """CUDA's path run by the Triton interpreter: fused norms, RoPE (YaRN's cos and sin,
+    scaled) fused with the KV write, Triton attention with sinks and windows, a prompt past
+    the window and then decode steps: the plain PyTorch path's logits."""
+    model = load(str(checkpoint("gpt_oss")), CPU, torch.float32).model
+    a, block, n = model.args, 32, 70
+    ids = torch.tensor(list(range(500, 500 + n + 2)))
+    table = list(range(-(-(n + 2) // block)))
+
+    def run(backend: str) -> torch.Tensor:
+        shape = (len(table), block, a.n_kv_heads, a.head_dim)
+        pools = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(a.n_layers)]
+        rows = torch.arange(n)
+        meta = kernels.AttentionMetadata.build([n], [0], [table], "cpu")
+        out = [model(ids[:n], rows, pools, meta, rows, rows, backend=backend)]
+        for p in (n, n + 1):
+            at = torch.tensor([p])
+            meta = kernels.AttentionMetadata.build([1], [p], [table], "cpu")
+            out.append(
+                model(ids[p : p + 1], at, pools, meta, at, torch.tensor([0]), backend=backend)
+            )
+        return torch.cat(out)
+
+    model.fused = False
+    want = run("torch")
+    model.fused = True
+    torch.testing.assert_close(run("triton"), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_window_the_reader_cannot_place_still_caps_the_context():
