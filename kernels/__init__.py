@@ -32,16 +32,25 @@ def pick_backend(device: torch.device | str, backend: str | None = None) -> str:
 
 
 def paged_attention(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, backend=None, window=None
+    q,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    backend=None,
+    window=None,
+    sinks=None,
 ):
     """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]
     (tensors of q's dtype, or `QuantizedKV` 8-bit pools). `window`: the layer's sliding window
-    (the query at position i sees the key at j iff 0 <= i - j < window); None: no window."""
+    (the query at position i sees the key at j iff 0 <= i - j < window); None: no window.
+    `sinks` [num_heads] (gpt-oss): each head's sink logit, one more term of every softmax's
+    denominator (it takes probability mass and adds no value); None: none."""
     if pick_backend(q.device, backend) == "triton":
         from kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
 def write_kv(k_cache, v_cache, k, v, slots, backend=None) -> None:

@@ -4,7 +4,8 @@ Decode attention on the CPU reads its keys straight from the pool's blocks: no g
 padded copy and no short-query SDPA, 3-6x faster than the PyTorch path on decode steps. It is
 built with the machine's C++ compiler on first use (`-march=native`; the build is cached by
 PyTorch's extension loader, keyed by the source) and skipped, with one log line, where that
-fails: the PyTorch path then serves.
+fails: the PyTorch path then serves. Its build directory is named by a hash of the source, so
+two checkouts of different sources on one machine do not load each other's builds.
 
 The loader serialises builds with a lock file in the build directory and waits for it
 without limit, so a process killed mid-build would hang every later engine at its first
@@ -29,7 +30,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
-NAME = "pensieve_paged_decode"
+# Named by its source: checkouts with different sources (an older one has another signature)
+# never share a build directory, where one's build would be loaded by the other.
+NAME = "pensieve_paged_decode_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 STALE_LOCK_S = 600.0  # a build takes about a minute on 2 cores
 
 

@@ -10,6 +10,11 @@ step and cached in `meta.derived`, so every layer reuses them.
 A sliding `window` (per layer: Mistral, Gemma 3's local layers) hides the keys a query is
 `window` or more positions past, as transformers does: the query at position i sees the
 key at j iff 0 <= i - j < window. Blocks wholly before every query's window are not read.
+
+Attention sinks (gpt-oss: one learned logit per query head, `sinks`) add exp(sink) to each
+softmax's denominator: the sink takes probability mass and contributes no value. SDPA has no
+such term, so with sinks the scores are computed here (in float32, queries in chunks that
+bound the score matrix); the native decode kernel adds the term itself.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedKV, dequantize, quantize
 
 Cache = torch.Tensor | QuantizedKV
+_NO_SINKS = torch.empty(0)  # the native kernel's "no sinks"
 
 
 @dataclass
@@ -104,6 +110,48 @@ def _window_mask(d: _Decodes, block_size: int, window: int, meta: AttentionMetad
     return meta.derived[key]
 
 
+SCORES_PER_CHUNK = 1 << 24  # with sinks: floats of scores held at once (64 MiB)
+
+
+def attend_with_sinks(
+    q: torch.Tensor,  # [..., kvh, g, Q, d]: the g query heads that share each KV head
+    k: torch.Tensor,  # [..., kvh, 1, L, d]
+    v: torch.Tensor,  # [..., kvh, 1, L, d]
+    mask: torch.Tensor | None,  # bool, broadcastable to [..., kvh, g, Q, L]: True = seen
+    scale: float,
+    sinks: torch.Tensor,  # [kvh * g]
+) -> torch.Tensor:
+    """Softmax attention with each head's sink logit in the denominator, in float32;
+    returns [..., kvh, g, Q, d] in q's dtype."""
+    kvh, g = q.shape[-4], q.shape[-3]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(kvh, g, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def _prompt_with_sinks(qs, k, v, q_pos0: int, base: int, window, scale, sinks) -> torch.Tensor:
+    """One sub-request's queries qs [h, Q, d] over its keys k, v [kvh, L, d] (key 0 at
+    position `base`, query 0 at `q_pos0`), causal and windowed, with sinks: [h, Q, d]."""
+    h, q_len, d = qs.shape
+    kvh, n_keys = k.shape[0], k.shape[1]
+    g = h // kvh
+    qg = qs.view(kvh, g, q_len, d)
+    kk, vv = k.unsqueeze(1), v.unsqueeze(1)
+    kj = torch.arange(n_keys, device=qs.device)[None, :] + base
+    step = max(1, SCORES_PER_CHUNK // (h * n_keys))
+    out = []
+    for c in range(0, q_len, step):
+        qi = torch.arange(c, min(c + step, q_len), device=qs.device)[:, None] + q_pos0
+        mask = kj <= qi
+        if window:
+            mask &= kj > qi - window
+        out.append(attend_with_sinks(qg[:, :, c : c + step], kk, vv, mask, scale, sinks))
+    return torch.cat(out, dim=2).view(h, q_len, d)
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: Cache,
@@ -111,9 +159,11 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows past query_start[-1] (padding) come back as zeros. `window`: a query sees only
-    the keys fewer than `window` positions back (None: all)."""
+    the keys fewer than `window` positions back (None: all). `sinks` [num_heads]: each
+    head's sink logit in every softmax's denominator (None: none)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     gqa = q.shape[1] != num_kv_heads
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q is
@@ -127,6 +177,13 @@ def paged_attention_torch(
         # index_select: 2-3x faster than advanced indexing for a gather of whole blocks.
         k = _gather(k_cache, blocks, q.dtype).view(-1, num_kv_heads, head_dim)[: kv_len - base]
         v = _gather(v_cache, blocks, q.dtype).view(-1, num_kv_heads, head_dim)[: kv_len - base]
+        if sinks is not None:
+            qs = q[p.start : p.end].transpose(0, 1)
+            o = _prompt_with_sinks(
+                qs, k.transpose(0, 1), v.transpose(0, 1), p.pos, base, window, scale, sinks
+            )
+            out[p.start : p.end] = o.transpose(0, 1)
+            continue
         k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         v = v.transpose(0, 1).unsqueeze(0)
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, h, q, d]
@@ -146,8 +203,18 @@ def paged_attention_torch(
     d = plan.decodes
     if d is not None and cpu_native.usable(q, k_cache):
         # Straight from the pool's blocks (kernels/cpu_native.py)
+        none = _NO_SINKS if sinks is None else sinks.float().contiguous()
         cpu_native.module().paged_decode(
-            q.contiguous(), k_cache, v_cache, d.blocks, d.lens, d.rows, scale, window or 0, out
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            d.blocks,
+            d.lens,
+            d.rows,
+            scale,
+            window or 0,
+            none,
+            out,
         )
     elif d is not None:
         n = d.blocks.shape[0]
@@ -159,7 +226,12 @@ def paged_attention_torch(
         # (10-20% faster decode attention on the CPU).
         qs = q.index_select(0, d.rows).view(n, num_kv_heads, -1, head_dim)  # [D, kvh, g, dim]
         mask = _window_mask(d, block_size, window, meta) if window else d.mask
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        if sinks is not None:
+            o = attend_with_sinks(
+                qs.unsqueeze(-2), k.unsqueeze(2), v.unsqueeze(2), mask[:, None], scale, sinks
+            )
+        else:
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out.index_copy_(0, d.rows, o.reshape(n, -1, head_dim))
     return out
 

@@ -26,6 +26,10 @@ A sliding window (a runtime argument: one compiled kernel serves every layer) hi
 a query is `window` or more positions past (kernels/reference.py), and the key tiles before
 a program's first visible key are skipped: split-KV segments divide only the tiles left.
 
+Attention sinks (gpt-oss: one logit per query head, an optional pointer) add exp(sink) to
+each row's softmax denominator once, where its result is final: in the kernel without
+split-KV, in the merge with it (the segments' partials stay sink-free).
+
 An 8-bit pool (`kernels.quant.QuantizedKV`) is dequantized tile by tile as it is loaded:
 codes times the key's scale, rounded to q's dtype, exactly as the PyTorch reference does
 before its attention.
@@ -86,6 +90,7 @@ def _paged_attention_kernel(
     query_pos_ptr,
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGS, HEAD_PAD] fp32, split-KV only
     part_ml_ptr,  # [num_tokens, num_heads, NUM_SEGS, 2] fp32 (running max, sum), split-KV only
+    sinks_ptr,  # [num_heads] fp32 sink logits (HAS_SINKS only)
     scale_log2,
     window,  # keys at window or more positions back are hidden (NO_WINDOW: none)
     num_seqs,
@@ -116,6 +121,7 @@ def _paged_attention_kernel(
     QUANT: tl.constexpr,  # 0: the pool holds q's dtype, 1: fp8 e4m3 codes, 2: int8 codes
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -222,6 +228,14 @@ def _paged_attention_kernel(
         tl.store(ml, m_i, mask=row_ok)
         tl.store(ml + 1, l_i, mask=row_ok)
     else:
+        if HAS_SINKS:
+            # l * 2^m + 2^sink (log2 units), over their common max: neither overflows
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634  # log2(e)
+            top = tl.maximum(m_i, sink)
+            kept = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2(m_i - top))
+            acc = acc * kept[:, None]
+            l_i = l_i * kept + tl.math.exp2(sink - top)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(
@@ -236,6 +250,7 @@ def _merge_segments_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    sinks_ptr,
     query_start_ptr,
     num_seqs,
     num_heads,
@@ -244,8 +259,10 @@ def _merge_segments_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """out[t, h] = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s (log-sum-exp merge)."""
+    """out[t, h] = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s (log-sum-exp merge);
+    with sinks, M also covers the head's sink and exp2(sink - M) joins the denominator."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_ptr + num_seqs):
@@ -257,10 +274,16 @@ def _merge_segments_kernel(
     m = tl.load(ml)
     lsum = tl.load(ml + 1)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        m_max = tl.maximum(m_max, tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634)
     w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
     acc = tl.load(part_acc_ptr + (base * NUM_SEGS + segs[:, None]) * HEAD_PAD + dims[None, :])
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(lsum * w, 0)
+    if HAS_SINKS:
+        den = den + tl.math.exp2(
+            tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_max
+        )
     den = tl.where(den == 0.0, 1.0, den)
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
@@ -396,9 +419,11 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q/out [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim].
     `window`: a query sees only the keys fewer than `window` positions back (None: all).
+    `sinks` [num_heads]: each head's sink logit in every softmax's denominator (None: none).
 
     `num_segs` forces the number of split-KV segments (a power of two); `config` forces the whole
     launch shape (benchmarks); None picks from the shapes. `out` (shaped like q) receives the
@@ -426,6 +451,8 @@ def paged_attention_triton(
         raise ValueError("q, k_cache and v_cache must share dtype (or the pool be 8-bit)")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("head_dim must be the contiguous dimension of q and the caches")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be [{num_heads}] on q's device, one per query head")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -453,6 +480,7 @@ def paged_attention_triton(
         meta.query_pos,
         part_acc,
         part_ml,
+        sinks if sinks is not None else out,  # unused without sinks
         scale * LOG2E,
         window or NO_WINDOW,
         num_seqs,
@@ -483,6 +511,7 @@ def paged_attention_triton(
         QUANT=quant,
         UPCAST=upcast,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -491,6 +520,7 @@ def paged_attention_triton(
             out,
             part_acc,
             part_ml,
+            sinks if sinks is not None else out,
             meta.query_start,
             num_seqs,
             num_heads,
@@ -499,5 +529,6 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
             NUM_SEGS=cfg.num_segs,
+            HAS_SINKS=sinks is not None,
         )
     return out

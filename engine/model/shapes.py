@@ -19,7 +19,8 @@ class ModelArgs:
     intermediate_size: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    # {"rope_type": "llama3" | "linear" | "longrope" | "yarn", "factor": ..., ...}
+    rope_scaling: dict | None = None
     max_position: int = 4096
     tie_embeddings: bool = False
     family: str = "llama"  # a key of engine.model.families.FAMILIES (the transformers model_type)
@@ -44,6 +45,17 @@ class ModelArgs:
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     moe_intermediate_size: int = 0  # each expert's hidden width
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP instead
+    # gpt-oss's variant: biases on the router and the experts; the top k of the router's
+    # logits, then a softmax over them ("topk_softmax"; Qwen3-MoE: "softmax_topk"); each
+    # expert's SwiGLU clamped (gate <= limit, |up| <= limit): (up + 1) * gate * sigmoid(alpha
+    # * gate)
+    moe_bias: bool = False
+    routing: str = "softmax_topk"
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # gpt-oss: a learned logit per query head in every softmax's denominator (the sink takes
+    # probability mass and gives no value)
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -248,6 +260,39 @@ DUMMY_SHAPES: dict[str, ModelArgs] = {
         top_k=8,
         norm_topk_prob=True,
         moe_intermediate_size=768,
+    ),
+    # gpt-oss-20b (openai/gpt-oss-20b, its experts dequantized): 32 experts, 4 a token, in
+    # every layer; sliding (128 keys) and full layers in turn; attention sinks; YaRN
+    "gpt-oss-20b": ModelArgs(
+        201088,
+        2880,
+        24,
+        64,
+        8,
+        64,
+        2880,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position=131072,
+        family="gpt_oss",
+        qkv_bias=True,
+        o_bias=True,
+        sliding_window=128,
+        full_layers=tuple(range(1, 24, 2)),
+        n_experts=32,
+        top_k=4,
+        moe_intermediate_size=2880,
+        moe_bias=True,
+        routing="topk_softmax",
+        swiglu_limit=7.0,
+        attn_sinks=True,
     ),
     # dummy:tiny with experts (8, 2 a token) in three of its four layers: the dry runs' MoE
     "tiny-moe": ModelArgs(

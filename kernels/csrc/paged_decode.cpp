@@ -2,7 +2,9 @@
 // from the pool's blocks (no gather into a padded copy), one (sequence, KV head) per task,
 // with an online softmax over whole blocks. float32 and bfloat16 pools; math in float32.
 // A sliding window (window > 0) starts each query at its first visible key,
-// len - window: the blocks before it are never read.
+// len - window: the blocks before it are never read. Attention sinks (gpt-oss: one float32
+// logit per query head; an empty tensor for none) add exp(sink) to each softmax's
+// denominator and no value.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -30,7 +32,7 @@ static inline void load(const at::BFloat16* src, float* dst, int64_t n) {
 template <typename T>
 static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& blocks, const at::Tensor& lens, const at::Tensor& rows,
-                   double scale, int64_t window, at::Tensor& out) {
+                   double scale, int64_t window, const at::Tensor& sinks, at::Tensor& out) {
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t bs = k.size(1), kvh = k.size(2), g = heads / kvh;
   const int64_t n_seqs = rows.size(0), width = blocks.size(1);
@@ -41,6 +43,7 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
+  const float* sp = sinks.numel() > 0 ? sinks.data_ptr<float>() : nullptr;
   const int64_t token_stride = kvh * d, block_stride = bs * kvh * d, n_blocks = k.size(0);
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -101,7 +104,12 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         }
       }
       for (int64_t gi = 0; gi < g; ++gi) {
-        const float inv = l[gi] > 0.0f ? 1.0f / l[gi] : 0.0f;
+        float inv = l[gi] > 0.0f ? 1.0f / l[gi] : 0.0f;
+        if (sp != nullptr) {  // l * e^m + e^sink, over a common max so that neither overflows
+          const float sink = sp[h * g + gi], top = std::max(m[gi], sink);
+          const float kept = m[gi] == neg_inf ? 0.0f : std::exp(m[gi] - top);
+          inv = kept / (l[gi] * kept + std::exp(sink - top));
+        }
         T* og = op + q_off + gi * d;
         const float* ag = acc.data() + gi * d;
         for (int64_t e = 0; e < d; ++e) og[e] = static_cast<T>(ag[e] * inv);
@@ -111,11 +119,15 @@ static void decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 }
 
 // out[rows[n]] = attention of q[rows[n]] over the first lens[n] keys of blocks[n] (only the
-// last `window` of them where window > 0).
+// last `window` of them where window > 0), with each query head's sink where `sinks` is not
+// empty.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& blocks, const at::Tensor& lens, const at::Tensor& rows,
-                  double scale, int64_t window, at::Tensor& out) {
+                  double scale, int64_t window, const at::Tensor& sinks, at::Tensor& out) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == q.size(1)),
+              "sinks must be empty or float32, contiguous, one per query head");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the pool differ in dtype");
@@ -132,9 +144,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     TORCH_CHECK(row >= 0 && row < q.size(0), "a row is out of range");
   }
   if (q.scalar_type() == at::kFloat) {
-    decode<float>(q, k_cache, v_cache, blocks, lens, rows, scale, window, out);
+    decode<float>(q, k_cache, v_cache, blocks, lens, rows, scale, window, sinks, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<at::BFloat16>(q, k_cache, v_cache, blocks, lens, rows, scale, window, out);
+    decode<at::BFloat16>(q, k_cache, v_cache, blocks, lens, rows, scale, window, sinks, out);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
   }

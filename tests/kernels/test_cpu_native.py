@@ -60,18 +60,21 @@ def test_bad_inputs_are_refused():
     m = cpu_native.module()
     out = torch.zeros_like(q)
     blocks, lens, rows = torch.zeros(1, 2, dtype=torch.long), torch.tensor([40]), torch.tensor([0])
+    none = torch.empty(0)  # no sinks
     with pytest.raises(RuntimeError, match="dtype"):
-        m.paged_decode(q.bfloat16(), k, v, blocks, lens, rows, 0.125, 0, out)
+        m.paged_decode(q.bfloat16(), k, v, blocks, lens, rows, 0.125, 0, none, out)
     with pytest.raises(RuntimeError, match="int64"):
-        m.paged_decode(q, k, v, blocks.int(), lens, rows, 0.125, 0, out)
+        m.paged_decode(q, k, v, blocks.int(), lens, rows, 0.125, 0, none, out)
     with pytest.raises(RuntimeError, match="multiple"):
         m.paged_decode(
-            q[:, :8].contiguous(), k, v, blocks, lens, rows, 0.125, 0, out[:, :8].contiguous()
+            q[:, :8].contiguous(), k, v, blocks, lens, rows, 0.125, 0, none, out[:, :8].contiguous()
         )
+    with pytest.raises(RuntimeError, match="one per query head"):
+        m.paged_decode(q, k, v, blocks, lens, rows, 0.125, 0, torch.zeros(3), out)
     with pytest.raises(RuntimeError, match="exceeds"):
-        m.paged_decode(q, k, v, blocks, torch.tensor([65]), rows, 0.125, 0, out)
+        m.paged_decode(q, k, v, blocks, torch.tensor([65]), rows, 0.125, 0, none, out)
     with pytest.raises(RuntimeError, match="out of the pool"):
-        m.paged_decode(q, k, v, blocks + 1000, lens, rows, 0.125, 0, out)
+        m.paged_decode(q, k, v, blocks + 1000, lens, rows, 0.125, 0, none, out)
     assert not cpu_native.usable(q.half(), k.half())  # float16: the PyTorch path
 
 

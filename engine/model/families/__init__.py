@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from engine.model.families.base import Family, UnsupportedModel
 from engine.model.families.gemma3 import GEMMA3
+from engine.model.families.gpt_oss import GPT_OSS
 from engine.model.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from engine.model.families.opt import OPT
 from engine.model.families.phi3 import PHI3
 from engine.model.families.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {
-    f.model_type: f for f in (LLAMA, QWEN2, MISTRAL, QWEN3, SMOLLM3, PHI3, GEMMA3, OPT, QWEN3_MOE)
+    f.model_type: f
+    for f in (LLAMA, QWEN2, MISTRAL, QWEN3, SMOLLM3, PHI3, GEMMA3, OPT, QWEN3_MOE, GPT_OSS)
 }
 
 

@@ -51,6 +51,10 @@ class Family:
     # The reader places every layer's sliding window as transformers does, so the context may
     # run past it (else it stops at the window: see `ModelArgs.max_context`).
     exact_window: bool = False
+    # The checkpoint as `names` expects it, read lazily (gpt-oss: experts transposed, gate/up
+    # de-interleaved, MXFP4 dequantized); and back (`to_hf`). None: as it is.
+    view: Callable[[Any], Any] | None = None
+    unview: Callable[[dict], dict] | None = None
 
 
 def read_rope(

@@ -38,6 +38,8 @@ def iter_own(args: Shape, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[s
     if not any(k.startswith("model.") for k in state):  # saved from the base model (OPTModel)
         base = state
         state = _Renamed({(k if k == "lm_head.weight" else "model." + k): k for k in base}, base)
+    if args.spec.view is not None:
+        state = args.spec.view(state)
     wmap = fused_experts(args.spec.names(args), state.keys())
     wanted = {name for parts in wmap.values() for name, _ in parts}
     missing = sorted(wanted - state.keys())
@@ -63,7 +65,9 @@ def iter_own(args: Shape, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[s
                 raise UnsupportedModel(
                     f"{hf} has shape {tuple(t.shape)}, the config implies {rows} rows"
                 )
-        tensors = [t.flatten(0, 1) if t.dim() == 3 else t for t in tensors]  # fused experts
+        # Experts fused in one tensor [E, ...] (weights; gpt-oss's biases too): stacked rows
+        flat = 2 if name.endswith(_STACKED_BIASES) else 3
+        tensors = [t.flatten(0, 1) if t.dim() == flat else t for t in tensors]
         yield name, tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
@@ -83,10 +87,18 @@ class _Renamed(Mapping):
         return len(self.names)
 
 
+_STACKED_BIASES = (".moe.b13", ".moe.b2")  # [E * out] own, [E, out] fused in a checkpoint
+
+
 def to_hf(args: Shape, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `to_own`: the decoder's tensors in transformers' naming, unfused."""
+    """The inverse of `to_own`: the decoder's tensors in transformers' naming."""
     out = {}
     for name, parts in args.spec.names(args).items():
-        pieces = own[name].split([rows for _, rows in parts])
+        t = own[name]
+        fused = ".moe.w" in name or name.endswith(_STACKED_BIASES)
+        if len(parts) == 1 and fused and t.shape[0] != parts[0][1]:
+            out[parts[0][0]] = t.unflatten(0, (parts[0][1], -1)).contiguous()  # fused experts
+            continue
+        pieces = t.split([rows for _, rows in parts])
         out.update((hf, t.contiguous()) for (hf, _), t in zip(parts, pieces, strict=True))
-    return out
+    return args.spec.unview(out) if args.spec.unview is not None else out

@@ -39,6 +39,7 @@ FAMILIES = [
     "phi3",
     "gemma3_text",
     "qwen3_moe",
+    "gpt_oss",
 ]
 CPU = torch.device("cpu")
 SMALL = {
@@ -67,6 +68,7 @@ def hf_config(family: str, **kw):
         "phi3": tf.Phi3Config,
         "gemma3_text": tf.Gemma3TextConfig,
         "qwen3_moe": tf.Qwen3MoeConfig,
+        "gpt_oss": tf.GptOssConfig,
     }
     # Sliding windows off the 32-token chunks; conversations run to ~260 tokens, past them.
     extra = {
@@ -132,6 +134,26 @@ def hf_config(family: str, **kw):
             "norm_topk_prob": True,
             "moe_intermediate_size": 32,
             "mlp_only_layers": [1],
+        },
+        # gpt-oss: layers 0 and 2 slide over 48 keys, layer 1 attends to all; sinks; YaRN
+        # (x4 over 256 original positions: interpolated low frequencies, an attention
+        # factor); 8 experts, 2 a token, with biases and the clamped SwiGLU
+        "gpt_oss": {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "sliding_window": 48,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 256,
+            },
         },
     }
     shape = {"num_key_value_heads": 2, "intermediate_size": 128}
@@ -292,6 +314,13 @@ def without(model: Decoder, **change) -> Decoder:
         ("gemma3_text", {"query_pre_attn_scalar": None}),
         ("gemma3_text", {"full_layers": ()}),
         ("qwen3_moe", {"norm_topk_prob": False}),
+        ("gpt_oss", "sinks"),
+        ("gpt_oss", {"sliding_window": None}),
+        ("gpt_oss", {"full_layers": ()}),
+        ("gpt_oss", {"rope_scaling": None}),
+        ("gpt_oss", "attention_factor"),
+        ("gpt_oss", "truncate"),
+        ("gpt_oss", {"routing": "softmax_topk"}),
     ],
 )
 def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
@@ -309,6 +338,12 @@ def test_what_each_family_adds_is_exact_and_matters(family, change, checkpoint):
         for layer in model.layers:
             layer.q_norm = layer.k_norm = torch.nn.Identity()
         off = model
+    elif change == "sinks":
+        for layer in model.layers:
+            layer.sinks = None
+        off = model
+    elif family == "gpt_oss" and isinstance(change, str):  # YaRN's attention factor, truncate
+        off = without(model, rope_scaling=a.rope_scaling | {change: change == "truncate" or 1.0})
     elif isinstance(change, dict):
         off = without(model, **change)
     else:  # phi3's rotary dims and LongRoPE
@@ -360,6 +395,117 @@ def test_qwen3_moe_reads_fused_experts_and_its_config_aliases(checkpoint, tmp_pa
     assert ModelArgs.from_hf(args.to_hf()) == args
 
 
+def _gpt_oss_experts_quantized(state: dict) -> tuple[dict, dict]:
+    """(a checkpoint whose experts are MXFP4 blocks and scales, as the hub ships gpt-oss;
+    the same checkpoint with those experts dequantized, in transformers' layout)."""
+    from engine.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    packed, plain = dict(state), dict(state)
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(state[name].transpose(1, 2))  # [E, out, in] on the hub
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+    return packed, plain
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized(checkpoint, tmp_path):
+    """A checkpoint with MXFP4 experts (`*_blocks`, `*_scales`, a `quantization_config`) loads
+    the weights of the same checkpoint with those experts dequantized; the round trip is not
+    the identity (4-bit values), so the comparison can fail; half a pair is refused."""
+    src = checkpoint("gpt_oss")
+    quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    packed = _rewrite(
+        src,
+        tmp_path / "mxfp4",
+        config=lambda c: c | {"quantization_config": quant},
+        tensors=lambda s: _gpt_oss_experts_quantized(s)[0],
+    )
+    plain = _rewrite(src, tmp_path / "plain", tensors=lambda s: _gpt_oss_experts_quantized(s)[1])
+    a, b = load(str(packed), CPU, torch.float32).model, load(str(plain), CPU, torch.float32).model
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    orig = load(str(src), CPU, torch.float32).model
+    assert not torch.equal(orig.layers[0].moe.w13, a.layers[0].moe.w13)
+    torch.testing.assert_close(orig.layers[0].sinks, a.layers[0].sinks)
+
+    half = "model.layers.1.mlp.experts.down_proj_scales"
+    broken = _rewrite(
+        packed, tmp_path / "half", tensors=lambda s: {k: v for k, v in s.items() if k != half}
+    )
+    with pytest.raises(
+        UnsupportedModel, match=r"lacks tensors: model\.layers\.1\.mlp\.experts\.down"
+    ):
+        load(str(broken), CPU, torch.float32)
+
+
+def test_gpt_oss_published_config_reads_as_transformers_does():
+    """gpt-oss-20b's config.json as published (rope_scaling and rope_theta at the top, an
+    MXFP4 quantization_config): the dummy shape, YaRN's frequencies and attention factor as
+    transformers computes them (truncate false), and back through `to_hf`."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.model.decoder import rope_attention_factor, rope_inv_freq
+
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 201088,
+    }
+    args = ModelArgs.from_hf(config)
+    assert args == DUMMY_SHAPES["gpt-oss-20b"] and args.max_context == 131072
+    assert args.window(0) == 128 and args.window(1) is None
+    assert ModelArgs.from_hf(args.to_hf()) == args
+    hf = GptOssConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, None)
+    assert torch.equal(rope_inv_freq(args), inv)
+    assert rope_attention_factor(args) == factor > 1.0
+
+
 def test_qwen2_biases_are_loaded_and_matter(checkpoint):
     """The check above can fail: without its q/k/v biases the model answers otherwise."""
     path = checkpoint("qwen2")
@@ -377,7 +523,7 @@ def test_qwen2_biases_are_loaded_and_matter(checkpoint):
     assert hf_greedy(hf, prompt, 12, set()) != with_bias
 
 
-WINDOWED = ["qwen2", "mistral", "qwen3", "smollm3", "phi3", "gemma3_text", "qwen3_moe"]
+WINDOWED = ["qwen2", "mistral", "qwen3", "smollm3", "phi3", "gemma3_text", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", WINDOWED)
@@ -397,10 +543,11 @@ def test_sliding_windows_do_not_cap_the_context(family, checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_compiled_cpu_forward_keeps_each_layers_window(checkpoint, tmp_path):
-    """The compiled CPU forward's attention op carries each layer's window: Gemma 3 past its
-    window equals transformers there too."""
-    path = checkpoint("gemma3_text")
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_compiled_cpu_forward_keeps_each_layers_window(family, checkpoint, tmp_path):
+    """The compiled CPU forward's attention op carries each layer's window (and gpt-oss's
+    sinks): Gemma 3 and gpt-oss past their windows equal transformers there too."""
+    path = checkpoint(family)
     engine = Engine(
         EngineConfig(
             model=str(path),
@@ -508,6 +655,38 @@ def test_windows_are_read_as_transformers_places_them(family, config):
     assert ModelArgs.from_hf(args.to_hf()) == args
     written = {k: v for k, v in args.to_hf().items() if k != "model_type"}
     assert hf_windows(family, written | TOKENS) == want
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1"
+)
+def test_gpt_oss_triton_path_equals_the_plain_one(checkpoint):
+    """CUDA's path run by the Triton interpreter: fused norms, RoPE (YaRN's cos and sin,
+    scaled) fused with the KV write, Triton attention with sinks and windows, a prompt past
+    the window and then decode steps: the plain PyTorch path's logits."""
+    model = load(str(checkpoint("gpt_oss")), CPU, torch.float32).model
+    a, block, n = model.args, 32, 70
+    ids = torch.tensor(list(range(500, 500 + n + 2)))
+    table = list(range(-(-(n + 2) // block)))
+
+    def run(backend: str) -> torch.Tensor:
+        shape = (len(table), block, a.n_kv_heads, a.head_dim)
+        pools = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(a.n_layers)]
+        rows = torch.arange(n)
+        meta = kernels.AttentionMetadata.build([n], [0], [table], "cpu")
+        out = [model(ids[:n], rows, pools, meta, rows, rows, backend=backend)]
+        for p in (n, n + 1):
+            at = torch.tensor([p])
+            meta = kernels.AttentionMetadata.build([1], [p], [table], "cpu")
+            out.append(
+                model(ids[p : p + 1], at, pools, meta, at, torch.tensor([0]), backend=backend)
+            )
+        return torch.cat(out)
+
+    model.fused = False
+    want = run("torch")
+    model.fused = True
+    torch.testing.assert_close(run("triton"), want, rtol=1e-4, atol=1e-4)
 
 
 def test_gemma3_final_softcapping_is_exact(tmp_path):
@@ -685,6 +864,11 @@ def test_phi4_mini_config_reads_as_transformers_does():
         ),
         ("qwen3_moe", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
         ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 of 8 experts"),
+        ("gpt_oss", {"quantization_config": {"quant_method": "gptq"}}, "quantization 'gptq'"),
+        ("gpt_oss", {"layer_types": ["chunked_attention"] * 3}, "chunked_attention"),
+        ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+        ("gpt_oss", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 of 8 experts"),
+        ("gpt_oss", {"rope_scaling": {"rope_type": "dynamic"}}, "rope scaling 'dynamic'"),
     ],
 )
 def test_unsupported_variants_of_the_new_families_are_refused(family, change, message):
@@ -733,7 +917,13 @@ def test_hub_id_resolves_from_the_local_cache(checkpoint, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(
     "shape, billions",
-    [("opt-13b", 12.85), ("llama-2-70b", 69.25), ("gemma-3-1b", 1.0), ("gemma-3-4b", 3.88)],
+    [
+        ("opt-13b", 12.85),
+        ("llama-2-70b", 69.25),
+        ("gemma-3-1b", 1.0),
+        ("gemma-3-4b", 3.88),
+        ("gpt-oss-20b", 20.91),
+    ],
 )
 def test_large_dummy_shapes_match_transformers_on_the_meta_device(shape, billions):
     """The paper-scale shapes allocate nothing here; they have transformers' parameter count

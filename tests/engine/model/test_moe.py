@@ -12,7 +12,7 @@ import kernels
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.model.decoder import Decoder
 from engine.model.loader import load
-from engine.model.moe import MoE, experts_forward, graph_safe, pick, route
+from engine.model.moe import MoE, experts_forward, gated, graph_safe, pick, route
 from engine.model.shapes import DUMMY_SHAPES
 from tests.devices import cuda, gpu
 
@@ -37,6 +37,86 @@ def test_route_is_transformers_router(normalize):
     sums = weights.sum(-1)
     assert torch.allclose(sums, torch.ones(20)) == normalize
     assert (weights[:, :-1] >= weights[:, 1:]).all()  # largest first
+
+
+def test_gpt_oss_route_is_transformers_router():
+    """gpt-oss: the router's logits with their bias, the top k of them, then a softmax over
+    those k (not over every expert)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    router = GptOssTopKRouter(
+        GptOssConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=3)
+    )
+    torch.manual_seed(0)
+    torch.nn.init.normal_(router.weight)
+    torch.nn.init.normal_(router.bias)
+    x = torch.randn(20, 32)
+    _, want_w, want_e = router(x)
+    weights, experts = route(F.linear(x, router.weight, router.bias), 3, False, "topk_softmax")
+    assert torch.equal(experts, want_e)
+    torch.testing.assert_close(weights, want_w)
+    other, _ = route(F.linear(x, router.weight, router.bias), 3, False)
+    assert (other - weights).abs().max() > 1e-2  # softmax over all experts first: not it
+
+
+@pytest.mark.parametrize("path", ["loop"])
+def test_gpt_oss_moe_is_transformers_mlp(path):
+    """gpt-oss's experts (biases, interleaved gate/up de-interleaved when loaded, the clamped
+    SwiGLU) against transformers' `GptOssMLP` on the same weights, with inputs large enough
+    that the clamp acts: without it the output differs."""
+    from dataclasses import replace
+
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from engine.model.families.checkpoint import to_own
+
+    config = GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2
+    )
+    hf = GptOssMLP(config)
+    torch.manual_seed(0)
+    for p in hf.parameters():
+        torch.nn.init.normal_(p)
+    args = replace(
+        DUMMY_SHAPES["gpt-oss-20b"],
+        dim=32,
+        moe_intermediate_size=16,
+        intermediate_size=16,
+        n_experts=6,
+        top_k=2,
+        n_layers=1,
+    )
+    state = {f"model.layers.0.mlp.{k}": v for k, v in hf.state_dict().items()}
+    own = {
+        k.removeprefix("layers.0.moe."): v
+        for k, v in to_own(args, _with_the_rest(args, state)).items()
+        if k.startswith("layers.0.moe.")
+    }
+    moe = MoE(args)
+    moe.load_state_dict(own)
+    moe.path = path
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        want, _ = hf(x[None])
+        got = moe(x)
+        torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-4)
+        moe.glu = gated(F.silu)
+        assert (moe(x) - want[0]).abs().max() > 1e-2
+        from engine.model.moe import clamped_swiglu
+
+        moe.glu = clamped_swiglu(1.702, 1e9)  # the same SwiGLU, unclamped
+        assert (moe(x) - want[0]).abs().max() > 1e-2
+
+
+def _with_the_rest(args, state: dict) -> dict:
+    """`state` (one layer's MLP) completed with the other tensors a checkpoint of `args` has."""
+    from engine.model.families.checkpoint import to_hf
+
+    with torch.device("meta"):
+        names = to_hf(args, Decoder(args).state_dict())
+    return {k: state.get(k, torch.zeros(v.shape)) for k, v in names.items()}
 
 
 def per_token(x, weights, experts, w13, w2) -> torch.Tensor:
@@ -78,7 +158,7 @@ def test_experts_grouped_by_expert_equal_the_definition(path):
     logits = torch.randn(17, 6, generator=g)
     logits[:, 5] = -1e4
     weights, experts = route(logits, 2, True)
-    got = experts_forward(x, weights, experts, w13, w2, F.silu, path)
+    got = experts_forward(x, weights, experts, w13, w2, gated(F.silu), path)
     torch.testing.assert_close(got, per_token(x, weights, experts, w13, w2), rtol=1e-5, atol=1e-5)
 
 
