@@ -41,8 +41,18 @@ class EngineCollector:
             usage.add_metric([tier], pool.used / pool.total if pool.total else 0.0)
             for state in ("total", "used", "free"):
                 blocks.add_metric([tier, state], getattr(pool, state))
+        layer_bytes = GaugeMetricFamily(
+            "pensieve:kv_cache_bytes",
+            "KV bytes in use per tier and layer type (full: layers that attend to every key; "
+            "sliding: layers that keep only their window).",
+            labels=["tier", "layers"],
+        )
+        for tier, kinds in snap.kv_bytes.items():
+            for kind, n in kinds.items():
+                layer_bytes.add_metric([tier, kind], n)
         yield usage
         yield blocks
+        yield layer_bytes
         c = snap.counters
         yield GaugeMetricFamily(
             "pensieve:num_requests_running", "Turns in the running batch.", value=c.running

@@ -601,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refine", type=int, default=REFINE, help="bisections of each crossing")
     ap.add_argument("--think", help="comma-separated mean think times (s)")
     ap.add_argument("--conversations", type=int)
+    ap.add_argument("--model", help="the preset's model, e.g. dummy:gpt-oss-20b")
     ap.add_argument("--cpu-gb", type=float, help="the CPU tier in GiB (the preset's otherwise)")
     ap.add_argument("--disk-gb", type=float, help="the disk tier in GiB (pensieve-disk mode)")
     ap.add_argument(
@@ -703,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_cache_gb=args.cpu_gb,
         disk_cache_gb=args.disk_gb,
         kv_dtype=args.kv_dtype,
+        model=args.model,
     )
     if preset.threads:
         import torch

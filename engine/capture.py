@@ -10,9 +10,14 @@ from engine.snapshot import Capture, EngineSnapshot, Held, PoolUsage, SharingUsa
 
 
 def capture(
-    conv: Conversations, counts: tuple[int, int], device: str, context_limit: int
+    conv: Conversations,
+    counts: tuple[int, int],
+    device: str,
+    context_limit: int,
+    page_bytes: int = 0,
 ) -> Capture:
-    """`counts`: turns running and waiting (`Scheduler.counts`)."""
+    """`counts`: turns running and waiting (`Scheduler.counts`); `page_bytes`: a block's
+    bytes (engine/kv_layout.py), for the KV bytes per tier and layer type."""
     now = conv.now()
     c, streams, last_active = conv.cache, conv.streams, conv.clock.last_active
     on_disk = conv.disk.keys() if conv.disk is not None else None  # dropped: "disk"
@@ -54,5 +59,10 @@ def capture(
         sharing=SharingUsage(*c.sharing_usage()),
         disk=None if conv.disk is None else conv.disk.usage(),
         pins=conv.retainer.usage(now),
+        kv_bytes={
+            tier: {"full": full * page_bytes, "sliding": sliding * page_bytes}
+            for tier in ("gpu", "cpu")
+            for full, sliding in [c.layer_pages(tier)]
+        },
     )
     return Capture(now, head, tuple(held))

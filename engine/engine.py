@@ -286,8 +286,9 @@ class Engine:
         `build()` spells them out without it."""
         with self.lock:
             return capture(
-                self.conversations, self.scheduler.counts(), str(self.device), self.context_limit
-            )
+                self.conversations, self.scheduler.counts(), str(self.device), self.context_limit,
+                self.pool.layout.page_bytes(self.pool.bytes_per_chunk),
+            )  # fmt: skip
 
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle

@@ -11,7 +11,7 @@ only when a page or a scrape asks (`engine/async_engine.py`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
 
@@ -106,6 +106,9 @@ class EngineSnapshot:
     sharing: SharingUsage = SharingUsage()
     disk: PoolUsage | None = None  # the disk tier, in chunks (None: off)
     pins: PinUsage = PinUsage()
+    # KV bytes in use per tier and layer type: {"gpu": {"full": b, "sliding": b}, "cpu": ...}
+    # (a model whose sliding layers keep only their window: engine/kv_layout.py)
+    kv_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +125,7 @@ class EngineSnapshot:
             "counters": asdict(self.counters),
             "sharing": {**asdict(self.sharing), "saved_blocks": self.sharing.saved_blocks},
             "pins": asdict(self.pins),
+            "kv_bytes": self.kv_bytes,
             "conversations": [
                 {**asdict(c), "chunks": list(c.chunks), "holders": list(c.holders)}
                 for c in self.conversations

@@ -53,8 +53,13 @@ function pool(name, p) {
   const fill = el("div", `gauge-fill ${name}`);
   fill.style.width = `${pct}%`;
   bar.append(fill);
-  const info = el("div", "muted small", `${p.used} of ${p.total} chunks used · ${p.free} free`);
+  const info = el("div", "muted small", `${p.used} of ${p.total} blocks used · ${p.free} free`);
   card.append(head, bar, info);
+  const kv = snapshot && snapshot.kv_bytes && snapshot.kv_bytes[name];
+  if (kv && kv.sliding) {  // sliding layers keep only their window: the bytes per layer type
+    const mib = (b) => `${(b / 2 ** 20).toFixed(1)} MiB`;
+    card.append(el("div", "muted small kv-bytes", `KV: full layers ${mib(kv.full)} · sliding layers ${mib(kv.sliding)}`));
+  }
   return card;
 }
 

@@ -37,6 +37,7 @@ def engine_config(preset: Preset, mode: Mode):
         cache_mode=mode.cache_mode,
         eviction=mode.eviction,
         unified=mode.unified,
+        window_savings=mode.window_savings,
         max_batch_tokens=preset.max_batch_tokens,
         max_running=preset.max_running,
         max_waiting=BENCH_QUEUE,

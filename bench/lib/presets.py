@@ -21,6 +21,8 @@ class Mode:
     holds_all: bool = False
     gpu_holds_all: bool = False
     disk: bool = False  # a disk tier (a fresh directory; none simulated) behind the CPU tier
+    # Sliding layers keep only their window (EngineConfig.window_savings); off: every layer's
+    window_savings: bool = True
 
 
 MODES = {
@@ -35,6 +37,7 @@ MODES = {
         Mode("oracle", holds_all=True),
         Mode("oracle-gpu", holds_all=True, gpu_holds_all=True),
         Mode("pensieve-disk", disk=True),
+        Mode("pensieve-every-layer", window_savings=False),
     )
 }
 

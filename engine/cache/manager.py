@@ -446,6 +446,14 @@ class KVCacheManager:
         pool = self.gpu if tier == "gpu" else self.cpu
         return pool.num_blocks, pool.num_used, pool.num_free
 
+    def layer_pages(self, tier: str) -> tuple[int, int]:
+        """A tier's pages in use: of the full layers (every chunk's, with one group: all of
+        them) and of the sliding groups (engine/kv_layout.py)."""
+        used = (self.gpu if tier == "gpu" else self.cpu).num_used
+        if tier == "cpu":
+            used -= len(self.tiers.stale)  # freed, handed out again next step
+        return used - self.tiers.sliding[tier], self.tiers.sliding[tier]
+
     def sharing_usage(self) -> tuple[int, int]:
         """Chunks held by more than one conversation, and the holders of those chunks."""
         held = [len(s.holders) for s in self.shared if len(s.holders) > 1]

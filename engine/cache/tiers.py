@@ -30,6 +30,7 @@ class Tiers:
     ) -> None:
         self.counters = EngineCounters() if counters is None else counters  # the ahead_* fates
         self.groups = groups  # pages a chunk inside the window holds on its tier
+        self.sliding = {"gpu": 0, "cpu": 0}  # pages of the sliding groups in use per tier
         self.gpu = BlockPool(gpu_blocks)
         self.cpu = BlockPool(cpu_blocks)
         self.order = order  # told when a chunk is unpinned: a candidate again
@@ -106,6 +107,7 @@ class Tiers:
         c.gpu = self.gpu.allocate()
         if window and self.groups > 1:
             c.gpu_win = tuple(self.gpu.allocate() for _ in range(self.groups - 1))
+            self.sliding["gpu"] += self.groups - 1
         self._count(t, c, 1)
 
     def clear_gpu(self, t: ChunkTable | None, c: Chunk) -> None:
@@ -114,6 +116,7 @@ class Tiers:
         self._count(t, c, -1)
         for page in c.gpu_pages():
             self.gpu.release(page)
+        self.sliding["gpu"] -= len(c.gpu_win or ())
         c.gpu = c.gpu_win = None
         c.prefetched = False
 
@@ -125,6 +128,7 @@ class Tiers:
         later)."""
         self._count(t, c, -1)
         c.cpu, c.cpu_win = pages[0], (pages[1:] or None)
+        self.sliding["cpu"] += len(pages) - 1
         if ahead:
             c.ahead = True
             self.counters.ahead_chunks += 1
@@ -141,6 +145,7 @@ class Tiers:
                 self.stale.append(page)
             else:
                 self.cpu.release(page)
+        self.sliding["cpu"] -= len(c.cpu_win or ())
         c.cpu = c.cpu_win = None
         self._count(t, c, 1)
 
@@ -151,6 +156,7 @@ class Tiers:
             self.clear_cpu(t, c, stale=True)
         self._count(t, c, -1)
         c.gpu_win = tuple(self.gpu.allocate() for _ in range(self.groups - 1))
+        self.sliding["gpu"] += self.groups - 1
         self._count(t, c, 1)
 
     def unwindow(self, t: ChunkTable | None, c: Chunk) -> None:
@@ -161,6 +167,8 @@ class Tiers:
             self.gpu.release(page)
         for page in c.cpu_win or ():
             self.stale.append(page)  # this step's swap-in may still read it
+        self.sliding["gpu"] -= len(c.gpu_win or ())
+        self.sliding["cpu"] -= len(c.cpu_win or ())
         c.gpu_win = c.cpu_win = None
         self._count(t, c, 1)
 
@@ -177,8 +185,11 @@ class Tiers:
     def check(self, tables: Iterable[ChunkTable], shared: Iterable[Chunk]) -> None:
         """Assert one owner per block, nothing leaked, and the counts right."""
         owners: dict[tuple[str, int], str] = {}
+        sliding = {"gpu": 0, "cpu": 0}
 
         def own(c: Chunk, who: str) -> None:
+            sliding["gpu"] += len(c.gpu_win or ())
+            sliding["cpu"] += len(c.cpu_win or ())
             for tier, pages, pool in (
                 ("gpu", c.gpu_pages(), self.gpu),
                 ("cpu", c.cpu_pages(), self.cpu),
@@ -206,6 +217,7 @@ class Tiers:
                 pinned_gpu += len(c.gpu_pages()) if c.pins else 0
                 reclaimable += len(c.gpu_pages()) if not c.pins and c.cpu is not None else 0
         assert (self.pinned_gpu, self.reclaimable) == (pinned_gpu, reclaimable), "counts"
+        assert self.sliding == sliding, ("sliding pages miscounted", self.sliding, sliding)
         for tier, pool in (("gpu", self.gpu), ("cpu", self.cpu)):
             owned = sum(1 for t, _ in owners if t == tier)
             stale = len(self.stale) if tier == "cpu" else 0

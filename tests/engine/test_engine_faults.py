@@ -151,8 +151,11 @@ def test_context_limit_and_typed_snapshot():
         "sharing",
         "conversations",
         "pins",
+        "kv_bytes",
     }
     assert d["pools"]["gpu"] == {"total": 32, "used": 1, "free": 31}
+    # one chunk of every layer (one page group: no sliding layers)
+    assert d["kv_bytes"]["gpu"] == {"full": engine.pool.bytes_per_chunk, "sliding": 0}
     assert d["sharing"] == {"chunks": 0, "holders": 0, "saved_blocks": 0}
     (conv,) = d["conversations"]
     assert conv["id"] == "s" and conv["tokens"] == 3 + SP.max_tokens
@@ -220,9 +223,9 @@ def test_healthz_reports_a_dead_engine_loop(tmp_path):
         # the admin page and the metrics read the typed snapshot
         cache = client.get("/api/admin/cache", headers={"Authorization": "Bearer t"}).json()
         assert cache["pools"]["gpu"]["total"] == 16 and cache["conversations"] == []
-        assert (
-            'pensieve:kv_cache_blocks{state="total",tier="gpu"} 16.0' in client.get("/metrics").text
-        )
+        metrics = client.get("/metrics").text
+        assert 'pensieve:kv_cache_blocks{state="total",tier="gpu"} 16.0' in metrics
+        assert 'pensieve:kv_cache_bytes{layers="sliding",tier="gpu"} 0.0' in metrics
         engine = client.app.state.services.engine
         kill_loop(engine)
         assert wait_until(lambda: not engine.alive)

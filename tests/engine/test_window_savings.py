@@ -62,6 +62,12 @@ def test_a_conversation_holds_the_pages_of_its_window():
     chunks = -(-tokens // cs)
     window = chunks - layout.first_read(tokens - tokens % cs, cs)
     assert e.cache.usage("gpu")[1] == chunks + (layout.groups - 1) * window
+    # the bytes per layer type the admin page and /metrics show
+    page = layout.page_bytes(e.pool.bytes_per_chunk)
+    assert e.snapshot().kv_bytes["gpu"] == {
+        "full": chunks * page,
+        "sliding": (layout.groups - 1) * window * page,
+    }
     # the same conversation keeping every layer: `groups` pages a chunk
     e2 = engine(False)
     e2.run([Turn("a", prompt, SamplingParams(max_tokens=4, ignore_eos=True))])

@@ -57,9 +57,10 @@ def policy(kind: str, returns: Returns, last: dict[str, float]) -> Policy:
     return p
 
 
-class Table:  # the policy reads only a conversation's id
+class Table:  # the policy reads a conversation's id and its chunks' pages (none held here)
     def __init__(self, cid: str) -> None:
         self.id = cid
+        self.chunks = []
 
 
 def test_a_long_idle_conversation_goes_before_a_recent_one_even_when_dearer() -> None:

@@ -10,9 +10,10 @@ from engine.persistence import LocalClock
 CS = 32
 
 
-class Table:
+class Table:  # the policy reads a conversation's id and its chunks' pages (none held here)
     def __init__(self, cid: str) -> None:
         self.id = cid
+        self.chunks = []
 
 
 def policy(now: float) -> Policy:
