@@ -98,10 +98,11 @@ class Admitter:
             on_gpu = len(t.chunks) - t.n_off_gpu
             on_gpu += sum(1 for c in t.shared_run() if c.gpu is not None)
             return self.n_chunks(upto) - on_gpu
-        pages = self.tiers.pages
+        pages, cs = self.tiers.pages, self.chunk_size
+        last = self.window(t.tokens - t.tokens % cs)  # a dropped chunk read back from there on
         back = sum(
-            pages(c.cpu is None or c.cpu_win is not None)
-            for c in t.chunks[: t.n_off_gpu]
+            pages(c.cpu_win is not None if c.cpu is not None else i >= last)
+            for i, c in enumerate(t.chunks[: t.n_off_gpu])
             if c.gpu is None
         )
         return back + max(0, self.n_chunks(upto) - len(t.chunks)) * pages(True)
@@ -208,7 +209,20 @@ class Admitter:
             if c.prefetched and c.gpu is not None:
                 prefetched += max(0, min(cs, kv_len - i * cs))
             c.prefetched = False
-        need = self.blocks_needed(t, upto)
+        # the dropped positions after the loaded chunks (a partly filled last chunk)
+        tail = max(0, min(kv_len, t.n_dropped * cs) - last * cs) if loaded else 0
+        # Sliding pages: those a chunk had, or a chunk from disk's that a sliding layer reads
+        # again (in the window of what is computed next: `window_loads` checked its file); a
+        # recomputed one gets them in the steps that compute it (`grow`)
+        after = last * cs if tail else kv_len
+        reread = self.window(after - after % cs)
+        window = {
+            i: c.cpu_win is not None if c.cpu is not None else first <= i < last and i >= reread
+            for i, c in enumerate(t.chunks[: t.n_off_gpu])
+            if c.gpu is None
+        }
+        need = sum(self.tiers.pages(w) for w in window.values())
+        need += max(0, self.n_chunks(upto) - len(t.chunks)) * self.tiers.pages(True)
         if not self.evictor.make_room_gpu(need, copies, UNEXPECTED if prefetch else None):
             self.tiers.set_pinned(t, False)
             self.order.changed(t)
@@ -217,18 +231,13 @@ class Admitter:
         cached = max(0, min(kv_len, len(t.chunks) * cs) - t.n_off_gpu * cs)
         swapped = recompute = from_disk = 0
         loads = []
-        # the dropped positions after the loaded chunks (a partly filled last chunk)
-        tail = max(0, min(kv_len, t.n_dropped * cs) - last * cs) if loaded else 0
         for i in range(t.n_off_gpu):
             chunk = t.chunks[i]
             tokens = min(cs, kv_len - i * cs)
             if chunk.gpu is not None:  # a shared chunk already on the GPU
                 cached += tokens
                 continue
-            # Sliding pages: those it had, and a chunk from disk's; a recomputed one gets
-            # them for the steps that compute it (`grow`)
-            window = chunk.cpu_win is not None if chunk.cpu is not None else first <= i < last
-            self.tiers.set_gpu(t, chunk, window)
+            self.tiers.set_gpu(t, chunk, window[i])
             chunk.prefetched = prefetch
             if chunk.cpu is not None:
                 copies.swap_in += zip(chunk.cpu_pages(), chunk.gpu_pages(), strict=True)
