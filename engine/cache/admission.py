@@ -284,7 +284,8 @@ class Admitter:
         start = kv_len if start is None else start
         need = max(0, self.n_chunks(upto) - len(t.chunks)) * self.tiers.pages(True)
         bare = []  # held chunks the step's sliding layers read or write, without their pages
-        if self.layout is not None:
+        # (a recompute's: past its context, every chunk the window reads holds them already)
+        if self.layout is not None and start < kv_len:
             read = t.chunks[self.window(start) : self.n_chunks(upto)]
             bare = [c for c in read if c.gpu is not None and c.gpu_win is None]
             need += len(bare) * (self.tiers.groups - 1)

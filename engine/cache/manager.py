@@ -475,6 +475,12 @@ class KVCacheManager:
         tables = list(self.tables.values())
         for t in tables:
             t.check(self.chunk_size)
+            if self.layout is not None and not t.pinned:  # what the window reads holds pages
+                cs = self.chunk_size
+                for i in range(self.admission.window(t.tokens - t.tokens % cs), len(t.chunks)):
+                    c = t.chunks[i]
+                    assert c.gpu is None or c.gpu_win is not None, (t.id, i, "window lost")
+                    assert c.cpu is None or c.cpu_win is not None, (t.id, i, "window lost")
         self.sharing.check(tables)
         self.tiers.check(tables, self.shared)
 
