@@ -3,7 +3,8 @@
     python -m bench.peer_cpu                             # float32, 4/8/12/16 conversations
     python -m bench.peer_cpu --engine dtype=bfloat16     # and one more engine configuration
     python -m bench.peer_cpu --model gemma-3-270m --convs 8 --turns 4 --context-cap 1536 \
-        --min-context 1024 --engine dtype=bfloat16 --out bench/results/peer_cpu_gemma270m.json
+        --min-context 1024 --engine dtype=bfloat16 --api none \
+        --out bench/results/peer_cpu_gemma270m.json       # Gemma 3 270M past its 512 window
 
 A bundled model on both (`--model`: SmolLM2-135M, or Gemma 3 270M with the extra `gemma`): `pensieve serve` (the engine in the configurations given
 by `--engine`; float32, which dequantizes the bundled GGUF, always runs first) and
