@@ -23,7 +23,7 @@ installed = pytest.mark.skipif(
     reason="the optional extra 'gemma' (Gemma 3 270M) is not installed",
 )
 
-# Three user turns of about 200 tokens each: with 16-token replies a chat reaches ~680
+# Three user turns of about 200 tokens each: with 16-token replies a chat reaches 644
 # tokens, so its last replies are read with the sliding layers' window (512) past its start.
 TURNS = [
     "Here are my notes on the history of the lighthouse at the end of our harbour. It was "
