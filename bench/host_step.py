@@ -53,6 +53,7 @@ from bench.lib.common import RESULTS, device_slug, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.backends.local import Local
 from engine.cache.policy import CostModel
+from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
 from engine.runner import Runner
 from engine.seed import Seed
@@ -84,6 +85,9 @@ class NoForward:
         self.vocab = vocab
         self.logits: torch.Tensor | None = None
 
+    def set_kv_groups(self, groups: tuple[int, ...]) -> None:
+        """Each layer's page group: nothing reads it here."""
+
     def __call__(self, ids, positions, layers, meta, slots, rows, before_attention=None, **kw):
         if before_attention is not None:
             for layer in range(len(layers)):
@@ -102,9 +106,12 @@ class HostOnly(Local):
         super().__init__(config)
         self.pool_args = replace(self.args, n_kv_heads=1, head_dim=4)
 
-    def pool(self, gpu_blocks: int, cpu_blocks: int) -> KVPool:
+    def pool(self, gpu_blocks: int, cpu_blocks: int, layout: KVLayout) -> KVPool:
         c = self.config
-        return KVPool(self.pool_args, gpu_blocks, cpu_blocks, c.chunk_size, self.device, self.dtype)
+        return KVPool(
+            self.pool_args, gpu_blocks, cpu_blocks, c.chunk_size, self.device, self.dtype,
+            layout=layout,
+        )  # fmt: skip
 
     def runner(self, pool: KVPool) -> Runner:
         return Runner(NoForward(), pool, self.config.chunk_size, self.attention)

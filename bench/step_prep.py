@@ -20,6 +20,7 @@ import torch
 from bench.lib.common import environment
 from engine.cache.chunks import Chunk, ChunkTable
 from engine.copies import CopyPlan
+from engine.kv_layout import KVLayout
 from engine.plan import Piece
 from engine.request import Request
 from engine.runner import Runner
@@ -33,6 +34,9 @@ VOCAB = 8  # sampling is not what is timed
 class NoModel:
     """Logits of zeros for the wanted rows: the forward takes no time."""
 
+    def set_kv_groups(self, groups: tuple[int, ...]) -> None:
+        """Each layer's page group: nothing reads it here."""
+
     def __call__(self, ids, positions, layers, meta, slots, rows, **kw) -> torch.Tensor:
         return torch.zeros((rows.shape[0], VOCAB))
 
@@ -40,8 +44,9 @@ class NoModel:
 class NoPool:
     device = torch.device("cpu")
     layers: list = []
+    layout = KVLayout(0, 0, (), ())  # no layers: one page group
 
-    def begin_step(self, plan: CopyPlan) -> None:
+    def begin_step(self, plan: CopyPlan, writes=None) -> None:
         pass
 
     def before_attention(self, layer: int) -> None:

@@ -50,7 +50,7 @@ class KVLayout:
 
     @property
     def groups(self) -> int:
-        return max(self.group_of) + 1
+        return max(self.group_of, default=0) + 1
 
     @property
     def windowed(self) -> bool:
