@@ -62,7 +62,7 @@ def capture(
         kv_bytes={
             tier: {"full": full * page_bytes, "sliding": sliding * page_bytes}
             for tier in ("gpu", "cpu")
-            for full, sliding in [c.layer_pages(tier)]
+            for full, sliding in [c.tiers.layer_pages(tier)]
         },
     )
     return Capture(now, head, tuple(held))

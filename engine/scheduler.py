@@ -318,7 +318,8 @@ class Scheduler:
         loaded, span = req.loaded, None
         if loaded is not None and self.cache.loadable(req.table) == loaded.dropped:
             span = (loaded.first, loaded.last)  # else more was dropped meanwhile: recompute
-            if not self.cache.window_loads(req.table, span, req.state.kv_len, loaded.pages):
+            windows = self.cache.windows
+            if not windows.loads_hold_pages(req.table, span, req.state.kv_len, loaded.pages):
                 span = None  # a file lacks pages a sliding layer reads: recompute
         adm = self.cache.admit(req.table, req.state.kv_len, req.total, req.prefetch, span)
         plan.before.extend(adm.copies)
@@ -362,7 +363,7 @@ class Scheduler:
             if req.prefetch and req.status == Status.RUNNING and not req.pending:
                 self._end_prefetch(req, PrefetchEnd.DONE)
         for req, length in before.items():  # this step may be taken back: up to its start
-            self.cache.slide(req.table, length)
+            self.cache.windows.slide(req.table, length)
         return before
 
     def update(

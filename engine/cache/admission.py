@@ -16,8 +16,8 @@ from engine.cache.sharing import Sharing
 from engine.cache.swap_in_ahead import PrefetchSwapIn
 from engine.cache.tiers import Tiers
 from engine.cache.to_disk import Spills
+from engine.cache.windows import Windows
 from engine.copies import CopyPlan
-from engine.kv_layout import KVLayout
 from engine.snapshot import EngineCounters
 
 
@@ -61,10 +61,10 @@ class Admitter:
         prefetching: PrefetchSwapIn,
         spills: Spills,
         counters: EngineCounters,
-        layout: KVLayout | None = None,
+        windows: Windows,
     ) -> None:
         self.chunk_size = chunk_size
-        self.layout = layout if layout is not None and layout.windowed else None
+        self.windows = windows  # which chunks the sliding layers still read
         self.admit_reserve = admit_reserve
         self.tables = tables
         self.policy = policy  # its pins hold blocks (`stuck_blocks`)
@@ -80,10 +80,6 @@ class Admitter:
     def n_chunks(self, tokens: int) -> int:
         return -(-tokens // self.chunk_size)
 
-    def window(self, position: int) -> int:
-        """The first chunk sliding layers read from `position` on (0: every one)."""
-        return 0 if self.layout is None else self.layout.first_read(position, self.chunk_size)
-
     def recompute_tokens(self, t: ChunkTable, kv_len: int) -> int:
         """Leading positions an admission now would recompute from raw history."""
         if t.n_dropped == 0:
@@ -98,8 +94,8 @@ class Admitter:
             on_gpu = len(t.chunks) - t.n_off_gpu
             on_gpu += sum(1 for c in t.shared_run() if c.gpu is not None)
             return self.n_chunks(upto) - on_gpu
-        pages, cs = self.tiers.pages, self.chunk_size
-        last = self.window(t.tokens - t.tokens % cs)  # a dropped chunk read back from there on
+        pages = self.tiers.pages
+        last = self.windows.kept_from(t.tokens)  # a dropped chunk read back from there on
         back = sum(
             pages(c.cpu_win is not None if c.cpu is not None else i >= last)
             for i, c in enumerate(t.chunks[: t.n_off_gpu])
@@ -115,7 +111,7 @@ class Admitter:
         if self.tiers.groups == 1:
             return n
         start = min(t.tokens, upto)
-        return n + (self.tiers.groups - 1) * (n - self.window(start - start % self.chunk_size))
+        return n + (self.tiers.groups - 1) * (n - self.windows.kept_from(start))
 
     def can_admit(self, t: ChunkTable, upto: int) -> bool:
         """Admit while a share `admit_reserve` of the GPU pool stays unpinned for decoding."""
@@ -212,10 +208,10 @@ class Admitter:
         # the dropped positions after the loaded chunks (a partly filled last chunk)
         tail = max(0, min(kv_len, t.n_dropped * cs) - last * cs) if loaded else 0
         # Sliding pages: those a chunk had, or a chunk from disk's that a sliding layer reads
-        # again (in the window of what is computed next: `window_loads` checked its file); a
-        # recomputed one gets them in the steps that compute it (`grow`)
+        # again, in the window of what is computed next (`Windows.loads_hold_pages` checked
+        # its file); a recomputed one gets them in the steps that compute it (`grow`)
         after = last * cs if tail else kv_len
-        reread = self.window(after - after % cs)
+        reread = self.windows.kept_from(after)
         window = {
             i: c.cpu_win is not None if c.cpu is not None else first <= i < last and i >= reread
             for i, c in enumerate(t.chunks[: t.n_off_gpu])
@@ -285,8 +281,8 @@ class Admitter:
         need = max(0, self.n_chunks(upto) - len(t.chunks)) * self.tiers.pages(True)
         bare = []  # held chunks the step's sliding layers read or write, without their pages
         # (a recompute's: past its context, every chunk the window reads holds them already)
-        if self.layout is not None and start < kv_len:
-            read = t.chunks[self.window(start) : self.n_chunks(upto)]
+        if self.tiers.groups > 1 and start < kv_len:
+            read = t.chunks[self.windows.first(start) : self.n_chunks(upto)]
             bare = [c for c in read if c.gpu is not None and c.gpu_win is None]
             need += len(bare) * (self.tiers.groups - 1)
         if need > 0 and not self.evictor.make_room_gpu(need, copies):

@@ -11,7 +11,9 @@ the chunk tables, and the facade over the parts that do each job:
 - `Evictor` (eviction.py): freeing blocks in that order, ahead-of-time swap-out;
 - `Sharing` (sharing.py): shared prefixes, linked by hash chain and reference-counted;
 - `PrefetchSwapIn` (swap_in_ahead.py): CPU chunks back to the GPU while a user is typing;
-- `Spills` (to_disk.py): chunks that lose their last copy in memory, for the disk tier.
+- `Spills` (to_disk.py): chunks that lose their last copy in memory, for the disk tier;
+- `Windows` (windows.py): the sliding layers' pages of the chunks their window has left;
+- `Placer` (placing.py): a seeded state's chunks placed in their tiers.
 
 The manager itself holds the tables, releases, suspends and cuts back conversations' turns,
 and places a seeded state.
@@ -23,14 +25,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.cache.admission import Admission, Admitter, NoRoom
-from engine.cache.chunks import BOTH, CPU, DISK, DROPPED, GPU, RESIDENCIES, Chunk, ChunkTable
+from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.eviction import Evictor
 from engine.cache.order import REORDER_S, EvictionOrder
+from engine.cache.placing import Placer
 from engine.cache.policy import Policy
 from engine.cache.sharing import Sharing, chain_hashes
 from engine.cache.swap_in_ahead import PrefetchSwapIn
 from engine.cache.tiers import Tiers
 from engine.cache.to_disk import Spill, Spills
+from engine.cache.windows import Windows
 from engine.copies import CopyPlan
 from engine.kv_layout import KVLayout
 from engine.snapshot import EngineCounters
@@ -59,8 +63,7 @@ class KVCacheManager:
         self.policy = policy
         self.mode = mode
         # Pages per layer group (engine/kv_layout.py): None, one group (blocks are chunks)
-        self.layout = layout if layout is not None and layout.windowed else None
-        groups = 1 if self.layout is None else self.layout.groups
+        groups = 1 if layout is None else layout.groups
         # The baselines keep their behaviour; prefixes are not shared across sliding groups
         # (each holder's window leaves a shared chunk at another time)
         self.share = share and mode == CacheMode.PENSIEVE and groups == 1
@@ -73,6 +76,7 @@ class KVCacheManager:
         cpu_blocks = cpu_blocks if mode == CacheMode.PENSIEVE else 0
         self.tiers = Tiers(gpu_blocks, cpu_blocks, self.order, self.counters, groups)
         self.gpu, self.cpu = self.tiers.gpu, self.tiers.cpu
+        self.windows = Windows(layout, chunk_size, self.tiers)
         self.spills = Spills(chunk_size, self.counters)
         self.sharing = Sharing(
             self.share, chunk_size, self.shared, self.tiers, self.order, self.spills, self.counters
@@ -101,8 +105,9 @@ class KVCacheManager:
             self.prefetching,
             self.spills,
             self.counters,
-            self.layout,
+            self.windows,
         )
+        self.placer = Placer(chunk_size, mode, self.tiers, self.order, self.spills, self.windows)
 
     @property
     def spilling(self) -> bool:
@@ -244,7 +249,7 @@ class KVCacheManager:
         """The turn ended with `kv_len` positions computed: unpin, keep the KV (or drop it
         all in stateless mode)."""
         self._trim(t, kv_len)
-        self.slide(t, kv_len)
+        self.windows.slide(t, kv_len)
         self.tiers.set_pinned(t, False)
         if self.mode == CacheMode.STATELESS:
             for c in t.chunks:
@@ -257,44 +262,13 @@ class KVCacheManager:
         decode; returns the swap-outs. Its shared chunks stay where they are, unpinned."""
         copies = CopyPlan()
         self._trim(t, kv_len)
-        self.slide(t, kv_len)
+        self.windows.slide(t, kv_len)
         self.tiers.set_pinned(t, False)
         while t.n_off_gpu < len(t.chunks):
             self.evictor.evict_front_gpu(t, copies, force=True)
         self.counters.suspensions += 1
         self.order.changed(t)
         return copies
-
-    def slide(self, t: ChunkTable, position: int) -> None:
-        """The table's sliding layers will read nothing before the window of `position`'s
-        chunk (a turn's computed length, or its length before a step in flight that may be
-        taken back): the chunks before it give up their sliding groups' pages, for good.
-        The window of the chunk's start, not of `position`: a recompute after chunks read
-        back from disk starts there at the latest (`window_loads`)."""
-        if self.layout is None:
-            return
-        first = min(self.admission.window(position - position % self.chunk_size), len(t.chunks))
-        for c in t.chunks[t.slid : first]:
-            if c.gpu_win is not None or c.cpu_win is not None:
-                self.tiers.unwindow(None if c.shared else t, c)
-        t.slid = max(t.slid, first)
-
-    def window_loads(
-        self, t: ChunkTable, span: tuple[int, int], kv_len: int, pages: Callable[[int], int | None]
-    ) -> bool:
-        """Can chunks [first, last) of the dropped run come from the disk tier: with sliding
-        groups, each of them a sliding layer reads again (in the window of the recompute
-        after them, or of the turn's next position) must hold its sliding pages in its file
-        (`pages(i)`: the pages chunk i's file holds). A file written by another conversation
-        whose window had left the chunk holds one."""
-        if self.layout is None:
-            return True
-        first, last = span
-        cs = self.chunk_size
-        after = last * cs if min(kv_len, t.n_dropped * cs) > last * cs else kv_len
-        need = self.admission.window(after - after % cs)
-        wanted = range(max(first, need), last)
-        return all(pages(i) in (None, self.layout.groups) for i in wanted)
 
     def drop_prefix(self, t: ChunkTable, tokens: int) -> None:
         """Positions [0, tokens) hold no valid KV (a recompute stopped half way): drop them."""
@@ -318,11 +292,9 @@ class KVCacheManager:
         if keep > length // self.chunk_size and keep <= t.n_shared:
             # The cut falls inside a shared chunk, which is never written: recompute instead.
             self.sharing.let_go(t)
-        if self.layout is not None:
-            back = self.admission.window(length - length % self.chunk_size)
-            if back < t.slid:  # the window moves back over chunks without sliding pages
-                self.drop_prefix(t, min(length, t.slid * self.chunk_size))
-                t.slid = 0
+        if self.windows.moves_back(t, length):  # over chunks without sliding pages
+            self.drop_prefix(t, min(length, t.slid * self.chunk_size))
+            t.slid = 0
         for c in t.chunks[keep:]:
             self.sharing.free_chunk(t, c)
         del t.chunks[keep:]
@@ -332,71 +304,16 @@ class KVCacheManager:
         t.n_off_gpu = min(t.n_off_gpu, keep)
         self.order.changed(t)
 
-    # ---- a seeded state (engine/seed.py) ---------------------------------------------------
+    # ---- a seeded state (placing.py) --------------------------------------------------------
 
     def blocks_to_place(self, tiers: Sequence[str], tokens: int) -> tuple[int, int]:
-        """The GPU and CPU blocks `place` takes for this residency. ValueError where this
-        cache cannot hold it: not one tier of `RESIDENCIES` per chunk of `tokens` positions,
-        a layout other than [dropped or disk | cpu | gpu or both], a tier its mode lacks (a
-        CPU tier in gpu-only and stateless mode), a chunk on disk without a disk tier or not
-        full. (A stateless cache holds GPU chunks only while a turn runs: seeded, they stand
-        for a turn that goes on, and are dropped when the conversation's next turn ends.)"""
-        if len(tiers) != self.n_chunks(tokens):
-            raise ValueError(
-                f"{len(tiers)} tiers for {tokens} positions ({self.n_chunks(tokens)} chunks)"
-            )
-        rank = {DROPPED: 0, DISK: 0, CPU: 1, GPU: 2, BOTH: 2}
-        last, gpu, cpu = 0, 0, 0
-        for i, tier in enumerate(tiers):
-            if tier not in rank:
-                raise ValueError(f"chunk {i}: unknown tier {tier!r}, not one of {RESIDENCIES}")
-            if rank[tier] < last:
-                raise ValueError(
-                    f"chunk {i} on {tier} after a chunk on a faster tier: a table is laid "
-                    "out [dropped or disk | cpu | gpu or both]"
-                )
-            last = rank[tier]
-            if tier == DISK and not self.spilling:
-                raise ValueError(f"chunk {i} on disk: this engine has no disk tier")
-            if tier == DISK and (i + 1) * self.chunk_size > tokens:
-                raise ValueError(f"chunk {i} on disk is not full: only full chunks are files")
-            gpu += tier in (GPU, BOTH)
-            cpu += tier in (CPU, BOTH)
-        if cpu and not self.cpu.num_blocks:
-            raise ValueError(f"{cpu} chunks on the CPU tier: this engine has none ({self.mode})")
-        return gpu, cpu
+        """The GPU and CPU blocks `place` takes for this residency (`Placer.blocks`)."""
+        return self.placer.blocks(tiers, tokens)
 
     def place(self, t: ChunkTable, tiers: Sequence[str], tokens: int) -> None:
-        """Give an empty, idle table the chunks of `tokens` positions in the tiers given
-        (`blocks_to_place`), through the tiers' own accounting: a seeded state, whose KV is
-        whatever the blocks hold (`Engine.seed`). A chunk on "disk" is dropped here (the
-        disk tier holds it). ValueError if the blocks are not free."""
-        if t.chunks or t.pinned:
-            raise ValueError(f"conversation {t.id!r} holds chunks already")
-        gpu, cpu = self.blocks_to_place(tiers, tokens)
-        if (
-            gpu * self.tiers.groups > self.gpu.num_free
-            or cpu * self.tiers.groups > self.cpu.num_free
-        ):
-            raise ValueError(
-                f"{gpu} GPU and {cpu} CPU blocks asked, {self.gpu.num_free} and "
-                f"{self.cpu.num_free} free"
-            )
-        first = self.admission.window(tokens - tokens % self.chunk_size)  # as `slide` leaves it
-        for tier in tiers:
-            c = Chunk()
-            t.chunks.append(c)
-            window = len(t.chunks) - 1 >= first
-            if tier in (GPU, BOTH):
-                self.tiers.set_gpu(t, c, window)
-            if tier in (CPU, BOTH):
-                pages = self.tiers.pages(window)
-                self.tiers.set_cpu(t, c, tuple(self.cpu.allocate() for _ in range(pages)))
-        t.n_dropped = t.n_shared = sum(1 for x in tiers if x in (DROPPED, DISK))
-        t.n_off_gpu = t.n_dropped + sum(1 for x in tiers if x == CPU)
-        t.tokens = tokens
-        t.slid = first if self.layout is not None else 0
-        self.order.changed(t)
+        """Give an empty, idle table the chunks of `tokens` positions in the tiers given: a
+        seeded state (`Placer.place`)."""
+        self.placer.place(t, tiers, tokens)
 
     # ---- prefetch (swap_in_ahead.py), swap-out ahead (eviction.py), spills (to_disk.py) ---
 
@@ -446,14 +363,6 @@ class KVCacheManager:
         pool = self.gpu if tier == "gpu" else self.cpu
         return pool.num_blocks, pool.num_used, pool.num_free
 
-    def layer_pages(self, tier: str) -> tuple[int, int]:
-        """A tier's pages in use: of the full layers (every chunk's, with one group: all of
-        them) and of the sliding groups (engine/kv_layout.py)."""
-        used = (self.gpu if tier == "gpu" else self.cpu).num_used
-        if tier == "cpu":
-            used -= len(self.tiers.stale)  # freed, handed out again next step
-        return used - self.tiers.sliding[tier], self.tiers.sliding[tier]
-
     def sharing_usage(self) -> tuple[int, int]:
         """Chunks held by more than one conversation, and the holders of those chunks."""
         held = [len(s.holders) for s in self.shared if len(s.holders) > 1]
@@ -475,12 +384,7 @@ class KVCacheManager:
         tables = list(self.tables.values())
         for t in tables:
             t.check(self.chunk_size)
-            if self.layout is not None and not t.pinned:  # what the window reads holds pages
-                cs = self.chunk_size
-                for i in range(self.admission.window(t.tokens - t.tokens % cs), len(t.chunks)):
-                    c = t.chunks[i]
-                    assert c.gpu is None or c.gpu_win is not None, (t.id, i, "window lost")
-                    assert c.cpu is None or c.cpu_win is not None, (t.id, i, "window lost")
+            self.windows.check(t)
         self.sharing.check(tables)
         self.tiers.check(tables, self.shared)
 

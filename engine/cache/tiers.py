@@ -180,6 +180,14 @@ class Tiers:
         if c.gpu is not None:
             self.clear_gpu(t, c)
 
+    def layer_pages(self, tier: str) -> tuple[int, int]:
+        """A tier's pages in use: of the full layers (every chunk's; with one group, all of
+        them) and of the sliding groups (engine/kv_layout.py)."""
+        used = (self.gpu if tier == "gpu" else self.cpu).num_used
+        if tier == "cpu":
+            used -= len(self.stale)  # freed, handed out again next step
+        return used - self.sliding[tier], self.sliding[tier]
+
     # ---- invariants ------------------------------------------------------------------------
 
     def check(self, tables: Iterable[ChunkTable], shared: Iterable[Chunk]) -> None:

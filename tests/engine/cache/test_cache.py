@@ -290,7 +290,7 @@ def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, evict
         target = kv_len.get(cid, 0) + grow_by
         if cid in running:  # decode a few tokens, or end the turn
             if m.grow(table, kv_len[cid], target) is not None:
-                m.slide(table, kv_len[cid])  # as a launched step does: up to its start
+                m.windows.slide(table, kv_len[cid])  # as a launched step does: up to its start
                 kv_len[cid] = target
             else:
                 m.suspend(table, kv_len[cid])
@@ -318,7 +318,7 @@ def check_windows(m: KVCacheManager, kv_len: dict[str, int], running: dict) -> N
     turn's: all it computes too), and none before `slid` does."""
     for cid, t in m.tables.items():
         n = kv_len.get(cid, 0)
-        first = m.layout.first_read(n - n % CS, CS)
+        first = m.windows.kept_from(n)
         for i, c in enumerate(t.chunks):
             held = c.gpu is not None or c.cpu is not None
             if held and i >= first:
@@ -332,7 +332,7 @@ def test_a_chunk_the_window_left_frees_its_sliding_pages():
     t = m.table("a")
     m.admit(t, 0, 12)  # 3 chunks, all computed: every group's pages
     assert m.gpu.num_used == 9
-    m.slide(t, 12)  # a query at 12 or later reads from position 7: chunk 1 on
+    m.windows.slide(t, 12)  # a query at 12 or later reads from position 7: chunk 1 on
     assert [len(c.gpu_pages()) for c in t.chunks] == [1, 3, 3]
     assert m.gpu.num_used == 7 and t.slid == 1
     m.release(t, 12)
@@ -593,7 +593,7 @@ def test_random_workload_with_a_disk_tier(ops, gpu, cpu, windowed):
         target = kv_len.get(cid, 0) + grow_by
         if cid in running:
             if m.grow(table, kv_len[cid], target) is not None:
-                m.slide(table, kv_len[cid])
+                m.windows.slide(table, kv_len[cid])
                 kv_len[cid] = target
             else:
                 m.suspend(table, kv_len[cid])
