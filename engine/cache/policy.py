@@ -190,9 +190,9 @@ class Policy:
         wait = self.tools.remaining(conv.id, idle) if self.tool_value else None
         if wait is not None:  # it comes back when its tool does: about `wait` from now
             value = max(value, cost / max(wait, MIN_IDLE_S))
-        if chunk < len(conv.chunks):
+        if chunk < len(conv.chunks):  # a chunk's sliding pages are as many on either tier
             c = conv.chunks[chunk]
-            value /= max(len(c.gpu_pages()), len(c.cpu_pages()), 1)
+            value /= 1 + len(c.gpu_win or c.cpu_win or ())
         return value * self.pins.factor(conv.id)
 
     def key(self, conv: ChunkTable, chunk: int, now: float) -> Key:

@@ -79,7 +79,7 @@ class Tiers:
         change of a chunk is taken away before and added after."""
         if c.gpu is None:
             return
-        gpu = sign * len(c.gpu_pages())
+        gpu = sign * (1 + len(c.gpu_win or ()))
         backed = gpu if c.cpu is not None else 0
         if c.shared:  # counted once, whoever holds it
             pinned = c.pins > 0

@@ -84,9 +84,10 @@ def make_case(
     return q, k_cache, v_cache, meta
 
 
-def naive_attention(q, k_cache, v_cache, meta, scale, window: int | None = None):
+def naive_attention(q, k_cache, v_cache, meta, scale, window: int | None = None, sinks=None):
     """The oracle for the oracle: position by position, float64, explicit causal softmax; with
-    a sliding `window`, the query at i sees the key at j iff 0 <= i - j < window."""
+    a sliding `window`, the query at i sees the key at j iff 0 <= i - j < window; with
+    `sinks` (one logit per query head), each joins its head's softmax, its share dropped."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -102,7 +103,11 @@ def naive_attention(q, k_cache, v_cache, meta, scale, window: int | None = None)
             v = torch.stack([v_cache[b, o] for b, o in idx]).double()
             for h in range(q.shape[1]):
                 scores = k[:, h // group] @ q[row, h].double() * scale
-                out[row, h] = torch.softmax(scores, 0) @ v[:, h // group]
+                if sinks is None:
+                    out[row, h] = torch.softmax(scores, 0) @ v[:, h // group]
+                else:
+                    both = torch.cat([scores, sinks[h].double().view(1)])
+                    out[row, h] = torch.softmax(both, 0)[:-1] @ v[:, h // group]
     return out
 
 

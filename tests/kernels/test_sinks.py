@@ -11,30 +11,15 @@ import torch
 
 from kernels import paged_attention
 from kernels.reference import paged_attention_torch
-from tests.kernels.test_kernels import gpu, make_case, needs_cuda, needs_triton_cpu, rel_err
+from tests.kernels.test_kernels import (
+    gpu,
+    make_case,
+    naive_attention,
+    needs_cuda,
+    needs_triton_cpu,
+    rel_err,
+)
 from tests.kernels.test_window import LONG, decode_path  # noqa: F401 (a fixture)
-
-
-def naive_sinks(q, k_cache, v_cache, meta, scale, sinks, window=None):
-    """Position by position in float64: the softmax over the visible keys' scores and the
-    head's sink, the sink's share dropped."""
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    starts = meta.query_start.tolist()
-    for s, pos in enumerate(meta.query_pos.tolist()):
-        table = meta.block_tables[s].tolist()
-        for i in range(starts[s + 1] - starts[s]):
-            row, n_keys = starts[s] + i, pos + i + 1
-            first = 0 if window is None else max(0, n_keys - window)
-            idx = [(table[p // block_size], p % block_size) for p in range(first, n_keys)]
-            k = torch.stack([k_cache[b, o] for b, o in idx]).double()
-            v = torch.stack([v_cache[b, o] for b, o in idx]).double()
-            for h in range(q.shape[1]):
-                scores = k[:, h // group] @ q[row, h].double() * scale
-                both = torch.cat([scores, sinks[h].double().view(1)])
-                out[row, h] = torch.softmax(both, 0)[:-1] @ v[:, h // group]
-    return out
 
 
 def sinks_for(heads: int, seed: int = 1) -> torch.Tensor:
@@ -51,7 +36,7 @@ def test_reference_sinks_match_naive(decode_path, window, heads, kv_heads, dtype
     )
     sinks = sinks_for(heads).to(dtype)
     out = paged_attention_torch(q, k, v, meta, 0.2, window, sinks)
-    want = naive_sinks(q.float(), k.float(), v.float(), meta, 0.2, sinks.float(), window)
+    want = naive_attention(q.float(), k.float(), v.float(), meta, 0.2, window, sinks.float())
     assert rel_err(out.float(), want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
