@@ -17,14 +17,15 @@ from engine.cache.chunks import Chunk, ChunkTable
 from engine.cache.policy import Policy
 
 # How long the eviction order is kept. Keys (recompute cost over idle time) are taken at
-# one time and the heaps reused, until the policy's expectations change or the keys are
+# one time and the heaps reused, until pins or tools' waits change or the keys are
 # older than REORDER_SHARE of the idle time of the most recently active chunk evicted since
 # (so no evicted value has drifted by more than that share), at least REORDER_S (while
 # nothing has been evicted yet) and at most REORDER_MAX_S. A table whose turn ends in
 # between needs no rebuild: its entry is keyed again when popped (a heap re-checks every
 # entry it pops), where its activity, after the keys' time, makes it as recent as can be,
-# so it goes after every older chunk. Rebuilding the heaps at every turn's end, or every
-# step, would cost O(conversations) per step of a few milliseconds on a GPU.
+# so it goes after every older chunk; a conversation whose turn is queued or ends is
+# pushed again (its expectation moved its keys). Rebuilding the heaps at every turn's end,
+# or every step, would cost O(conversations) per step of a few milliseconds on a GPU.
 REORDER_S = 0.5
 REORDER_SHARE = 0.05
 REORDER_MAX_S = 10.0
@@ -161,8 +162,19 @@ class EvictionOrder:
         keep = self.reorder_s
         if self._frontier_idle is not None:
             keep = min(REORDER_MAX_S, max(keep, REORDER_SHARE * self._frontier_idle))
+        touched = self.policy.touched()
         if self.step_now - self.key_now >= keep or self._key_expected != self.policy.expectations:
             self.refresh()
+            return
+        # A turn queued or ended: that conversation's keys alone moved (a rebuild here cost
+        # O(conversations) at every such step: most of a busy simulation's time).
+        for conversation_id in touched:
+            t = self.tables.get(conversation_id)
+            if t is not None:
+                self.changed(t)
+                for c in t.chunks[t.n_dropped : t.n_shared]:
+                    if c in self.shared:
+                        self.changed(c)
 
     def refresh(self) -> bool:
         """Take the keys again at this step's time; False if they were taken then already.

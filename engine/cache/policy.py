@@ -83,7 +83,9 @@ class Policy:
         # their chunks are valued as if active now (kept over any other idle chunk, while
         # running turns, whose chunks are pinned, can still take them when nothing else is left).
         self.expected: dict[str, float] = {}
-        self._expectations = 0  # changes of `expected`
+        # Conversations whose expectation changed since the eviction order last took them:
+        # only their keys moved, so the order re-keys them alone (`touched`).
+        self._touched: list[str] = []
         # With a disk tier a dropped chunk comes back for at most the time to read it: the
         # seconds that caps a chunk's cost (None: no disk tier, or it does not write)
         self.restore_s: Callable[[], float | None] | None = None
@@ -151,16 +153,22 @@ class Policy:
 
     @property
     def expectations(self) -> int:
-        """Changes of what keys depend on besides time: the cache's eviction order is stale."""
-        return self._expectations + self.pins.changes + self.tools.changes
+        """Changes of what every key may depend on besides time (pins, tools' waits): the
+        cache's eviction order is stale. One conversation's expectation is `touched`."""
+        return self.pins.changes + self.tools.changes
+
+    def touched(self) -> list[str]:
+        """The conversations whose expectation changed since the last call."""
+        out, self._touched = self._touched, []
+        return out
 
     def expect(self, conversation_id: str, until: float) -> None:
         self.expected[conversation_id] = until
-        self._expectations += 1
+        self._touched.append(conversation_id)
 
     def unexpect(self, conversation_id: str) -> None:
         if self.expected.pop(conversation_id, None) is not None:
-            self._expectations += 1
+            self._touched.append(conversation_id)
 
     def is_expected(self, conversation_id: str, now: float) -> bool:
         return self.expected.get(conversation_id, 0.0) > now

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -539,9 +541,27 @@ def test_a_new_expectation_reorders_at_once():
     now.t += 0.1
     m.policy.expect("a", now.t + 10)  # a's user is typing: a is kept over b
     turn(m, clock, "c", 8, when=now.t)
-    assert m.order.key_now != keys
+    assert m.order.key_now == keys  # a's keys alone were taken again, not every table's
     assert m.table("a").tiers() == ["gpu", "gpu"]
     assert m.table("b").tiers() == ["cpu", "cpu"]
+
+
+def test_an_expectation_withdrawn_reorders_without_a_rebuild():
+    """A's turn was expected (so b's chunks went first), then refused: a's keys drop back
+    below b's at the next step, by a's entry pushed again, not by rebuilding every key."""
+    m, clock, now = manager(gpu=4, cpu=8)
+    turn(m, clock, "a", 8, when=900.0)
+    turn(m, clock, "b", 8, when=990.0)
+    m.policy.expect("a", math.inf)
+    turn(m, clock, "c", 8, when=now.t)  # the heaps are built: b's chunks go first
+    assert m.table("b").tiers() == ["cpu", "cpu"]
+    keys = m.order.key_now
+    now.t += 0.1
+    m.policy.withdrawn("a")
+    turn(m, clock, "d", 8, when=now.t)
+    assert m.order.key_now == keys
+    assert m.table("a").tiers() == ["cpu", "cpu"]
+    assert m.table("c").tiers() == ["gpu", "gpu"]
 
 
 def test_the_lazy_heap_counts_only_an_items_latest_entry():
