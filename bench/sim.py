@@ -85,12 +85,33 @@ def workload_of(preset: Preset, sample_file=None, log=_log):
         preset = fit_pools(preset, convs)
     workload["summary"] = wl.summarize(convs)
     log(wl.format_summary(workload["summary"]))
+    saving = window_saving(preset.model, convs)
+    if saving is not None:
+        workload["window_saving"] = saving
+        log(f"sliding layers keeping only their window: {saving:.2f}x fewer KV bytes")
     workload["pools"] = {
         "gpu_cache_chunks": preset.gpu_cache_chunks,
         "cpu_cache_chunks": preset.cpu_cache_chunks,
         "disk_cache_gb": preset.disk_cache_gb,
     }
     return preset, convs, workload
+
+
+def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
+    """The byte saving the workload's contexts allow a model with sliding layers: every
+    layer's KV over only what each layer can still read, summed over each turn's end (the
+    contexts held over the conversations' lives); None without a window."""
+    from bench.window_memory import held
+
+    args = model_args(model)
+    if not any(args.window(i) for i in range(args.n_layers)):
+        return None
+    every = only = 0
+    for c in convs:
+        for n in c.context_lens():
+            h = held(model, args, n)
+            every, only = every + h.all_layers_bytes, only + h.window_only_bytes
+    return every / only if only else None
 
 
 def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:

@@ -19,6 +19,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app.turns import matching, retention, toolcalls
 from app.turns.deps import TurnDeps
+from app.turns import harmony
 from app.turns.detok import Detokenizer
 from app.turns.reencode import Reencoded, reencode
 from app.turns.request import TurnRequest
@@ -249,7 +250,9 @@ class ChatTurn:
         """Pass the reply's text on as it comes; None when the turn failed (already
         answered)."""
         engine, sink = self.deps.engine, self.sink
-        detok = Detokenizer(engine.tokenizer, set(engine.stop_token_ids))
+        detok = Detokenizer(
+            engine.tokenizer, set(engine.stop_token_ids), harmony.channels(engine.tokenizer)
+        )
         first: float | None = None
         try:
             async for token_id in stream:

@@ -1,6 +1,7 @@
 """A reply as the chat template renders it in history, for templates that render earlier
 replies differently from how they were generated (thinking models such as Qwen3 drop an
-earlier reply's `<think>...</think>`, or the thought their generation prompt opened).
+earlier reply's `<think>...</think>`, or the thought their generation prompt opened;
+gpt-oss's harmony template keeps only an earlier reply's final channel).
 
 Without this, the next turn's rendered history no longer starts with the stored stream, so
 it is cut back at the first difference (app/turns/prompt.py). Re-encoding when the reply
@@ -17,6 +18,7 @@ import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from app.turns import harmony
 from app.turns.prompt import encode, render, text_of
 
 
@@ -73,13 +75,16 @@ def reencode(
             lo = mid
         else:
             hi = mid - 1
-    keep = lo
+    keep = min(lo, len(stream))  # the reply is stored whole: a message of its own
     kept = len(tokenizer.decode(generated[:keep], skip_special_tokens=False))
     rest = encode(tokenizer, segments, kept)
-    stop = reply_ids[-1]
-    if stop not in rest:
+    # The reply's end as rendered: its stop token, or the end of a message (harmony renders
+    # an earlier reply's <|return|> as <|end|>: app/turns/harmony.py)
+    ends = {reply_ids[-1], *harmony.message_ends(tokenizer)}
+    end = next((i for i, t in enumerate(rest) if t in ends), None)
+    if end is None:
         return None
-    ids = rest[: rest.index(stop) + 1]  # through the reply's end as rendered
+    ids = rest[: end + 1]
     if dummy in tokenizer.decode(ids, skip_special_tokens=False) or ids == generated[keep:]:
         return None
     return Reencoded(keep, ids)
