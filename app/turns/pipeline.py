@@ -17,9 +17,8 @@ from typing import Protocol
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app.turns import matching, retention, toolcalls
+from app.turns import harmony, matching, retention, toolcalls
 from app.turns.deps import TurnDeps
-from app.turns import harmony
 from app.turns.detok import Detokenizer
 from app.turns.reencode import Reencoded, reencode
 from app.turns.request import TurnRequest
