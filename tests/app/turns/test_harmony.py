@@ -14,8 +14,8 @@ from app.turns import harmony
 from app.turns.detok import Detokenizer
 from app.turns.prompt import encode, render
 from app.turns.reencode import reencode
-from app.turns.window import plan_turn
 from engine.model.loader import convert_bundled
+from tests.app.turns import replay
 
 TEMPLATE = Path(__file__).resolve().parents[3] / "bench" / "samples" / "harmony.jinja"
 SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
@@ -64,37 +64,13 @@ def test_a_tokenizer_without_the_format_routes_nothing(tok):
     assert harmony.message_ends(tok) == {tok.convert_tokens_to_ids(t) for t in SPECIALS[3:]}
 
 
-class Msg:
-    def __init__(self, role: str, content: str, token_ids: list[int]) -> None:
-        self.role, self.content, self.token_ids = role, content, token_ids
-        self.starts_context = False
-
-
 def chat(tok, turns: int, redo: bool) -> list[tuple[int, int]]:
-    """Turns as the pipeline runs them; per turn (context kept, stream before it)."""
     stop = {tok.convert_tokens_to_ids("<|return|>")}
-    history: list[Msg] = []
-    kept = []
+    replies = []
     for i in range(turns):
-        plan = plan_turn(tok, "Be brief.", history, f"question {i}", 4096, 64, True)
-        stored = sum(len(m.token_ids) for m in history)
-        kept.append((plan.context_len, stored))
-        if plan.context_len < stored:  # the pipeline's cut (store.truncate)
-            cut = plan.context_len
-            for m in history:
-                m.token_ids, cut = m.token_ids[:cut], max(0, cut - len(m.token_ids))
         out = ids(tok, reply(i))
-        _, text = shown(tok, out)
-        history.append(Msg("user", f"question {i}", plan.prompt))
-        r = reencode(tok, plan.messages, plan.stream, plan.context_len, text, out, stop)
-        if redo:
-            assert r is not None
-            cut = r.keep
-            for m in history:
-                m.token_ids, cut = m.token_ids[:cut], max(0, cut - len(m.token_ids))
-            out = r.token_ids
-        history.append(Msg("assistant", text, out))
-    return kept
+        replies.append((shown(tok, out)[1], out))  # the text stored: the final channel
+    return replay.chat(tok, replies, stop, redo)
 
 
 def test_a_harmony_chat_extends_its_stream_once_replies_are_reencoded(tok):

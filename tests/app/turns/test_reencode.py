@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from app.turns.prompt import encode, render
 from app.turns.reencode import reencode
-from app.turns.window import plan_turn
 from engine.model.loader import convert_bundled
+from tests.app.turns import replay
 
 THINKING = Path(__file__).resolve().parents[3] / "bench" / "samples" / "thinking.jinja"
 
@@ -28,16 +28,6 @@ def thinking():
     return tok
 
 
-class Msg:
-    def __init__(self, role: str, content: str, token_ids: list[int]) -> None:
-        self.role, self.content, self.token_ids, self.starts_context = (
-            role,
-            content,
-            token_ids,
-            False,
-        )
-
-
 def reply_ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"] + [
         tok.convert_tokens_to_ids("<|im_end|>")
@@ -45,28 +35,8 @@ def reply_ids(tok, text: str) -> list[int]:
 
 
 def chat(tok, replies: list[str], redo: bool) -> list[tuple[int, int]]:
-    """Turns as the pipeline runs them; per turn (context kept, stream before it)."""
     stop = {tok.convert_tokens_to_ids("<|im_end|>")}
-    history: list[Msg] = []
-    kept = []
-    for i, text in enumerate(replies):
-        plan = plan_turn(tok, "Be brief.", history, f"question {i}", 4096, 64, True)
-        stored = sum(len(m.token_ids) for m in history)
-        kept.append((plan.context_len, stored))
-        if plan.context_len < stored:  # the pipeline's cut (store.truncate)
-            cut = plan.context_len
-            for m in history:
-                m.token_ids, cut = m.token_ids[:cut], max(0, cut - len(m.token_ids))
-        ids = reply_ids(tok, text)
-        history.append(Msg("user", f"question {i}", plan.prompt))
-        r = reencode(tok, plan.messages, plan.stream, plan.context_len, text, ids, stop)
-        if redo and r is not None:
-            cut = r.keep
-            for m in history:
-                m.token_ids, cut = m.token_ids[:cut], max(0, cut - len(m.token_ids))
-            ids = r.token_ids
-        history.append(Msg("assistant", text, ids))
-    return kept
+    return replay.chat(tok, [(t, reply_ids(tok, t)) for t in replies], stop, redo)
 
 
 REPLIES = [f"<think>\nStep {i}: think hard.\n</think>\n\nAnswer number {i}." for i in range(5)]
