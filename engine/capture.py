@@ -42,6 +42,7 @@ def capture(
                 t.pinned,
                 last_active(t.id),
                 c.lowest_value(t, now),
+                t.gone,
             )  # fmt: skip
         )
     config, (running, waiting) = conv.config, counts

@@ -63,7 +63,7 @@ class Prefetcher:
         self.cache.policy.expect(state.id, now + WAIT_S)
         if state.id in self.current or table in self.swaps:
             return False
-        if table.n_dropped:
+        if table.missing:
             req = Request(
                 turn=Turn(state.id, []),
                 state=state,

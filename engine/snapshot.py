@@ -84,7 +84,9 @@ class PinUsage:
 class ConversationInfo:
     id: str
     tokens: int  # tokens in its stream
-    chunks: tuple[str, ...]  # tier of each chunk: "gpu", "cpu", "disk" or "dropped"
+    # tier of each chunk: "gpu", "cpu", "disk", "dropped" or "gone" (every layer's window
+    # left it: held nowhere, needed by no query)
+    chunks: tuple[str, ...]
     holders: tuple[int, ...]  # conversations holding each chunk: 2 or more when shared
     running: bool
     idle_s: float | None  # None: never active
@@ -146,11 +148,13 @@ class Held(NamedTuple):
     running: bool
     last_active: float | None
     retention: float | None
+    gone: int = 0  # of the dropped ones, those no query reads again (every layer slides)
 
     def info(self, now: float) -> ConversationInfo:
         tiers = ["dropped"] * self.dropped
         for j in self.disk:
             tiers[j] = "disk"
+        tiers[: self.gone] = ["gone"] * self.gone
         tiers += [tier for tier, _ in self.shared]
         tiers += ["cpu"] * self.cpu + ["gpu"] * self.gpu
         rest = (1,) * (self.cpu + self.gpu)

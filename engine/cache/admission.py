@@ -82,7 +82,7 @@ class Admitter:
 
     def recompute_tokens(self, t: ChunkTable, kv_len: int) -> int:
         """Leading positions an admission now would recompute from raw history."""
-        if t.n_dropped == 0:
+        if not t.missing:  # nothing dropped, or only chunks gone for good
             return 0
         return min(t.n_shared * self.chunk_size, kv_len)  # its shared run is let go too
 
@@ -93,7 +93,7 @@ class Admitter:
         if self.tiers.groups == 1:
             on_gpu = len(t.chunks) - t.n_off_gpu
             on_gpu += sum(1 for c in t.shared_run() if c.gpu is not None)
-            return self.n_chunks(upto) - on_gpu
+            return self.n_chunks(upto) - on_gpu - (0 if t.missing else t.gone)
         pages = self.tiers.pages
         last = self.windows.kept_from(t.tokens)  # a dropped chunk read back from there on
         back = sum(
@@ -109,7 +109,7 @@ class Admitter:
         of its context still reads (a recompute's steps take theirs as they go: `grow`)."""
         n = self.n_chunks(upto)
         if self.tiers.groups == 1:
-            return n
+            return n - (0 if t.missing else t.gone)
         start = min(t.tokens, upto)
         return n + (self.tiers.groups - 1) * (n - self.windows.kept_from(start))
 
@@ -190,14 +190,20 @@ class Admitter:
         have KV (held or dropped); positions from there on are about to be written.
         `prefetch`: the turn only brings the context back ahead of the user's message.
         `loaded`: chunks [first, last) of the dropped run (of `loadable` chunks) come from
-        the disk tier; the chunks before and after them are recomputed."""
+        the disk tier; the chunks before and after them are recomputed. Where every layer
+        slides, the chunks `gone` stay without KV when no other is missing or those loaded
+        follow them; else the recompute runs from position 0 through them too."""
         copies = CopyPlan()
         cs = self.chunk_size
         if loaded and not (0 <= loaded[0] < loaded[1] <= self.loadable(t)):
             raise ValueError(f"cannot load chunks {loaded} of {t.id!r} from disk")
-        if t.n_dropped:  # recomputed from position 0: its shared run is recomputed too
+        if t.gone and loaded and loaded[0] <= t.gone < loaded[1]:
+            loaded = (t.gone, loaded[1])  # loads from the first chunk still needed on
+        elif t.missing:
+            t.gone = 0
+        if t.missing:  # recomputed from position 0: its shared run is recomputed too
             self.sharing.let_go(t)
-            t.slid = 0  # the recompute gives its chunks sliding pages again
+            t.slid = t.gone  # the recompute gives its chunks sliding pages again
         first, last = loaded or (t.n_dropped, t.n_dropped)
         self.tiers.set_pinned(t, True)
         prefetched = 0
@@ -215,7 +221,7 @@ class Admitter:
         window = {
             i: c.cpu_win is not None if c.cpu is not None else first <= i < last and i >= reread
             for i, c in enumerate(t.chunks[: t.n_off_gpu])
-            if c.gpu is None
+            if c.gpu is None and i >= t.gone
         }
         need = sum(self.tiers.pages(w) for w in window.values())
         need += max(0, self.n_chunks(upto) - len(t.chunks)) * self.tiers.pages(True)
@@ -227,7 +233,7 @@ class Admitter:
         cached = max(0, min(kv_len, len(t.chunks) * cs) - t.n_off_gpu * cs)
         swapped = recompute = from_disk = 0
         loads = []
-        for i in range(t.n_off_gpu):
+        for i in range(t.gone, t.n_off_gpu):
             chunk = t.chunks[i]
             tokens = min(cs, kv_len - i * cs)
             if chunk.gpu is not None:  # a shared chunk already on the GPU
@@ -245,9 +251,9 @@ class Admitter:
                 recompute += tokens
         # Dropped chunks are a prefix, so recomputing positions [0, recompute) restores them
         # (with those loaded from disk: [0, first) and [last, kv_len), the turn's tokens next).
-        assert recompute == min(first * cs, kv_len) + tail
-        if t.n_dropped:  # recomputed chunks are private (the shared run was let go)
-            t.n_dropped = t.n_shared = 0
+        assert recompute == max(0, min(first * cs, kv_len) - t.gone * cs) + tail
+        if t.missing:  # recomputed chunks are private (the shared run was let go)
+            t.n_dropped = t.n_shared = t.gone
         t.n_off_gpu = t.n_shared
         self._extend(t, upto)
         self._will_write(t, kv_len)

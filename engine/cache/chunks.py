@@ -74,9 +74,19 @@ class ChunkTable:
     n_backed: int = 0  # of those, the pages of chunks with a CPU copy (reclaimable at no cost)
     # Chunks before it hold no sliding pages: the window has passed them (`slide`)
     slid: int = 0
+    # Where every layer slides (engine/kv_layout.py `gone`): chunks before it hold nothing and
+    # are needed by no later query, as long as the chunks after them are held; a part of the
+    # dropped run (gone <= n_dropped). Once a chunk after them is lost, the recompute runs
+    # from position 0 again (a sliding layer's KV depends on every position before it).
+    gone: int = 0
     # While pinned, its chunks keep their GPU blocks and only more are added: the block ids
     # read so far, each once per pin (`Tiers.set_pinned` resets it), not once per step
     gpu_ids: array | None = field(default=None, repr=False)
+
+    @property
+    def missing(self) -> bool:
+        """Some dropped chunk must come back (from disk, or recomputed) for the next turn."""
+        return self.n_dropped > self.gone
 
     def tiers(
         self, hashes: list[bytes] = (), on_disk: set[bytes] | frozenset = frozenset()
@@ -97,6 +107,8 @@ class ChunkTable:
             ids = array("i")
             if self.pinned:
                 self.gpu_ids = ids
+        if len(ids) < min(self.gone, n_chunks):  # never read: before every layer's window
+            ids.extend(array("i", bytes(4 * (min(self.gone, n_chunks) - len(ids)))))
         if len(ids) < n_chunks:
             new = [c.gpu for c in self.chunks[len(ids) : n_chunks]]
             if len(ids) + len(new) < n_chunks or None in new:  # C-speed scan
@@ -122,12 +134,13 @@ class ChunkTable:
         """Assert the layout [dropped | shared | CPU | GPU], and that it covers its tokens."""
         n_dropped, n_shared, n_off_gpu = self.n_dropped, self.n_shared, self.n_off_gpu
         assert 0 <= n_dropped <= n_shared <= n_off_gpu <= len(self.chunks), self
+        assert self.gone <= n_dropped, (self.id, "gone chunks outside the dropped run")
         assert len(self.chunks) >= -(-self.tokens // chunk_size) or self.pinned, self
         full = n_shared == n_dropped or n_shared * chunk_size <= self.tokens
         assert full, (self.id, "a shared chunk that is not full")
         if self.gpu_ids is not None:
             assert self.pinned, (self.id, "block ids kept while not running")
-            held = [c.gpu for c in self.chunks[: len(self.gpu_ids)]]
+            held = [c.gpu or 0 for c in self.chunks[: len(self.gpu_ids)]]
             assert list(self.gpu_ids) == held, (self.id, "block ids kept went stale")
         for i, c in enumerate(self.chunks):
             if n_dropped <= i < n_shared:

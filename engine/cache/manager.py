@@ -64,9 +64,10 @@ class KVCacheManager:
         self.mode = mode
         # Pages per layer group (engine/kv_layout.py): None, one group (blocks are chunks)
         groups = 1 if layout is None else layout.groups
-        # The baselines keep their behaviour; prefixes are not shared across sliding groups
-        # (each holder's window leaves a shared chunk at another time)
-        self.share = share and mode == CacheMode.PENSIEVE and groups == 1
+        # The baselines keep their behaviour; prefixes are not shared where layers keep only
+        # their window (each holder's window leaves a shared chunk at another time)
+        windows = layout is not None and layout.window is not None
+        self.share = share and mode == CacheMode.PENSIEVE and not windows
         self.tables: dict[str, ChunkTable] = {}
         self.shared: dict[Chunk, None] = {}  # every live shared chunk
         self.counters = EngineCounters() if counters is None else counters  # adds to it
@@ -153,6 +154,7 @@ class KVCacheManager:
         t.chunks = [Chunk() for _ in range(n)]
         t.n_dropped = t.n_shared = t.n_off_gpu = n
         t.tokens = tokens
+        t.gone = t.slid = self.windows.gone_before(tokens)  # none of them needed back
 
     def n_chunks(self, tokens: int) -> int:
         return -(-tokens // self.chunk_size)
@@ -294,7 +296,7 @@ class KVCacheManager:
             self.sharing.let_go(t)
         if self.windows.moves_back(t, length):  # over chunks without sliding pages
             self.drop_prefix(t, min(length, t.slid * self.chunk_size))
-            t.slid = 0
+            t.slid = t.gone = 0  # recomputed from position 0
         for c in t.chunks[keep:]:
             self.sharing.free_chunk(t, c)
         del t.chunks[keep:]

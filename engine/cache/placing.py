@@ -90,4 +90,5 @@ class Placer:
         t.n_off_gpu = t.n_dropped + sum(1 for x in tiers if x == CPU)
         t.tokens = tokens
         t.slid = first
+        t.gone = min(self.windows.gone_before(tokens), t.n_dropped)
         self.order.changed(t)

@@ -185,9 +185,13 @@ class Policy:
         conversation waiting for a tool is worth at least Cost over the tool's expected time
         still to come; the client's priority scales the whole (0: a finished session).
         Per page it holds: a chunk inside a sliding window holds every group's pages
-        (engine/kv_layout.py), one outside it only its full layers'."""
+        (engine/kv_layout.py), one outside it only its full layers'. Where every layer
+        slides, losing the first chunk after those `gone` recomputes them all from position
+        0: it costs the chunks [0, chunk] (their mean, attention being linear in l)."""
         idle = max(now - self.last_active(conv, now), MIN_IDLE_S)
         cost = self.cost(chunk * self.chunk_size)
+        if chunk and chunk == conv.gone == conv.n_dropped:
+            cost = (chunk + 1) * self.cost(chunk * self.chunk_size // 2)
         cap = self.restore_s() if self.restore_s is not None else None
         if cap is not None:
             cost = min(cost, cap)

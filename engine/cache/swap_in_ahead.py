@@ -46,9 +46,9 @@ class PrefetchSwapIn:
         return spare >= need
 
     def on_cpu(self, t: ChunkTable) -> bool:
-        """The idle table holds chunks on the CPU tier only (none dropped): a swap-in
+        """The idle table holds chunks on the CPU tier only (none missing): a swap-in
         prefetch can bring them back."""
-        if t.pinned or t.n_dropped or self.mode != CacheMode.PENSIEVE:
+        if t.pinned or t.missing or self.mode != CacheMode.PENSIEVE:
             return False
         return t.n_off_gpu > t.n_shared or any(c.gpu is None for c in t.shared_run())
 

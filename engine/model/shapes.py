@@ -230,6 +230,24 @@ DUMMY_SHAPES: dict[str, ModelArgs] = {
         rope_local_theta=10000.0,
         query_pre_attn_scalar=64,
     ),
+    # Mistral 7B v0.1: every layer slides over 4096 keys (the window-memory benchmark's shape)
+    "mistral-7b": ModelArgs(
+        32000,
+        4096,
+        32,
+        32,
+        8,
+        128,
+        14336,
+        max_position=32768,
+        family="mistral",
+        sliding_window=4096,
+    ),
+    # dummy:tiny's size with Mistral's window on every layer (64 tokens): a chunk the window
+    # left is needed by no layer (the tests' model whose every layer slides)
+    "tiny-mistral": ModelArgs(
+        BUNDLED_VOCAB, 256, 4, 4, 2, 64, 512, max_position=4096, family="mistral", sliding_window=64
+    ),
     "llama-3-8b": ModelArgs(
         128256,
         4096,

@@ -18,6 +18,9 @@ CS = 4  # tiny chunks keep the scripts readable
 # Six layers, 2 and 5 full: a page holds 2 layers; a chunk inside the 6-position window holds
 # 3 pages, one outside it (engine/kv_layout.py)
 WINDOWED = KVLayout(6, 2, (0, 1, 0, 0, 1, 1), (1, 1, 0, 2, 2, 0), window=6)
+# Every layer slides over 6 positions: one group, a chunk the window left holds nothing
+GONE = KVLayout(6, 6, tuple(range(6)), (0,) * 6, window=6)
+LAYOUTS = [None, WINDOWED, GONE]
 
 
 class FakeTime:
@@ -271,14 +274,14 @@ def test_double_release_is_caught():
     cpu=st.integers(0, 12),
     mode=st.sampled_from(["pensieve", "gpu", "stateless"]),
     eviction=st.sampled_from(["pensieve", "returns", "lru"]),
-    windowed=st.booleans(),
+    layout=st.sampled_from(LAYOUTS),
 )
-def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction, windowed):
+def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, eviction, layout):
     """Randomized multi-turn workload: after every step, no block is leaked or double-owned
     and every conversation is laid out [dropped | CPU | GPU]; with sliding groups, every
-    chunk a sliding layer may still read holds their pages, and none the window left."""
-    layout = WINDOWED if windowed else None
-    pages = 3 if windowed else 1
+    chunk a sliding layer may still read holds their pages, and none the window left (where
+    every layer slides: no page at all)."""
+    pages = 3 if layout is WINDOWED else 1
     m, clock, now = manager(
         gpu=gpu * pages, cpu=cpu * pages, mode=mode, eviction=eviction, layout=layout
     )
@@ -311,16 +314,21 @@ def test_random_workload_never_leaks_or_breaks_layout(ops, gpu, cpu, mode, evict
                 m.suspend(table, kv_len.get(cid, 0))
         m.swap_out_ahead()
         m.check()
-        if windowed:
+        if layout is not None:
             check_windows(m, kv_len, running)
 
 
 def check_windows(m: KVCacheManager, kv_len: dict[str, int], running: dict) -> None:
     """Every held chunk a sliding layer may still read holds every group's pages (a running
-    turn's: all it computes too), and none before `slid` does."""
+    turn's: all it computes too), and none before `slid` does; where every layer slides, the
+    chunks gone hold nothing and are all before the window."""
     for cid, t in m.tables.items():
         n = kv_len.get(cid, 0)
         first = m.windows.kept_from(n)
+        if m.windows.gone:
+            assert t.gone <= first or t.pinned, (cid, t.gone, first)
+            assert all(c.gpu is None and c.cpu is None for c in t.chunks[: t.gone]), cid
+            continue
         for i, c in enumerate(t.chunks):
             held = c.gpu is not None or c.cpu is not None
             if held and i >= first:
@@ -343,6 +351,34 @@ def test_a_chunk_the_window_left_frees_its_sliding_pages():
     # a window reaching back past chunks that lost their pages: recompute them
     m.truncate(t, 5)
     assert t.n_dropped == 1 and t.slid == 0
+    m.check()
+
+
+def test_a_chunk_every_layer_left_holds_nothing_until_one_after_it_is_lost():
+    """Every layer slides: chunks the window left are freed on every tier and are `gone` (a
+    return recomputes nothing); once a chunk after them is dropped, the admission recomputes
+    from position 0, and eviction prices that."""
+    m, clock, now = manager(gpu=8, cpu=0, layout=GONE)
+    turn(m, clock, "a", 16, when=990.0)  # 4 chunks; a query at 16 reads from position 11 on
+    a = m.tables["a"]
+    assert a.tiers() == ["dropped", "dropped", "gpu", "gpu"] and a.gone == 2
+    assert m.gpu.num_used == 2 and m.recompute_tokens(a, 16) == 0
+    # chunk 2, the first held, costs the recompute of chunks 0-2
+    assert m.policy.value(a, 2, now.t) > 2 * m.policy.value(m.table("x"), 2, now.t)
+    turn(m, clock, "a", 20, when=991.0)  # nothing recomputed: the window is held
+    assert m.counters.recomputed_tokens == 0 and a.gone == 3
+    turn(m, clock, "b", 28, when=1000.0)  # b's 7 chunks during its turn: a's chunk 3 goes
+    assert a.missing and m.recompute_tokens(a, 20) == 16  # chunks 0-3: from position 0
+    now.t += 1
+    m.begin_step()
+    adm = m.admit(a, 20, 24)  # recomputed from position 0: every chunk gets a page again
+    assert adm.recompute_tokens == 16 and a.gone == 0 and all(c.gpu is not None for c in a.chunks)
+    m.release(a, 24)
+    assert a.gone == m.windows.gone_before(24) == 4
+    assert m.gpu.num_used == sum(len(t.chunks) - t.gone for t in m.tables.values())
+    m.check()
+    m.truncate(a, 6)  # back over chunks gone: recomputed from the start
+    assert a.gone == 0 and a.missing
     m.check()
 
 
@@ -592,14 +628,14 @@ def test_the_lazy_heap_counts_only_an_items_latest_entry():
     ),
     gpu=st.integers(4, 16),
     cpu=st.integers(0, 12),
-    windowed=st.booleans(),
+    layout=st.sampled_from(LAYOUTS),
 )
-def test_random_workload_with_a_disk_tier(ops, gpu, cpu, windowed):
+def test_random_workload_with_a_disk_tier(ops, gpu, cpu, layout):
     """With a disk tier: every chunk that loses its last copy in memory is handed over
     (full chunks only, from a block it still owns), and admissions that load part of a
-    dropped run from disk keep every invariant (with sliding groups too)."""
-    pages = 3 if windowed else 1
-    layout = WINDOWED if windowed else None
+    dropped run from disk keep every invariant (with sliding layers too; where every layer
+    slides, the loads start at the first chunk not gone)."""
+    pages = 3 if layout is WINDOWED else 1
     m, clock, now = manager(gpu=gpu * pages, cpu=cpu * pages, layout=layout)
     m.spilling = True
     cs = m.chunk_size
@@ -625,7 +661,10 @@ def test_random_workload_with_a_disk_tier(ops, gpu, cpu, windowed):
         elif m.can_admit(table, target):
             full = min(m.loadable(table), kv_len.get(cid, 0) // cs)
             span = (full // 2, full) if load and full else None
+            gone = table.gone
             adm = m.admit(table, kv_len.get(cid, 0), target, loaded=span)
+            if span and span[0] <= gone < span[1]:
+                span = (gone, span[1])  # the chunks gone need not come back
             assert [i for i, _ in adm.loads] == list(range(*span)) if span else not adm.loads
             assert adm.disk_tokens == len(adm.loads) * cs
             start = 0 if adm.recompute_tokens else adm.recompute_from
@@ -642,7 +681,7 @@ def test_random_workload_with_a_disk_tier(ops, gpu, cpu, windowed):
             assert len(pages) in (1, m.tiers.groups)
             assert all(0 <= block < n for block in pages)
         m.check()
-        if windowed:
+        if layout is not None:
             check_windows(m, kv_len, running)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from engine.cache.chunks import ChunkTable
 from engine.cache.policy import CostModel, Policy
 from engine.cache.returns import EDGES, Returns
 from engine.persistence import LocalClock
@@ -57,12 +58,6 @@ def policy(kind: str, returns: Returns, last: dict[str, float]) -> Policy:
     return p
 
 
-class Table:  # the policy reads a conversation's id and its chunks' pages (none held here)
-    def __init__(self, cid: str) -> None:
-        self.id = cid
-        self.chunks = []
-
-
 def test_a_long_idle_conversation_goes_before_a_recent_one_even_when_dearer() -> None:
     # 300 s idle with 60 s gaps: probably ended. The paper's value keeps its chunk 15 (14x the
     # cost of a chunk 0) over the chunk 0 of a conversation idle 40 s; the learned one does not.
@@ -70,7 +65,7 @@ def test_a_long_idle_conversation_goes_before_a_recent_one_even_when_dearer() ->
     now = 1000.0
     last = {"old": now - 300.0, "recent": now - 40.0}
     paper, learned_ = policy("pensieve", r, last), policy("returns", r, last)
-    old, recent = (Table("old"), 15), (Table("recent"), 0)
+    old, recent = (ChunkTable("old"), 15), (ChunkTable("recent"), 0)
     assert paper.key(*old, now) > paper.key(*recent, now)
     assert learned_.key(*old, now) < learned_.key(*recent, now)
 
@@ -80,11 +75,11 @@ def test_past_the_longest_gap_the_oldest_goes_first() -> None:
     now = 10_000.0
     last = {"older": 0.0, "old": 5000.0}
     p = policy("returns", r, last)
-    assert p.key(Table("older"), 1, now) < p.key(Table("old"), 1, now)
+    assert p.key(ChunkTable("older"), 1, now) < p.key(ChunkTable("old"), 1, now)
 
 
 def test_before_it_has_learned_it_is_the_papers_value() -> None:
     r = Returns()
     last = {"a": 990.0}
     a, b = policy("returns", r, last), policy("pensieve", r, last)
-    assert a.value(Table("a"), 2, 1000.0) == b.value(Table("a"), 2, 1000.0)
+    assert a.value(ChunkTable("a"), 2, 1000.0) == b.value(ChunkTable("a"), 2, 1000.0)

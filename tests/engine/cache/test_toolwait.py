@@ -3,17 +3,12 @@ tool is expected back, learned per tool name from the gaps seen, and no longer."
 
 from __future__ import annotations
 
+from engine.cache.chunks import ChunkTable
 from engine.cache.policy import CostModel, Policy
 from engine.cache.toolwait import ToolWaits
 from engine.persistence import LocalClock
 
 CS = 32
-
-
-class Table:  # the policy reads a conversation's id and its chunks' pages (none held here)
-    def __init__(self, cid: str) -> None:
-        self.id = cid
-        self.chunks = []
 
 
 def policy(now: float) -> Policy:
@@ -45,12 +40,12 @@ def test_an_agent_on_a_short_tool_outlives_an_idle_chat_of_the_same_cost():
         clock.touch(cid, now - 1.0)  # all three ended their turn 1 s ago, same context
     p.tools.wait("agent", ["search"], since=now - 1.0)
     p.tools.wait("slow", ["build"], since=now - 1.0)
-    agent, chat, slow = (p.key(Table(c), 4, now) for c in ("agent", "chat", "slow"))
+    agent, chat, slow = (p.key(ChunkTable(c), 4, now) for c in ("agent", "chat", "slow"))
     assert chat < agent  # the chat goes first: the agent is back in about a second
     assert slow == chat  # a 10-minute tool is worth no more than an idle chat
     # The short tool overran every gap seen (a hung call): it counts as an idle chat again.
     late = now + 30.0
-    assert p.key(Table("agent"), 4, late) == p.key(Table("chat"), 4, late)
+    assert p.key(ChunkTable("agent"), 4, late) == p.key(ChunkTable("chat"), 4, late)
 
 
 def test_the_next_turn_ends_the_wait_and_teaches_the_gap():

@@ -1,7 +1,8 @@
 """The disk tier: chunks the CPU tier drops are written to files and read back instead of
 recomputed, with greedy equality with Hugging Face through every move; a restart reads
-them; damaged files fall back to recompute. The first two also on a model whose sliding
-layers keep only their window (files hold the pages a chunk holds)."""
+them; damaged files fall back to recompute. The first two also on models whose sliding
+layers keep only their window (files hold the pages a chunk holds; where every layer slides,
+no file is needed for the chunks the window left)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tests.engine.test_engine_equality import check_against_hf, prompts
 from tests.oracle import hf_greedy, hf_model
 
 MODEL = "dummy:tiny"
-MODELS = [MODEL, "dummy:tiny-gemma3"]  # the second: five of six layers slide over 64 tokens
+# five of six layers slide over 64 tokens; every layer does
+MODELS = [MODEL, "dummy:tiny-gemma3", "dummy:tiny-mistral"]
 _HF: dict = {}
 
 

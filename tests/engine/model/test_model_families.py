@@ -242,7 +242,7 @@ def test_two_ranks_equal_transformers(checkpoint, tmp_path, family):
     tensors split by heads, partial rotary dims per head, the tied head split by vocabulary
     rows; Gemma 3's sliding layers per rank, its four norms a layer. (q/k norms act on whole
     heads: replicated, like every norm.) 5 GPU chunks do not hold one conversation: swaps
-    and recomputes."""
+    and recomputes (Phi-3: chunks gone before the window instead)."""
     path = checkpoint(family)
     engine = Engine(
         EngineConfig(
@@ -267,7 +267,10 @@ def test_two_ranks_equal_transformers(checkpoint, tmp_path, family):
             max_len=64,
             ignore_eos=True,
         )
-        assert counters["swapped_in_tokens"] > 0 and counters["recomputed_tokens"] > 0, counters
+        # Phi-3's every layer slides: its chunks before the window are gone, not recomputed
+        gone = any(t.gone for t in engine.cache.held())
+        assert counters["swapped_in_tokens"] > 0, counters
+        assert counters["recomputed_tokens"] > 0 or (family == "phi3" and gone), counters
     finally:
         engine.close()
 
