@@ -2,7 +2,7 @@
 only their window (engine/kv_layout.py) against keeping every layer, beside the arithmetic of
 the model's shape.
 
-    python -m bench.window_memory                        # gemma-3-1b, gpt-oss-20b at 8k, 32k
+    python -m bench.window_memory                  # gemma-3-1b, gpt-oss-20b, mistral-7b at 8k, 32k
     python -m bench.window_memory --real gemma-3-270m --real-tokens 2048 8192
                                                          # real weights on the CPU too
 
@@ -11,7 +11,8 @@ with N positions holds N - 1) and the bytes
 are its pages on the GPU tier times a page's bytes. The shapes run on a simulated H100 (the
 real cache and scheduler, no weights; bfloat16 KV); `--real` models run on this CPU with
 their weights (float32 KV). The arithmetic: a sliding layer past the window needs only the
-chunks from (N - window + 1)'s on, a full layer every chunk; the engine keeps one chunk more
+chunks from (N - window + 1)'s on, a full layer every chunk (Mistral 7B v0.1: every layer
+slides, and a chunk the window left holds nothing); the engine keeps one chunk more
 at most (the window of the last chunk's start: a recompute after chunks read back from disk
 starts there) and pads a group's page where the sliding layers do not fill it (Gemma 3 1B:
 22 sliding layers in pages of 4). "Conversations held": a 40 GiB tier (the paper's) over the
@@ -150,7 +151,7 @@ def plot(rows: list[dict], path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["gemma-3-1b", "gpt-oss-20b"])
+    p.add_argument("--models", nargs="+", default=["gemma-3-1b", "gpt-oss-20b", "mistral-7b"])
     p.add_argument("--tokens", nargs="+", type=int, default=[8192, 32768])
     p.add_argument("--real", nargs="*", default=[], help="models run with weights on the CPU")
     p.add_argument("--real-tokens", nargs="+", type=int, default=[2048, 8192])
