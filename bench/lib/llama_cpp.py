@@ -247,3 +247,17 @@ class LlamaServer:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+def template_flags(model: str, where: Path) -> list[str]:
+    """llama-server's chat template: the one the engine renders, where the GGUF has none
+    (Gemma 3 270M's base model: `--chat-template-file`, written into `where`)."""
+    from engine.model.loader import BUNDLES
+
+    template = BUNDLES[model].chat_template
+    if template is None:
+        return []
+    path = where / f"{model}.jinja"
+    if where.is_dir():
+        path.write_text(template)
+    return ["--chat-template-file", str(path)]

@@ -165,7 +165,7 @@ def test_servers_get_tiers_sized_to_the_workload():
 
 def test_gemmas_template_is_given_to_llama_server(tmp_path):
     """The Gemma 3 270M GGUF has no chat template: llama-server gets the engine's."""
-    from bench.peer_cpu import template_flags
+    from bench.lib.llama_cpp import template_flags
     from engine.model import gemma270m
 
     assert template_flags("smollm2-135m-instruct", tmp_path) == []
