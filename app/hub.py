@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 import weakref
-from collections import deque
 from collections.abc import Coroutine
 from typing import Protocol
 
@@ -48,7 +46,6 @@ class Hub:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: set[asyncio.Task] = set()  # turns, some still committing after their client
         self._running: dict[str, RunningTurn] = {}  # chat socket turns by conversation
-        self._started: dict[str, deque[float]] = {}  # owner -> turn start times, last minute
 
     # --- one history writer per chat -------------------------------------------------------
     def lock(self, conversation_id: str) -> asyncio.Lock:
@@ -63,17 +60,6 @@ class Hub:
         such a chat's home)."""
         lock = self._locks.get(conversation_id)
         return conversation_id in self._live or (lock is not None and lock.locked())
-
-    def take_turn(self, owner_id: str, per_minute: int) -> float | None:
-        """Count a turn against its owner's quota; seconds to wait when it is spent."""
-        now = time.monotonic()
-        times = self._started.setdefault(owner_id, deque())
-        while times and now - times[0] >= 60.0:
-            times.popleft()
-        if len(times) >= per_minute:
-            return round(60.0 - (now - times[0]), 1)
-        times.append(now)
-        return None
 
     def track(self, turn: Coroutine) -> asyncio.Task:
         """Run a turn as a task of its own: it may outlive its client (it still commits),

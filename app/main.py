@@ -19,7 +19,7 @@ from app.cluster import replica
 from app.cluster.directory import Directory
 from app.cluster.handoff import HandOff
 from app.http import problem
-from app.limits import RateLimit
+from app.limits import Quotas
 from app.logs import redact_access_logs
 from app.middleware import SameOriginWrites, SecurityHeaders
 from app.services import Services
@@ -72,7 +72,7 @@ async def lifespan(app: Starlette):
             clock,
             engine,
             admin_token,
-            new_users=RateLimit(settings.new_users_per_minute),
+            quotas=Quotas(settings.redis_url),
         )
         sv.metrics.watch(engine.snapshot)
         if settings.cluster:

@@ -52,7 +52,7 @@ async def chat_page(request: Request) -> Response:
         return response
     sv = services(request)
     client = request.client.host if request.client else "unknown"
-    wait = sv.new_users.take(client)
+    wait = await sv.quotas.take("new-users", client, sv.settings.new_users_per_minute)
     if wait:
         return HTMLResponse(
             "<!doctype html><title>Pensieve</title><p>Too many new visitors from this address; "

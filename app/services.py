@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from starlette.requests import HTTPConnection
 
 from app.hub import Hub
-from app.limits import RateLimit
+from app.limits import Quotas
 from app.metrics import Metrics
 from app.settings import Settings
 from app.turns.deps import TurnDeps
@@ -54,7 +54,7 @@ class Services:
     admin_token: str
     metrics: Metrics = field(default_factory=Metrics)
     hub: Hub = field(default_factory=Hub)
-    new_users: RateLimit = field(default_factory=lambda: RateLimit(10))
+    quotas: Quotas = field(default_factory=Quotas)  # turns a minute, new users a minute
     db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
     cluster: Membership | None = None  # this replica's membership (--cluster)
     running: bool = True

@@ -283,7 +283,7 @@ async def chat_completions(request: Request) -> Response:
                            "forces a call", param="response_format")  # fmt: skip
         sampling.guide = forced or sampling.guide
         keep = retention_of(sv, user.id, body.prompt_cache_retention, body.retention)
-        take_turn(request, sv, user.id)
+        await take_turn(request, sv, user.id)
         session = request.headers.get("x-session-id") or body.prompt_cache_key
         cid, created = await conversation_for(sv, user.id, chat, session)
         relayed = await handoff.forward_turn(request, raw, cid)  # claims a new one here

@@ -273,7 +273,7 @@ async def create_response(request: Request) -> Response:
             if prev is None:
                 raise not_found("response", "previous_response_id")
         keep = retention_of(sv, user.id, body.prompt_cache_retention, body.retention)
-        take_turn(request, sv, user.id)
+        await take_turn(request, sv, user.id)
         base = prev.conversation_id if prev else it.conversation_key(body.conversation_id or "")
         if base:  # the home replica of the conversation it builds on answers
             relayed = await handoff.forward_turn(request, raw, base)

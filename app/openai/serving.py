@@ -111,13 +111,13 @@ def refusal(first) -> Response | None:
     return None
 
 
-def take_turn(request: Request, sv: Services, owner_id: str) -> None:
+async def take_turn(request: Request, sv: Services, owner_id: str) -> None:
     """Count the turn against its owner's quota (ApiError 429 when spent); a request another
     replica handed over was counted there."""
     st = sv.settings
     if handoff.forwarded(request):
         return
-    wait = sv.hub.take_turn(owner_id, st.turns_per_minute)
+    wait = await sv.quotas.take("turns", owner_id, st.turns_per_minute)
     if wait is not None:
         raise ApiError(429, f"at most {st.turns_per_minute} messages a minute",
                        "rate_limit_error", code="rate_limit_exceeded", retry_after_s=wait)  # fmt: skip

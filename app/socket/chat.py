@@ -179,7 +179,7 @@ class ChatSocket:
             return await self.error("bad_retention", str(e))
         if self.turn is not None:
             return await self.error("busy", "a reply is still being generated; cancel it first")
-        wait = hub.take_turn(self.owner_id, st.turns_per_minute)
+        wait = await self.sv.quotas.take("turns", self.owner_id, st.turns_per_minute)
         if wait is not None:
             return await self.error(
                 "rate_limited",

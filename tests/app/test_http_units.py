@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 from app.cli import _settings, parser
-from app.limits import RateLimit, retry_after
 from app.logs import redact
 from app.settings import ENGINE_HELP, Settings
 from engine.types import EngineConfig
@@ -69,21 +68,3 @@ def test_bad_engine_settings_fail_at_once(monkeypatch, env, says):
 )
 def test_redact(line, clean):
     assert redact(line) == clean
-
-
-def test_rate_limit_refills_per_key():
-    now = [0.0]
-    limit = RateLimit(per_minute=2, clock=lambda: now[0])
-    assert limit.take("a") == 0 and limit.take("a") == 0
-    wait = limit.take("a")
-    assert 29 < wait <= 30 and retry_after(wait) == "30"
-    assert limit.take("b") == 0  # per key
-    now[0] += 30
-    assert limit.take("a") == 0 and limit.take("a") > 0
-
-
-def test_rate_limit_memory_is_bounded():
-    limit = RateLimit(per_minute=1, max_keys=3)
-    for key in "abcdef":
-        limit.take(key)
-    assert list(limit._buckets) == ["d", "e", "f"]
