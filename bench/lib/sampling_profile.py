@@ -1,5 +1,7 @@
 """Where a server's time goes during a run, from a sampling profiler attached to its process
-(py-spy: no change to the server, about 1% of a core at 100 samples a second).
+(py-spy: no change to the server, about 1% of a core at 100 samples a second). Idle threads
+are sampled too (`--idle`): a thread waiting at a barrier inside an op is busy with that op,
+and only the waits named below are idle.
 
 Every sample of the engine's step thread falls in one part of a step, by the first rule its
 stack matches (outermost frames first does not matter: the parts do not nest):
@@ -10,10 +12,12 @@ stack matches (outermost frames first does not matter: the parts do not nest):
 - `sampling`: the sampler;
 - `step, host`: the rest of the step loop (scheduling, the cache's bookkeeping, the batch's
   tensors, the tokens handed to the event loop);
-- `idle`: the thread waited for work (no sample: py-spy leaves idle threads out).
+- `idle`: the loop waited for work (no turn to step: `AsyncEngine`'s wake-up event, or a
+  read of history it waits on).
 
 The event loop's thread (HTTP, streaming, SQL over asyncio) and the other threads are
-counted apart: they run beside the step, on the cores its threads would use.
+counted apart, busy where their stack is more than their wait: they run beside the step, on
+the cores its threads would use.
 """
 
 from __future__ import annotations
@@ -38,10 +42,16 @@ RULES = (
     ("sampling", ("Sampler.",)),
 )
 STEP_PARTS = ("linears", "attention", "model, other", "sampling", "step, host", "idle")
+STEP_WAITS = ("Event.wait", "wait_for_io")  # the step loop has nothing to do
+# Leaves of a thread that waits: the event loop in its C loop, a worker on its queue
+WAITS = ("Runner.run (asyncio/runners.py", "(aiosqlite/core.py:59)", "_worker (concurrent/futures")
+WAITS += ("wait (threading.py", "get (queue.py", "select (selectors.py")
 MODEL_PARTS = ("linears", "attention", "model, other")
 
 
 def part(frames: list[str]) -> str:
+    if any(w in f for f in frames for w in STEP_WAITS):
+        return "idle"
     for name, marks in RULES:
         if any(m in f for f in frames for m in marks):
             return name
@@ -59,8 +69,9 @@ class Profile:
     samples: int = 0
 
     def shares(self) -> dict[str, float]:
-        """Each part of the step thread as a share of the wall time."""
-        return {k: round(v / self.wall_s, 4) for k, v in self.step.items()} if self.wall_s else {}
+        """Each part of the step thread as a share of its samples (about the wall time)."""
+        total = sum(self.step.values())
+        return {k: round(v / total, 4) for k, v in self.step.items()} if total else {}
 
     def not_model(self) -> float:
         """The share of the step thread's busy time that is not the model's own arithmetic."""
@@ -73,7 +84,8 @@ class Profile:
 
 
 def parse(raw: str, wall_s: float, rate: int = RATE) -> Profile:
-    """A profile from py-spy's raw output (`thread (id): name;frame;...;frame count` lines)."""
+    """A profile from py-spy's raw output (`thread (id): name;frame;...;frame count` lines,
+    idle threads included)."""
     step: Counter[str] = Counter()
     loop = others = total = 0
     for line in raw.splitlines():
@@ -85,12 +97,13 @@ def parse(raw: str, wall_s: float, rate: int = RATE) -> Profile:
         thread, *frames = stack.split(";")
         if STEP_THREAD in thread:
             step[part(frames)] += n
+        elif not frames or any(w in frames[-1] for w in WAITS):
+            continue
         elif any(name in thread for name in EVENT_LOOP):
             loop += n
         else:
             others += n
-    seconds = {k: step[k] / rate for k in STEP_PARTS if k != "idle"}
-    seconds["idle"] = max(0.0, wall_s - sum(seconds.values()))
+    seconds = {k: step[k] / rate for k in STEP_PARTS}
     return Profile(wall_s, seconds, loop / rate, others / rate, total)
 
 
@@ -105,7 +118,15 @@ class Recorder:
     def start(self) -> Recorder:
         spy = Path(sys.executable).with_name("py-spy")
         cmd = [str(spy), "record", "--pid", str(self.pid), "--rate", str(self.rate)]
-        cmd += ["--format", "raw", "--output", str(self.out), "--threads", "--nonblocking"]
+        cmd += [
+            "--format",
+            "raw",
+            "--output",
+            str(self.out),
+            "--threads",
+            "--nonblocking",
+            "--idle",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.t0 = time.monotonic()
         return self
@@ -121,15 +142,16 @@ class Recorder:
 
 
 def mean_shares(runs: list) -> dict[tuple[str, int], dict[str, float]]:
-    """Per (system, conversations): the mean share of the wall of each step part, the event
-    loop and the other threads, over the runs that carry a profile."""
+    """Per (system, conversations): the mean share of each step part (of the step thread's
+    time), and of the event loop's and the other threads' busy time (of the wall), over the
+    runs that carry a profile."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in runs:
         if r.profile:
             groups.setdefault((r.system, r.conversations), []).append(r.profile)
     out = {}
     for key, ps in groups.items():
-        shares = {k: sum(p["step"][k] / p["wall_s"] for p in ps) / len(ps) for k in STEP_PARTS}
+        shares = {k: sum(p["shares"].get(k, 0.0) for p in ps) / len(ps) for k in STEP_PARTS}
         shares["event loop"] = sum(p["event_loop_s"] / p["wall_s"] for p in ps) / len(ps)
         shares["other threads"] = sum(p["other_threads_s"] / p["wall_s"] for p in ps) / len(ps)
         out[key] = {k: round(v, 4) for k, v in shares.items()}
