@@ -6,12 +6,11 @@ from position 0 (each layer's KV depends on every position before it). Seen thro
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from tests.engine.test_engine_equality import prompts
+from tests.engine.test_window_savings import chats  # 4 chats x 3 turns, one turn at a time
 from tests.oracle import hf_greedy, hf_model
 
 MODEL = "dummy:tiny-mistral"  # four layers, each sliding over 64 tokens
@@ -46,19 +45,6 @@ def test_a_conversation_holds_only_its_window():
     [r] = e.run([Turn("a", list(range(500, 540)), SamplingParams(max_tokens=4))])
     assert r.stats.recomputed_tokens == 0 and r.stats.cached_tokens > 0, r.stats
     e.cache.check()
-
-
-def chats(e: Engine, n_convs: int = 4, n_turns: int = 3, seed: int = 0) -> dict:
-    """Conversations taking turns one at a time, each turn 90-120 new tokens and 8
-    generated: about 350 tokens each (11 chunks; the tier holds 24)."""
-    rng = random.Random(seed)
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    for _ in range(n_turns):
-        for i in range(n_convs):
-            prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(90, 120))]
-            e.run([Turn(f"c{i}", prompt, sp)])
-            e.cache.check()
-    return e.snapshot().counters
 
 
 def test_the_window_halves_what_the_same_chats_recompute():
