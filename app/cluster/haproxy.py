@@ -86,6 +86,7 @@ frontend pensieve
     # The body's prompt_cache_key (the request waits for its body, up to the buffer's size)
     acl api_post method POST
     http-request set-var(txn.chat) req.body,json_query('$.prompt_cache_key') if api_path api_post !has_session
+    http-request set-var(txn.chat) req.body,json_query('$.session_id') if api_path api_post !has_session
     use_backend by_conversation if {{ var(txn.chat) -m found }}
     default_backend any
 

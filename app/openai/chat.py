@@ -124,6 +124,7 @@ class CompletionBody(BaseModel):
     user: str | None = Field(None, max_length=256)
     n: int | None = Field(None, ge=1, le=1)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=200)
+    session_id: str | None = Field(None, min_length=1, max_length=200)  # vLLM's, Dynamo's
     prompt_cache_retention: RetentionName | None = None
     retention: RetentionField | None = None  # extension: a pin and a priority
     tools: list[ToolDef] | None = Field(None, max_length=128)
@@ -284,7 +285,8 @@ async def chat_completions(request: Request) -> Response:
         sampling.guide = forced or sampling.guide
         keep = retention_of(sv, user.id, body.prompt_cache_retention, body.retention)
         await take_turn(request, sv, user.id)
-        session = request.headers.get("x-session-id") or body.prompt_cache_key
+        headers = request.headers
+        session = headers.get("x-session-id") or body.session_id or body.prompt_cache_key
         cid, created = await conversation_for(sv, user.id, chat, session)
         relayed = await handoff.forward_turn(request, raw, cid)  # claims a new one here
         if relayed is not None:  # the conversation's home replica answers

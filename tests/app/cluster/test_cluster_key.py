@@ -1,4 +1,4 @@
-"""HAProxy picks a /v1 request's replica by its body's `prompt_cache_key`: the same key
+"""HAProxy picks a /v1 request's replica by its body's `session_id` or `prompt_cache_key`: the same key
 lands on the same replica (where its conversation and KV are), keys spread over replicas.
 Real HAProxy in front of two small HTTP servers that answer with their name."""
 
@@ -92,3 +92,8 @@ def test_the_same_prompt_cache_key_lands_on_the_same_replica(front):
     by_header = {post(front, {**body, "prompt_cache_key": f"agent-{k}"}, **{"x-session-id": "s"})
                  for k in range(6)}  # fmt: skip
     assert len(by_header) == 1
+    # The body's session_id (vLLM's and Dynamo's name) wins over the key, as the server reads
+    for k in range(6):
+        named = {post(front, {**body, "session_id": f"agent-{k}", "prompt_cache_key": f"x{j}"})
+                 for j in range(4)}  # fmt: skip
+        assert named == {homes[f"agent-{k}"]}

@@ -245,7 +245,11 @@ def test_session_id_names_a_conversation(server, token):
     _, a = ask(c, messages, extra_headers={"X-Session-ID": "tab-1"})
     _, b = ask(c, messages, extra_headers={"X-Session-ID": "tab-2"})
     _, a2 = ask(c, messages, extra_body={"prompt_cache_key": "tab-1"})
-    assert a != b and a2 == a
+    _, a3 = ask(c, messages, extra_body={"session_id": "tab-1", "prompt_cache_key": "tab-2"})
+    _, b2 = ask(
+        c, messages, extra_headers={"X-Session-ID": "tab-2"}, extra_body={"session_id": "tab-1"}
+    )
+    assert a != b and a2 == a3 == a and b2 == b  # the header, then session_id, then the key
     assert len(server.chat(token, a)["messages"]) == 2  # the same question again: cut back
 
 
