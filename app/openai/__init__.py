@@ -3,6 +3,6 @@ conversations as the chat socket."""
 
 from __future__ import annotations
 
-from app.openai import chat, conversations, models, responses
+from app.openai import chat, conversations, models, responses, tokens
 
-routes = [*models.routes, *chat.routes, *responses.routes, *conversations.routes]
+routes = [*models.routes, *chat.routes, *responses.routes, *conversations.routes, *tokens.routes]
