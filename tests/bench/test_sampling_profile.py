@@ -56,9 +56,12 @@ def test_py_spy_sees_a_real_models_step_thread(tmp_path: Path) -> None:
         import threading, time, torch
         from engine import Engine, EngineConfig, SamplingParams, Turn
         e = Engine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=64))
+        sp = SamplingParams(max_tokens=4)
+        e.run([Turn("warm", list(range(100, 400)), sp)])  # builds the native kernel, once
+        e.free("warm")
         def loop():
             for i in range(10**6):
-                e.run([Turn(f"c{i}", list(range(100, 400)), SamplingParams(max_tokens=4))])
+                e.run([Turn(f"c{i}", list(range(100, 400)), sp)])
                 e.free(f"c{i}")
         threading.Thread(target=loop, name="engine-loop", daemon=True).start()
         print("up", flush=True)
@@ -68,7 +71,7 @@ def test_py_spy_sees_a_real_models_step_thread(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "up"
-        time.sleep(2)  # past the first forward's one-time work
+        time.sleep(1)
         spy = sp.Recorder(proc.pid, tmp_path / "raw.txt").start()
         time.sleep(4)
         p = spy.stop()
