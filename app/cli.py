@@ -24,6 +24,14 @@ SERVER_FLAGS = (
         "re-encode a reply the template renders differently in history "
         "(a thinking model's) when it ends, so the next turn reuses the history (default on)",
     ),
+    (
+        "kv_events_endpoint",
+        str,
+        "publish KV events (where each conversation's chunks live) on this ZMQ endpoint, "
+        "tcp://HOST:PORT, in vLLM's format for Dynamo's, vLLM's and llm-d's routers",
+    ),
+    ("kv_events_replay_endpoint", str, "a ZMQ endpoint that replays recent KV events"),
+    ("kv_events_topic", str, "the topic of every KV events frame (default: none)"),
 )
 REPLICA_FLAGS = (
     ("cluster", bool, "run as a replica: join the conversation directory in Redis"),

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import WebSocketRoute
 
-from app import admin, openai, pages, rest
+from app import admin, kv_events, openai, pages, rest
 from app.auth import admin_token_from_file
 from app.cluster import replica
 from app.cluster.directory import Directory
@@ -57,6 +57,16 @@ async def lifespan(app: Starlette):
         engine = AsyncEngine(config, history=store.token_history(), clock=clock)
         await engine.start()
         stack.push_async_callback(engine.stop)
+        if settings.kv_events_endpoint:
+            publisher = kv_events.Publisher(
+                engine.kv_events,
+                config.chunk_size,
+                settings.kv_events_endpoint,
+                settings.kv_events_replay_endpoint,
+                settings.kv_events_topic,
+            )
+            publisher.start()
+            stack.callback(publisher.stop)
         if template is not None:  # rendered by the app only: the engine sees token ids
             engine.tokenizer.chat_template = template
         admin_token = settings.admin_token

@@ -73,14 +73,22 @@ ENGINE_HELP: dict[str, str] = {
 }
 
 
+SET_BY_SERVER = ("kv_events",)  # engine fields that follow a server setting, not flags
+
+
 def engine_fields() -> list[tuple[str, Any, Any]]:
-    """(name, type, default) of each EngineConfig field."""
+    """(name, type, default) of each EngineConfig field a server setting sets directly."""
     hints = typing.get_type_hints(EngineConfig)
     out = []
     for f in dataclasses.fields(EngineConfig):
+        if f.name in SET_BY_SERVER:
+            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         out.append((f.name, hints[f.name], default))
     return out
+
+
+ZMQ_ENDPOINT = r"^(tcp|ipc)://\S+$"
 
 
 class ServerSettings(BaseSettings):
@@ -127,6 +135,11 @@ class ServerSettings(BaseSettings):
     resume_grace_s: float = Field(10.0, ge=0)
     # KV one owner may pin in memory (`retention.ttl_s`), in MB: a pin past it is refused
     max_pinned_mb_per_owner: float = Field(1024.0, gt=0)
+    # KV events for a fleet's prefix routers (Dynamo, vllm-router, llm-d; app/kv_events.py):
+    # a ZMQ endpoint to publish on, one to replay recent batches on, and the frames' topic
+    kv_events_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
+    kv_events_replay_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
+    kv_events_topic: str = Field("", max_length=200)
 
     @field_validator("allowed_origins", mode="before")
     @classmethod
@@ -145,13 +158,22 @@ class ServerSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _replay_needs_events(self):
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint: needs kv_events_endpoint")
+        return self
+
+    @model_validator(mode="after")
     def _engine_valid(self):
         self.engine_config()  # a bad engine setting fails here, before anything starts
         return self
 
     def engine_config(self) -> EngineConfig:
-        names = [f.name for f in dataclasses.fields(EngineConfig)]
-        config = EngineConfig(**{name: getattr(self, name) for name in names})
+        names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in SET_BY_SERVER]
+        config = EngineConfig(
+            **{name: getattr(self, name) for name in names},
+            kv_events=self.kv_events_endpoint is not None,
+        )
         config.validate()
         return config
 

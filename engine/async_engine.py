@@ -253,6 +253,10 @@ class AsyncEngine:
             built = self._built = (capture, capture.build())
         return built[1]
 
+    def kv_events(self, full: bool = False) -> list:
+        """The engine's KV events since the last call (any thread: the engine's lock)."""
+        return self.engine.kv_events(full)
+
     def metrics(self) -> dict:
         return asdict(self.snapshot().counters)
 

@@ -15,6 +15,7 @@ from engine.disk.tier import DiskTier
 from engine.drain import DEFAULT_S as DEFAULT_RETRY_S
 from engine.errors import ConversationBusy, EngineOverloaded
 from engine.guide import Matcher
+from engine.kv_events import KVEvents
 from engine.persistence import ActivityClock, TokenHistory
 from engine.request import Request
 from engine.sampler import make_generator
@@ -53,6 +54,7 @@ class Conversations:
         self.policy = cache.policy
         self.streams: dict[str, StreamState] = {}
         self.claims = Claims()
+        self.events: KVEvents | None = None  # told each full chunk's tokens (KV events on)
         self.seq = itertools.count()  # the order turns and prefetches came in
 
     # ---- a turn in -----------------------------------------------------------------------------
@@ -149,7 +151,9 @@ class Conversations:
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
         self.claims.release(state.id)
-        extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
+        self._hashed(
+            state, *extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
+        )
         req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
         if not req.output:
@@ -227,7 +231,9 @@ class Conversations:
             return False
         self.scheduler.supersede(conversation_id, keep=False)  # its context changes
         resync(state, keep, self.cache)  # the cut, as when a caller's history is shorter
-        extend_hashes(state, keep, list(token_ids), None, self.cache.chunk_size)
+        self._hashed(
+            state, *extend_hashes(state, keep, list(token_ids), None, self.cache.chunk_size)
+        )
         state.tail += token_ids
         state.length += len(token_ids)
         if self.owns_history:
@@ -235,6 +241,10 @@ class Conversations:
             self.history.append(conversation_id, list(token_ids))
         self.counters.reencoded_tokens += len(token_ids)
         return True
+
+    def _hashed(self, state: StreamState, first: int, chunks: list[list[int]]) -> None:
+        if self.events is not None and chunks:
+            self.events.learn(state.id, first, chunks)
 
     def free(self, conversation_id: str, erase: bool) -> None:
         """`Engine.free`: forget its cache (and with `erase` its disk chunks and pin)."""

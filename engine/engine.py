@@ -17,6 +17,7 @@ from engine.capture import capture
 from engine.conversations import Conversations
 from engine.disk.tier import DiskTier
 from engine.guide import check
+from engine.kv_events import Event, KVEvents
 from engine.kv_layout import KVLayout
 from engine.persistence import ActivityClock, LocalClock, MemoryHistory, TokenHistory
 from engine.reads import Reads
@@ -92,6 +93,10 @@ class Engine:
             self.counters, self.now, self.device, self.max_context, self.retainer, self.disk,
         )  # fmt: skip
         self.streams, self.claims = c.streams, c.claims  # read by fronts, benchmarks, tests
+        # Where each conversation's chunks live, for a fleet's prefix routers (off: None)
+        self.events = KVEvents(cs) if config.kv_events else None
+        if self.events is not None:
+            c.events, self.cache.tiers.touched = self.events, set()
         # The host runs a step ahead: it plans and launches step N before reading N-1's tokens
         ahead = config.async_steps
         ahead = self.device.type == "cuda" if ahead is None else ahead
@@ -289,6 +294,14 @@ class Engine:
                 self.conversations, self.scheduler.counts(), str(self.device), self.context_limit,
                 self.pool.layout.page_bytes(self.pool.bytes_per_chunk),
             )  # fmt: skip
+
+    def kv_events(self, full: bool = False) -> list[Event]:
+        """The KV events since the last call (engine/kv_events.py); none when they are off.
+        `full`: everything cleared and announced again (a subscriber joined)."""
+        if self.events is None:
+            return []
+        with self.lock:
+            return self.events.poll(self.cache, self.streams, self.disk, full)
 
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle

@@ -34,6 +34,7 @@ class EngineConfig:
     device: str | None = None  # None: "cuda" when present, else "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kv_dtype: str = "auto"  # "fp8" (e4m3) or "int8": 8-bit KV, ~2x the chunks per byte
+    kv_events: bool = False  # record where chunks live for a fleet's routers (`kv_events()`)
     chunk_size: int = 32
     gpu_cache_chunks: int | None = None  # None: sized from free memory
     cpu_cache_chunks: int | None = None  # None: sized from host memory

@@ -68,6 +68,7 @@ class Sharing:
             self.order.changed(c)  # one more holder: it is worth more
         t.n_dropped = 0
         t.n_shared = t.n_off_gpu = len(t.chunks)
+        self.tiers.touch(t)
         t.tokens = len(t.chunks) * self.chunk_size
         self.counters.shared_tokens += t.tokens
         return t.tokens
@@ -143,6 +144,7 @@ class Sharing:
         if t.pinned:
             self.tiers.pin_shared(c, -1)
         del c.holders[t]  # type: ignore[arg-type]
+        self.tiers.touch(t)
         if c.holders:
             self.order.changed(c)  # fewer holders: it is worth less
             return False
@@ -157,6 +159,7 @@ class Sharing:
             k = c.index
             self.spills.spill(next(iter(c.holders)), k, c)  # type: ignore[arg-type]
             for h in list(c.holders):  # type: ignore[arg-type]
+                self.tiers.touch(h)
                 h.chunks[k] = Chunk()
                 h.n_dropped = k + 1
                 if k + 1 < h.n_shared:

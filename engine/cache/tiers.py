@@ -37,6 +37,8 @@ class Tiers:
         self.pinned_gpu = 0  # GPU blocks of pinned tables and of shared chunks they hold
         self.reclaimable = 0  # GPU blocks of idle chunks that have a CPU copy
         self.stale: list[int] = []  # CPU blocks to free once this step's swap-in has read them
+        # The conversations whose chunks changed since the KV events last looked (None: off)
+        self.touched: set[str] | None = None
 
     def begin_step(self) -> None:
         """The previous step's copies are queued: the CPU blocks whose copy went stale can
@@ -74,9 +76,20 @@ class Tiers:
         """Add (1) or take away (-1) the chunk's blocks from the counts it belongs to."""
         self._count(t, c, sign)
 
+    def touch(self, t: ChunkTable) -> None:
+        """The table's chunks changed other than through their blocks (a shared chunk let
+        go of, or linked): the KV events look at it again."""
+        if self.touched is not None:
+            self.touched.add(t.id)
+
     def _count(self, t: ChunkTable | None, c: Chunk, sign: int) -> None:
         """Add (1) or take away (-1) the chunk's GPU pages, as it is now, from its counts: a
         change of a chunk is taken away before and added after."""
+        if self.touched is not None:
+            if c.holders is not None:
+                self.touched.update(h.id for h in c.holders)
+            elif t is not None:
+                self.touched.add(t.id)
         if c.gpu is None:
             return
         gpu = sign * (1 + len(c.gpu_win or ()))

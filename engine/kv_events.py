@@ -1,0 +1,199 @@
+"""KV events: every change of where a conversation's full chunks live, as the prefix routers
+of a fleet read it (NVIDIA Dynamo's KV router, vLLM's router, llm-d's scorer; vLLM's events).
+
+A router keeps one prefix tree per medium (GPU, CPU, STORAGE) and matches a request down
+them: a block is found under its parent in its own tier or a faster one. So a chunk is
+announced in the slowest tier of any chunk up to it (the tier its whole prefix can be served
+from), and a change at chunk i re-announces i and the chunks after it. A conversation whose
+leading chunks were dropped while later ones are held (Pensieve drops leading chunks of idle
+chats first) is announced in STORAGE up to its last held chunk: this server serves it by
+recomputing only the leading end from the history, which beats a server that holds nothing;
+once every chunk is gone, nothing is announced. The same chunk of several conversations (a
+shared prefix, the same system prompt) is one block to a router: announced once per medium,
+removed when its last holder lets go of it there.
+
+Pure bookkeeping: `collect` diffs what is announced against the cache's tables (only the
+ones that changed: `Tiers.touched`) and returns the events; a front publishes them
+(app/kv_events.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.cache.chunks import CPU, GPU
+
+if TYPE_CHECKING:
+    from engine.cache.manager import KVCacheManager
+    from engine.stream import StreamState
+
+MEDIA = ("GPU", "CPU", "STORAGE")  # fastest first: a prefix is in the slowest of its chunks'
+_RANK = {GPU: 0, CPU: 1}  # a chunk held nowhere in memory is 2 (disk, or recomputed)
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    hashes: list[int]
+    parent: int | None  # the block before the first (None: it starts the conversation)
+    tokens: list[int]  # every block's tokens, in order
+    medium: str
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    hashes: list[int]
+    medium: str
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllCleared
+Shown = list[tuple[int, int]]  # per announced chunk: (block hash, medium index)
+
+
+def block_hash(key: bytes) -> int:
+    """A chunk's block hash for routers: the first 8 bytes of its chain hash (the disk tier's
+    key), so equal tokens from position 0 give the same hash on every replica."""
+    return int.from_bytes(key[:8], "big")
+
+
+class KVEvents:
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.shown: dict[str, Shown] = {}  # what each conversation has announced
+        self.held: Counter[tuple[int, int]] = Counter()  # (hash, medium): announcing them
+        self.tokens: dict[str, list[list[int]]] = {}  # each full chunk's tokens
+        self.pending: list[Event] = [AllCleared()]  # a start clears what a router knew
+        self.dirty: set[str] = set()  # conversations whose tokens were learned since
+
+    def poll(
+        self, cache: KVCacheManager, streams: dict[str, StreamState], disk, full: bool = False
+    ) -> list[Event]:
+        """The events since the last poll (under the engine's lock): of the conversations
+        whose chunks changed (`Tiers.touched`), were learned, or were freed. `full`: a
+        subscriber joined (one that knew this server before a restart, say): everything is
+        cleared and announced again instead."""
+        changed = cache.tiers.touched | self.dirty | (self.shown.keys() - cache.tables.keys())
+        cache.tiers.touched, self.dirty = set(), set()
+        dropped = any(cache.tables[c].n_dropped for c in changed if c in cache.tables)
+        on_disk = disk.keys() if disk is not None and dropped else frozenset()
+        events = self.collect(cache, streams, changed, on_disk)
+        return [AllCleared(), *self._everything()] if full else events
+
+    def _everything(self) -> list[Event]:
+        """Every announced block stored again: each once, a run a medium per conversation."""
+        out: list[Event] = []
+        seen: set[tuple[int, int]] = set()
+        for cid, shown in self.shown.items():
+            tokens, i = self.tokens[cid], 0
+            while i < len(shown):
+                if shown[i] in seen:
+                    i += 1
+                    continue
+                j = i
+                while j < len(shown) and shown[j][1] == shown[i][1] and shown[j] not in seen:
+                    seen.add(shown[j])
+                    j += 1
+                parent = shown[i - 1][0] if i else None
+                run = range(i, j)
+                hashes, toks = [shown[n][0] for n in run], [t for n in run for t in tokens[n]]
+                out.append(BlockStored(hashes, parent, toks, MEDIA[shown[i][1]]))
+                i = j
+        return out
+
+    def learn(self, conversation_id: str, first: int, chunks: list[list[int]]) -> None:
+        """The tokens of the conversation's full chunks from index `first` on (its hashes
+        were just extended over them: `extend_hashes`)."""
+        known = self.tokens.setdefault(conversation_id, [])
+        del known[first:]
+        known += chunks
+        self.dirty.add(conversation_id)
+
+    def collect(
+        self,
+        cache: KVCacheManager,
+        streams: dict[str, StreamState],
+        changed: set[str],
+        on_disk: set[bytes] | frozenset = frozenset(),
+    ) -> list[Event]:
+        """The events since the last call, for the conversations in `changed` (tables
+        touched, freed, or whose disk chunks changed)."""
+        for cid in changed:
+            t, state = cache.tables.get(cid), streams.get(cid)
+            want: Shown = []
+            if t is not None and state is not None:
+                want = self._wanted(t, state, on_disk)
+            else:
+                self.tokens.pop(cid, None)
+            self._show(cid, want)
+        out, self.pending = self.pending, []
+        return out
+
+    def _wanted(self, t, state: StreamState, on_disk) -> Shown:
+        full = min(t.tokens // self.chunk_size, len(t.chunks), len(state.hashes))
+        full = min(full, len(self.tokens.get(t.id, ())))
+        ranks = [_RANK.get(c.tier, 2) for c in t.chunks[:full]]
+        held = [i for i, c in enumerate(t.chunks[:full]) if c.tier in _RANK]
+        held += [i for i in range(min(t.n_dropped, full)) if state.hashes[i] in on_disk]
+        last = max(held, default=-1)
+        out, rank = [], 0
+        for i in range(last + 1):
+            rank = max(rank, ranks[i])
+            out.append((block_hash(state.hashes[i]), rank))
+        return out
+
+    def _show(self, cid: str, want: Shown) -> None:
+        """Announce `want` for the conversation: from the first chunk that differs, remove
+        the old ones (the last first, so that no router drops a child with its parent) and
+        store the new ones (a run a medium)."""
+        old = self.shown.get(cid, [])
+        k = 0
+        while k < min(len(old), len(want)) and old[k] == want[k]:
+            k += 1
+        gone: list[tuple[int, int]] = []
+        for key in reversed(old[k:]):
+            self.held[key] -= 1
+            if not self.held[key]:
+                del self.held[key]
+                gone.append(key)
+        for m in range(len(MEDIA)):  # one event a medium, in the order they were let go
+            hashes = [h for h, medium in gone if medium == m]
+            if hashes:
+                self.pending.append(BlockRemoved(hashes, MEDIA[m]))
+        tokens = self.tokens.get(cid, [])
+        i = k
+        while i < len(want):
+            j, m = i, want[i][1]
+            while j < len(want) and want[j][1] == m:
+                j += 1
+            new = [n for n in range(i, j) if self.held[want[n]] == 0]
+            for n in range(i, j):
+                self.held[want[n]] += 1
+            if new:  # already known blocks are not stored twice (a shared prefix)
+                run = list(range(new[0], j))  # from the first new one on, with its parent
+                parent = want[run[0] - 1][0] if run[0] else None
+                self.pending.append(
+                    BlockStored(
+                        [want[n][0] for n in run],
+                        parent,
+                        [tok for n in run for tok in tokens[n]],
+                        MEDIA[m],
+                    )
+                )
+            i = j
+        if want:
+            self.shown[cid] = want
+        else:
+            self.shown.pop(cid, None)
+
+    def announced(self) -> dict[str, int]:
+        """Blocks announced per medium (for tests and metrics)."""
+        out = dict.fromkeys(MEDIA, 0)
+        for _, m in self.held:
+            out[MEDIA[m]] += 1
+        return out
