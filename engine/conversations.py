@@ -54,7 +54,7 @@ class Conversations:
         self.policy = cache.policy
         self.streams: dict[str, StreamState] = {}
         self.claims = Claims()
-        self.events: KVEvents | None = None  # told each full chunk's tokens (KV events on)
+        self.events: KVEvents | None = None  # told each conversation's tokens (KV events on)
         self.seq = itertools.count()  # the order turns and prefetches came in
 
     # ---- a turn in -----------------------------------------------------------------------------
@@ -137,6 +137,8 @@ class Conversations:
             guide=guide,
             rank=state.job_since if self.config.job_order else now,
         )
+        if self.events is not None:  # its chunks are announced as their KV is computed
+            self.events.extend(state.id, state.length, prompt)
         state.tail = []
         if self.owns_history:
             self.history.append(state.id, prompt)
@@ -151,9 +153,9 @@ class Conversations:
         state.length = req.total
         state.tail = req.tokens[state.kv_len - req.base :]
         self.claims.release(state.id)
-        self._hashed(
-            state, *extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
-        )
+        extend_hashes(state, req.base, req.tokens, req.prefix, self.cache.chunk_size)
+        if self.events is not None:
+            self.events.extend(state.id, req.base, req.tokens, req.prefix)
         req.guide = None  # its matcher is freed with it
         req.stats.finish_s = now
         if not req.output:
@@ -231,9 +233,9 @@ class Conversations:
             return False
         self.scheduler.supersede(conversation_id, keep=False)  # its context changes
         resync(state, keep, self.cache)  # the cut, as when a caller's history is shorter
-        self._hashed(
-            state, *extend_hashes(state, keep, list(token_ids), None, self.cache.chunk_size)
-        )
+        extend_hashes(state, keep, list(token_ids), None, self.cache.chunk_size)
+        if self.events is not None:
+            self.events.extend(conversation_id, keep, list(token_ids))
         state.tail += token_ids
         state.length += len(token_ids)
         if self.owns_history:
@@ -241,10 +243,6 @@ class Conversations:
             self.history.append(conversation_id, list(token_ids))
         self.counters.reencoded_tokens += len(token_ids)
         return True
-
-    def _hashed(self, state: StreamState, first: int, chunks: list[list[int]]) -> None:
-        if self.events is not None and chunks:
-            self.events.learn(state.id, first, chunks)
 
     def free(self, conversation_id: str, erase: bool) -> None:
         """`Engine.free`: forget its cache (and with `erase` its disk chunks and pin)."""

@@ -19,11 +19,13 @@ ones that changed: `Tiers.touched`) and returns the events; a front publishes th
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cache.chunks import CPU, GPU
+from engine.cache.sharing import chain_hashes
 
 if TYPE_CHECKING:
     from engine.cache.manager import KVCacheManager
@@ -67,9 +69,13 @@ class KVEvents:
         self.chunk_size = chunk_size
         self.shown: dict[str, Shown] = {}  # what each conversation has announced
         self.held: Counter[tuple[int, int]] = Counter()  # (hash, medium): announcing them
-        self.tokens: dict[str, list[list[int]]] = {}  # each full chunk's tokens
+        # Each conversation's tokens as far as known (its prompt from the moment it is
+        # submitted: a chunk is announced as soon as its KV is computed), and the chain hash
+        # of each full chunk of them
+        self.tokens: dict[str, array] = {}
+        self.keys: dict[str, list[bytes]] = {}
         self.pending: list[Event] = [AllCleared()]  # a start clears what a router knew
-        self.dirty: set[str] = set()  # conversations whose tokens were learned since
+        self.dirty: set[str] = set()  # conversations whose tokens changed since
 
     def poll(
         self, cache: KVCacheManager, streams: dict[str, StreamState], disk, full: bool = False
@@ -89,6 +95,7 @@ class KVEvents:
         """Every announced block stored again: each once, a run a medium per conversation."""
         out: list[Event] = []
         seen: set[tuple[int, int]] = set()
+        cs = self.chunk_size
         for cid, shown in self.shown.items():
             tokens, i = self.tokens[cid], 0
             while i < len(shown):
@@ -101,18 +108,32 @@ class KVEvents:
                     j += 1
                 parent = shown[i - 1][0] if i else None
                 run = range(i, j)
-                hashes, toks = [shown[n][0] for n in run], [t for n in run for t in tokens[n]]
+                hashes, toks = [shown[n][0] for n in run], tokens[i * cs : j * cs].tolist()
                 out.append(BlockStored(hashes, parent, toks, MEDIA[shown[i][1]]))
                 i = j
         return out
 
-    def learn(self, conversation_id: str, first: int, chunks: list[list[int]]) -> None:
-        """The tokens of the conversation's full chunks from index `first` on (its hashes
-        were just extended over them: `extend_hashes`)."""
-        known = self.tokens.setdefault(conversation_id, [])
-        del known[first:]
-        known += chunks
-        self.dirty.add(conversation_id)
+    def extend(
+        self, cid: str, base: int, tokens: list[int], prefix: list[int] | None = None
+    ) -> None:
+        """The conversation's tokens from position `base` on are `tokens` (those before it:
+        as known, or `prefix`, the history read for a turn; unknown after a restart until
+        a turn reads it)."""
+        known = self.tokens.get(cid, array("i"))
+        if len(known) < base:
+            if prefix is None or len(prefix) < base:
+                return
+            known = array("i", prefix[:base])
+            self.keys[cid] = []
+        del known[base:]
+        known.extend(tokens)
+        self.tokens[cid] = known
+        cs, keys = self.chunk_size, self.keys.setdefault(cid, [])
+        del keys[base // cs :]
+        done = len(keys) * cs
+        full = len(known) // cs * cs
+        keys += chain_hashes(known[done:full].tolist(), cs, keys[-1] if keys else b"")
+        self.dirty.add(cid)
 
     def collect(
         self,
@@ -122,29 +143,33 @@ class KVEvents:
         on_disk: set[bytes] | frozenset = frozenset(),
     ) -> list[Event]:
         """The events since the last call, for the conversations in `changed` (tables
-        touched, freed, or whose disk chunks changed)."""
+        touched, freed, or whose tokens changed)."""
         for cid in changed:
             t, state = cache.tables.get(cid), streams.get(cid)
             want: Shown = []
-            if t is not None and state is not None:
-                want = self._wanted(t, state, on_disk)
+            if t is not None:
+                # positions whose KV is computed: a running turn's grow step by step
+                computed = max(t.tokens, state.kv_len if state is not None else 0)
+                want = self._wanted(t, computed, self.keys.get(cid, []), on_disk)
             else:
                 self.tokens.pop(cid, None)
+                self.keys.pop(cid, None)
             self._show(cid, want)
         out, self.pending = self.pending, []
         return out
 
-    def _wanted(self, t, state: StreamState, on_disk) -> Shown:
-        full = min(t.tokens // self.chunk_size, len(t.chunks), len(state.hashes))
-        full = min(full, len(self.tokens.get(t.id, ())))
+    def _wanted(self, t, computed: int, keys: list[bytes], on_disk) -> Shown:
+        """Per full chunk whose KV is computed, up to the last one held anywhere: its block
+        hash and the slowest medium of the chunks up to it."""
+        full = min(computed // self.chunk_size, len(t.chunks), len(keys))
         ranks = [_RANK.get(c.tier, 2) for c in t.chunks[:full]]
         held = [i for i, c in enumerate(t.chunks[:full]) if c.tier in _RANK]
-        held += [i for i in range(min(t.n_dropped, full)) if state.hashes[i] in on_disk]
+        held += [i for i in range(min(t.n_dropped, full)) if keys[i] in on_disk]
         last = max(held, default=-1)
         out, rank = [], 0
         for i in range(last + 1):
             rank = max(rank, ranks[i])
-            out.append((block_hash(state.hashes[i]), rank))
+            out.append((block_hash(keys[i]), rank))
         return out
 
     def _show(self, cid: str, want: Shown) -> None:
@@ -165,7 +190,7 @@ class KVEvents:
             hashes = [h for h, medium in gone if medium == m]
             if hashes:
                 self.pending.append(BlockRemoved(hashes, MEDIA[m]))
-        tokens = self.tokens.get(cid, [])
+        tokens, cs = self.tokens.get(cid, array("i")), self.chunk_size
         i = k
         while i < len(want):
             j, m = i, want[i][1]
@@ -181,7 +206,7 @@ class KVEvents:
                     BlockStored(
                         [want[n][0] for n in run],
                         parent,
-                        [tok for n in run for tok in tokens[n]],
+                        tokens[run[0] * cs : j * cs].tolist(),
                         MEDIA[m],
                     )
                 )

@@ -85,10 +85,9 @@ def resync(state: StreamState, length: int, cache: KVCacheManager) -> None:
 
 def extend_hashes(
     state: StreamState, base: int, turn: list[int], prefix: list[int] | None, cs: int
-) -> tuple[int, list[list[int]]]:
+) -> None:
     """Extend the stream's chunk hashes over a turn's tokens (`turn`: positions from `base`
-    on), from `prefix` (the history read for it) when the tokens before it are not known.
-    Returns the index of the first chunk hashed and the tokens of each (the KV events')."""
+    on), from `prefix` (the history read for it) when the tokens before it are not known."""
     done = len(state.hashes) * cs
     known = done + len(state.unhashed or [])
     if state.unhashed is not None and base <= known <= base + len(turn):
@@ -97,10 +96,8 @@ def extend_hashes(
         state.hashes, done = [], 0
         tokens = list(prefix[:base]) + turn
     else:  # the tokens before this turn are unknown here: the keys stop
-        return len(state.hashes), []
+        return
     full = len(tokens) // cs * cs
     prev = state.hashes[-1] if state.hashes else b""
-    first = len(state.hashes)
     state.hashes += chain_hashes(tokens[:full], cs, prev)
     state.unhashed = tokens[full:]
-    return first, [tokens[i : i + cs] for i in range(0, full, cs)]

@@ -5,6 +5,8 @@ swaps, drops, shared prefixes and frees. The app's test runs Dynamo's own indexe
 
 from __future__ import annotations
 
+from array import array
+
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.cache.manager import chain_hashes
 from engine.kv_events import MEDIA, AllCleared, BlockRemoved, BlockStored, KVEvents, block_hash
@@ -134,7 +136,7 @@ def test_events_are_a_diff():
     ev = KVEvents(32)
     assert ev.pending == [AllCleared()]
     ev.pending = []
-    ev.tokens["x"] = [[1] * 32, [2] * 32, [3] * 32]
+    ev.tokens["x"] = array("i", [1] * 32 + [2] * 32 + [3] * 32)
     ev._show("x", [(1, 0), (2, 0), (3, 0)])
     assert ev.pending == [BlockStored([1, 2, 3], None, [1] * 32 + [2] * 32 + [3] * 32, "GPU")]
     ev.pending = []
@@ -151,7 +153,7 @@ def test_events_are_a_diff():
 
 def test_a_joining_subscriber_gets_everything_once():
     ev = KVEvents(32)
-    ev.tokens = {"x": [[1] * 32, [2] * 32], "y": [[1] * 32, [3] * 32]}
+    ev.tokens = {"x": array("i", [1] * 32 + [2] * 32), "y": array("i", [1] * 32 + [3] * 32)}
     ev._show("x", [(1, 0), (2, 1)])
     ev._show("y", [(1, 0), (3, 0)])
     assert ev._everything() == [
@@ -159,3 +161,18 @@ def test_a_joining_subscriber_gets_everything_once():
         BlockStored([2], 1, [2] * 32, "CPU"),
         BlockStored([3], 1, [3] * 32, "GPU"),  # block 1 once, under it both children
     ]
+
+
+def test_a_prompts_chunks_are_announced_while_its_turn_runs():
+    """Announced as their KV is computed, before the turn ends: a router that sees the next
+    request at once already finds them."""
+    e = engine()
+    e.kv_events()
+    req = e.submit(Turn("p", list(range(100, 200)), SamplingParams(max_tokens=64, ignore_eos=True)))
+    stored = []
+    while not stored:
+        e.step()
+        stored = [ev for ev in e.kv_events() if isinstance(ev, BlockStored)]
+    assert len(req.output) < 64 and stored[0].tokens == list(range(100, 196))  # 3 full chunks
+    while e.has_work():
+        e.step()
