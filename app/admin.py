@@ -89,6 +89,12 @@ async def healthz(request: Request) -> Response:
     return JSONResponse(body, status_code=code)
 
 
+async def health(request: Request) -> Response:
+    """vLLM's `/health`, which routers in front of engines poll (vllm-router, Dynamo's):
+    200 with no body while the engine serves, else 503. `/healthz` tells the details."""
+    return Response(status_code=200 if services(request).engine_running() else 503)
+
+
 def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 2)
 
@@ -101,5 +107,6 @@ async def metrics(request: Request) -> Response:
 routes = [
     Route("/api/admin/cache", cache, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]
