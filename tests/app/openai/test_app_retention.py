@@ -198,3 +198,18 @@ def test_two_replicas_hold_an_owners_cap_together(tmp_path, redis_url):
         b.stop()
         services.drop_database(db)
     assert "Traceback" not in a.log_tail(100_000) + b.log_tail(100_000)
+
+
+def test_a_dead_redis_leaves_the_cap_to_each_replica(tmp_path):
+    """Redis at a wrong port: pinned turns are served and capped by this server's own pins,
+    and the log says so once."""
+    env = {**ENV, "PENSIEVE_REDIS_URL": "redis://127.0.0.1:1/0"}
+    with server_on("sqlite", tmp_path, env) as srv:
+        alice = srv.user("alice")
+        keep = {"retention": {"ttl_s": 600}}
+        assert chat(srv, alice, "one", **keep).status_code == 200
+        refused = chat(srv, alice, "two", **keep)
+        assert refused.json()["error"]["code"] == "pin_cap_exceeded", refused.text
+        assert chat(srv, alice, "three").status_code == 200
+        log = srv.log_tail(100_000)
+    assert log.count("pin caps are counted per replica") == 1 and "Traceback" not in log
