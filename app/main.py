@@ -22,6 +22,7 @@ from app.http import problem
 from app.limits import Quotas
 from app.logs import redact_access_logs
 from app.middleware import SameOriginWrites, SecurityHeaders
+from app.pin_caps import PinCaps
 from app.services import Services
 from app.settings import Settings
 from app.socket.chat import chat_endpoint
@@ -83,7 +84,9 @@ async def lifespan(app: Starlette):
             engine,
             admin_token,
             quotas=Quotas(settings.redis_url),
+            pin_caps=PinCaps(settings.redis_url),
         )
+        stack.push_async_callback(sv.pin_caps.close)
         sv.metrics.watch(engine.snapshot)
         if settings.cluster:
             sv.cluster = await _join_cluster(settings, sv)

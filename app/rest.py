@@ -131,7 +131,8 @@ async def delete_conversation(request: Request) -> Response:
     await sv.hub.close_chat(conv.id, UNKNOWN_CHAT, "chat deleted")
     async with sv.hub.lock(conv.id):
         await sv.store.delete_conversation(conv.id)
-        await sv.engine.free(conv.id, erase=True)
+        await sv.engine.free(conv.id, erase=True)  # its pin too
+        await sv.pin_caps.forget(conv.owner_id, conv.id)
         forget = getattr(sv.clock, "forget", None)
         if forget:
             forget(conv.id)

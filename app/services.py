@@ -12,6 +12,7 @@ from starlette.requests import HTTPConnection
 from app.hub import Hub
 from app.limits import Quotas
 from app.metrics import Metrics
+from app.pin_caps import PinCaps
 from app.settings import Settings
 from app.turns.deps import TurnDeps
 
@@ -55,6 +56,7 @@ class Services:
     metrics: Metrics = field(default_factory=Metrics)
     hub: Hub = field(default_factory=Hub)
     quotas: Quotas = field(default_factory=Quotas)  # turns a minute, new users a minute
+    pin_caps: PinCaps = field(default_factory=PinCaps)  # owners' pinned bytes, all replicas
     db_probe: asyncio.Task | None = None  # /healthz's database query, while it runs
     cluster: Membership | None = None  # this replica's membership (--cluster)
     running: bool = True
@@ -79,6 +81,7 @@ class Services:
             self.metrics,
             self.settings.reencode_replies,
             self.replica,
+            self.pin_caps,
         )
 
 

@@ -229,6 +229,11 @@ class AsyncEngine:
         """Let the conversation's pin go at once (see `Engine.unpin`; thread-safe)."""
         self.engine.unpin(conversation_id)
 
+    def pin_bytes(self, tokens: int) -> int:
+        """What a pin of a conversation `tokens` long counts against its owner's cap (a turn
+        reserves for its context, prompt and `max_tokens`)."""
+        return self.engine.retainer.size(tokens)
+
     def retained(self, conversation_id: str) -> Retained | None:
         """What the conversation's retention holds now, in wall time (see `Engine.retained`;
         thread-safe)."""

@@ -207,20 +207,33 @@ def sampling_of(body: CompletionBody, default: int, limit: int) -> tuple[Samplin
 # --- which conversation ----------------------------------------------------------------
 
 
+async def bound_conversation(
+    sv: Services, owner_id: str, chat: Chat, session: str | None
+) -> str | None:
+    """The owner's conversation the request continues: the one its session names, else
+    (no session) the stored chat it extends; None: a new chat."""
+    store = sv.store
+    if not session:
+        return await matching.find_conversation(store, owner_id, chat.system, chat.messages)
+    conv = await store.conversation_by_key(owner_id, session)
+    conv = conv or await store.get_conversation(session, owner_id)
+    return None if conv is None else conv.id
+
+
+def session_of(request: Request, body: CompletionBody) -> str | None:
+    """The session a request names: vLLM's and Dynamo's header or body field, or OpenAI's
+    prompt_cache_key."""
+    return request.headers.get("x-session-id") or body.session_id or body.prompt_cache_key
+
+
 async def conversation_for(
     sv: Services, owner_id: str, chat: Chat, session: str | None
 ) -> tuple[str, bool]:
     """The conversation the request continues (and False), or a new one (and True)."""
     store = sv.store
-    if session:
-        conv = await store.conversation_by_key(owner_id, session)
-        conv = conv or await store.get_conversation(session, owner_id)
-        if conv is not None:
-            return conv.id, False
-    else:
-        cid = await matching.find_conversation(store, owner_id, chat.system, chat.messages)
-        if cid is not None:
-            return cid, False
+    cid = await bound_conversation(sv, owner_id, chat, session)
+    if cid is not None:
+        return cid, False
     await check_quota(sv, owner_id)
     first = chat.messages[0][1] if chat.messages else ""
     title = " ".join(first.split())[:TITLE_CHARS]
@@ -285,9 +298,7 @@ async def chat_completions(request: Request) -> Response:
         sampling.guide = forced or sampling.guide
         keep = retention_of(sv, user.id, body.prompt_cache_retention, body.retention)
         await take_turn(request, sv, user.id)
-        headers = request.headers
-        session = headers.get("x-session-id") or body.session_id or body.prompt_cache_key
-        cid, created = await conversation_for(sv, user.id, chat, session)
+        cid, created = await conversation_for(sv, user.id, chat, session_of(request, body))
         relayed = await handoff.forward_turn(request, raw, cid)  # claims a new one here
         if relayed is not None:  # the conversation's home replica answers
             return relayed

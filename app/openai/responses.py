@@ -436,6 +436,7 @@ async def delete_response(request: Request) -> Response:
         sv, row = await _owned_response(request)
         await sv.store.delete_response(row.id, row.owner_id)
         sv.engine.unpin(row.conversation_id)  # its pin goes at once; the chat stays
+        await sv.pin_caps.forget(row.owner_id, row.conversation_id)
         await retention.clear(sv.store, row.conversation_id)
     except ApiError as e:
         return e.response()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the engine loads torch
     from app.hub import Hub
     from app.metrics import Metrics
+    from app.pin_caps import PinCaps
     from engine import AsyncEngine
     from engine.persistence import LocalClock
     from store import HistoryStore, RedisClock
@@ -23,3 +24,4 @@ class TurnDeps:
     metrics: Metrics  # a turn's timings
     reencode_replies: bool  # the setting: a reply re-encoded as its template renders it
     replica: str | None  # whose engine holds the pins: this replica's id, None alone
+    pin_caps: PinCaps  # owners' pinned bytes, counted with the other replicas

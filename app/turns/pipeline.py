@@ -109,7 +109,9 @@ class ChatTurn:
             return
         plan, message_ids, chain = prepared
         stream = await self._submit(req, plan, message_ids)
-        if stream is None:
+        if stream is None:  # refused: what it reserved gives way to the engine's pins
+            d = self.deps
+            await retention.share(d.pin_caps, d.engine, self.conversation_id, req.retention)
             return
         out = await self._stream(stream)
         if out is not None:
@@ -119,11 +121,13 @@ class ChatTurn:
             # a reply a stop string cut is stored as cut: its tokens are not its text
             redo = await self._reencode(plan, out, req.tools) if finished == out else None
             await self._commit(plan, finished, t0, chain, redo)
-        # what the turn's end left of the chat's retention, kept across a restart
+        # what the turn's end left of the chat's retention, kept across a restart and told
+        # to the other replicas
         d = self.deps
         await retention.save(
             d.engine, d.store, d.replica, self.conversation_id, req.retention is not None
         )
+        await retention.share(d.pin_caps, d.engine, self.conversation_id, req.retention)
 
     def _await_tools(self, out: Streamed) -> None:
         """A reply that calls tools: its conversation waits for their results (the eviction
@@ -210,6 +214,11 @@ class ChatTurn:
         turn = Turn(
             cid, plan.prompt, req.sampling, context_len=plan.context_len, retention=req.retention
         )
+        refused = await retention.reserve_shared(self.deps.pin_caps, engine, turn)
+        if refused is not None:  # over its owner's cap on all replicas together
+            await self._take_back(message_ids)
+            await sink.error("pin_refused", refused)
+            return None
         try:
             stream = engine.submit(turn)
         except EngineOverloaded as e:

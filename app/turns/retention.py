@@ -7,6 +7,10 @@ disk tier for a day after the turn) and the extension `retention: {ttl_s, priori
 in memory for `ttl_s` after each turn, its eviction value scaled by `priority`), as the
 engine's `Retention`, counted against the owner's cap of pinned bytes.
 
+Shared: a pin is counted against its owner's cap across the replicas of a cluster through
+Redis (app/pin_caps.py), reserved before the engine takes its turn, what the engine holds
+written when the turn ends.
+
 Kept: what the engine's pins hold of a conversation (a pin until a wall time, counted
 against its owner's cap; a priority; a finished session) is written to SQL when each of its
 turns ends, and put back into the engine when the server starts. (The disk tier keeps its
@@ -23,10 +27,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.cache.pins import Retained
-from engine.types import MAX_TTL_S, Retention
+from engine.types import MAX_TTL_S, Retention, Turn
 from store import ConversationRetention
 
 if TYPE_CHECKING:  # the engine's front loads torch
+    from app.pin_caps import PinCaps
     from engine import AsyncEngine
     from store import HistoryStore
 
@@ -75,6 +80,36 @@ def retention_of(
         owner=owner_id,
         cap_bytes=round(cap_mb * 2**20),
     )
+
+
+# --- what the replicas count together ------------------------------------------------------
+async def reserve_shared(caps: PinCaps, engine: AsyncEngine, turn: Turn) -> str | None:
+    """Reserve the turn's pin against its owner's cap across the replicas (sized as the
+    engine sizes it: for the context the turn may reach); the refusal's message, or None."""
+    r = turn.retention
+    if r is None or not r.ttl_s or r.cap_bytes is None:
+        return None
+    size = engine.pin_bytes(
+        (turn.context_len or 0) + len(turn.prompt_token_ids) + turn.sampling.max_tokens
+    )
+    used = await caps.reserve(r.owner, turn.conversation_id, size, r.ttl_s, r.cap_bytes)
+    if used is None:
+        return None
+    return (f"retention: pinning this conversation ({size} bytes at most) would take this "
+            f"owner's pinned KV on all replicas to {used + size} bytes, over the cap of "
+            f"{r.cap_bytes} bytes; let other sessions go (ttl_s 0) or pin less")  # fmt: skip
+
+
+async def share(
+    caps: PinCaps, engine: AsyncEngine, conversation_id: str, asked: Retention | None
+) -> None:
+    """Tell the other replicas what this engine's pin of the conversation holds now (after
+    its turn, or a refusal that left an earlier pin or none)."""
+    kept = engine.retained(conversation_id)
+    if kept is not None and kept.ttl_s is not None:
+        await caps.hold(kept.owner, conversation_id, kept.bytes, kept.until)
+    elif asked is not None:
+        await caps.forget(asked.owner, conversation_id)
 
 
 # --- what is kept across restarts (`replica`: whose engine holds the pins, this replica's

@@ -44,8 +44,12 @@ class Retainer:
             self.pins.finish(cid)
         else:
             upto = length + len(turn.prompt_token_ids) + turn.sampling.max_tokens
-            size = self.cache.n_chunks(upto) * self.bytes_per_chunk
+            size = self.size(upto)
             self.pins.reserve(cid, r.owner, r.ttl_s, r.priority, size, r.cap_bytes, self.now())
+
+    def size(self, tokens: int) -> int:
+        """The bytes a pin of a conversation `tokens` long counts against its owner's cap."""
+        return self.cache.n_chunks(tokens) * self.bytes_per_chunk
 
     def settle(self, conversation_id: str, now: float) -> None:
         """The turn ended: a live pin of its conversation runs its ttl from now (every turn

@@ -1,7 +1,8 @@
 """Retention through the OpenAI APIs on a real server: `prompt_cache_retention` and the
 extension `retention` accepted and refused with the field named (Chat Completions and
 Responses), the per-owner cap of pinned bytes, pins in the admin data and /metrics, a pin
-let go when its conversation is deleted, and pins and disk keeps back after a restart."""
+let go when its conversation is deleted, pins and disk keeps back after a restart, and
+one owner's cap held by two servers together through Redis."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from engine.disk.keeps import NAME, parse
+from tests import services
 from tests.app_fixtures import TINY, Server, auth, connect, recv, say, server_on, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -167,3 +169,47 @@ def test_a_pin_and_a_disk_keep_are_back_after_a_restart(tmp_path):
         assert wait_for(lambda: pinned(srv) == 1)
         assert "could not store the retention" in srv.log_tail()
     assert "Traceback" not in srv.log_tail(100_000)
+
+
+def test_two_replicas_hold_an_owners_cap_together(tmp_path, redis_url):
+    """Two servers on one database and one Redis: an owner's pin on one counts on the other
+    (each alone would take it), and a deleted chat's pin frees the room on both."""
+    db, url = services.new_database()
+    env = {**ENV, "PENSIEVE_REDIS_URL": redis_url}
+    a = Server(url, tmp_path / "a.log", env=env).start()
+    b = Server(url, tmp_path / "b.log", env=env).start()
+    try:
+        alice = a.user("alice")
+        keep = {"retention": {"ttl_s": 600}}
+        first = chat(a, alice, "one", **keep)
+        assert first.status_code == 200, first.text
+        refused = chat(b, alice, "two", **keep)  # b holds no pin of alice's: Redis says a does
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "pin_cap_exceeded" and "all replicas" in error["message"]
+        assert chat(b, alice, "three").status_code == 200  # without a pin: served
+        cid = first.headers["x-session-id"]
+        assert (
+            httpx.delete(f"{a.url}/api/conversations/{cid}", headers=auth(alice)).status_code == 204
+        )
+        assert chat(b, alice, "two", **keep).status_code == 200  # room again, on b
+    finally:
+        a.stop()
+        b.stop()
+        services.drop_database(db)
+    assert "Traceback" not in a.log_tail(100_000) + b.log_tail(100_000)
+
+
+def test_a_dead_redis_leaves_the_cap_to_each_replica(tmp_path):
+    """Redis at a wrong port: pinned turns are served and capped by this server's own pins,
+    and the log says so once."""
+    env = {**ENV, "PENSIEVE_REDIS_URL": "redis://127.0.0.1:1/0"}
+    with server_on("sqlite", tmp_path, env) as srv:
+        alice = srv.user("alice")
+        keep = {"retention": {"ttl_s": 600}}
+        assert chat(srv, alice, "one", **keep).status_code == 200
+        refused = chat(srv, alice, "two", **keep)
+        assert refused.json()["error"]["code"] == "pin_cap_exceeded", refused.text
+        assert chat(srv, alice, "three").status_code == 200
+        log = srv.log_tail(100_000)
+    assert log.count("pin caps are counted per replica") == 1 and "Traceback" not in log
