@@ -3,9 +3,10 @@ vLLM's wire format, which NVIDIA Dynamo's KV router and indexer, vLLM's router a
 scorer read, and a ROUTER socket that replays the recent batches to a late subscriber.
 
 Frames: `[topic, seq (8 bytes, big-endian), payload]`, the payload a msgpack `EventBatch`
-`[ts, events, data_parallel_rank]`, each event a tagged array (`["BlockStored", hashes,
-parent, token_ids, block_size, lora_id, medium, lora_name]`, `["BlockRemoved", hashes,
-medium]`, `["AllBlocksCleared"]`). A replay request `[start_seq]` is answered with every
+`[ts, events, data_parallel_rank]`, each event a map tagged by `type` (`BlockStored`:
+`block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name`;
+`BlockRemoved`: `block_hashes, medium`; `AllBlocksCleared`): vllm-router reads only maps,
+Dynamo both maps and arrays. A replay request `[start_seq]` is answered with every
 buffered `[seq, payload]` from it on, then `[-1, b""]`. Sequence numbers start from the
 start time in microseconds, so a subscriber sees a restart as a jump forward, never back.
 
@@ -41,12 +42,21 @@ class EndpointError(ValueError):
     """A KV events endpoint that cannot be bound; names its flag."""
 
 
-def encode(e: Event, block_size: int) -> list:
+def encode(e: Event, block_size: int) -> dict:
     if isinstance(e, AllCleared):
-        return ["AllBlocksCleared"]
+        return {"type": "AllBlocksCleared"}
     if isinstance(e, BlockStored):
-        return ["BlockStored", e.hashes, e.parent, e.tokens, block_size, None, e.medium, None]
-    return ["BlockRemoved", e.hashes, e.medium]
+        return {
+            "type": "BlockStored",
+            "block_hashes": e.hashes,
+            "parent_block_hash": e.parent,
+            "token_ids": e.tokens,
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": e.medium,
+            "lora_name": None,
+        }
+    return {"type": "BlockRemoved", "block_hashes": e.hashes, "medium": e.medium}
 
 
 class Publisher:

@@ -133,7 +133,7 @@ def test_the_indexer_finds_each_conversation_where_it_lives(fleet):
         if seq == (-1).to_bytes(8, "big", signed=True):
             break
         seqs.append(int.from_bytes(seq, "big"))
-        kinds += [e[0] for e in msgpack.unpackb(payload)[1]]
+        kinds += [e["type"] for e in msgpack.unpackb(payload)[1]]
     ctx.destroy(linger=0)
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     assert kinds[0] == "AllBlocksCleared" and {"BlockStored", "BlockRemoved"} <= set(kinds)
