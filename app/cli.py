@@ -11,6 +11,7 @@ import typing
 
 from pydantic import ValidationError
 
+from app.cluster.routers import ROUTERS
 from app.settings import ENGINE_HELP, Settings, engine_fields
 
 SERVER_FLAGS = (
@@ -74,12 +75,19 @@ def parser() -> argparse.ArgumentParser:
     for name, kind, text in REPLICA_FLAGS:
         _add_flag(serve, name, kind, text)
     cluster = sub.add_parser(
-        "cluster", help="N replicas and HAProxy in front of them, on this machine"
+        "cluster", help="N replicas and a front (HAProxy, or a KV-aware router), on this machine"
     )
     cluster.add_argument("--replicas", type=int, default=2, help="replicas to start (default 2)")
     cluster.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     cluster.add_argument(
-        "--port", type=int, default=8000, help="HAProxy's port; replicas take P+1..P+N"
+        "--port", type=int, default=8000, help="the front's port; replicas take P+1..P+N"
+    )
+    cluster.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="haproxy",
+        help="the front: haproxy (hashes on the conversation; default) or vllm-router (its "
+        "KV-aware policy over the replicas' KV events)",
     )
     _add_server_flags(cluster)
     users = sub.add_parser("users", help="manage owners")
@@ -156,14 +164,14 @@ def _cluster(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    skip = {"host", "port", "replicas", "log_level"}
+    skip = {"host", "port", "replicas", "log_level", "router"}
     given = {
         k: v
         for k, v in vars(args).items()
         if v is not None and k in Settings.model_fields and k not in skip
     }
     try:
-        return launcher.run(given, args.replicas, args.host, args.port, args.log_level)
+        return launcher.run(given, args.replicas, args.host, args.port, args.log_level, args.router)
     except RuntimeError as e:  # a replica that would not start
         sys.exit(f"pensieve: {e}")
 

@@ -1,8 +1,9 @@
-"""`pensieve cluster --replicas N --port P`: N replicas and HAProxy on this machine.
+"""`pensieve cluster --replicas N --port P`: N replicas and a front on this machine.
 
 The replicas are ordinary `pensieve serve --cluster` processes on ports P+1..P+N (or free
-ports where those are taken), sharing the database, Redis and the admin token; HAProxy
-(app/cluster/haproxy.py) listens on P. The launcher migrates the database once before the replicas
+ports where those are taken), sharing the database, Redis and the admin token; the front
+listens on P: HAProxy (app/cluster/haproxy.py, the default), or vLLM's KV-aware router
+(`--router vllm-router`, app/cluster/routers.py) reading each replica's KV events. The launcher migrates the database once before the replicas
 start (so they do not race on it), restarts a replica that exits on its own, and stops them
 all on Ctrl-C or SIGTERM. On real hosts the same layout is run by hand (docs/deploy.md).
 """
@@ -27,6 +28,7 @@ import httpx
 from app.auth import admin_token_from_file
 from app.cluster import haproxy
 from app.cluster.replica import replica_id
+from app.cluster.routers import Worker, vllm_router_command
 from app.settings import Settings
 
 log = logging.getLogger("pensieve.cluster")
@@ -77,6 +79,7 @@ class Replica:
     restarts: int = 0
     down_since: float | None = None
     tries: int = 0  # starts so far that exited before the replica was up
+    events: str | None = None  # its KV events endpoint (a KV-aware front reads them)
 
     @property
     def id(self) -> str:
@@ -89,7 +92,12 @@ class Replica:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "app.cli", "serve", "--host", self.host]
         cmd += ["--port", str(self.port), "--log-level", self.log_level]
-        self.proc = subprocess.Popen(cmd, env=self.env)
+        env = (
+            self.env
+            if self.events is None
+            else {**self.env, "PENSIEVE_KV_EVENTS_ENDPOINT": self.events}
+        )
+        self.proc = subprocess.Popen(cmd, env=env)
         self.down_since = None
 
     def healthy(self) -> bool:
@@ -102,10 +110,12 @@ class Replica:
 @dataclass
 class Launcher:
     replicas: list[Replica]
-    front: str  # host:port HAProxy binds
+    front: str  # host:port the front binds
     workdir: Path
     redis: subprocess.Popen | None = None  # a Redis this launcher started itself
-    haproxy: subprocess.Popen | None = None
+    router: str = "haproxy"
+    model: str = ""  # the replicas' model (a KV-aware front names it)
+    front_proc: subprocess.Popen | None = None
     stopping: bool = False
     others: list[subprocess.Popen] = field(default_factory=list)
 
@@ -141,12 +151,19 @@ class Launcher:
         if not up:
             raise RuntimeError("no replica came up (see the log above)")
         self.replicas = [r for r in self.replicas if r in up]
+        self.front_proc = subprocess.Popen(self._front_command())
+
+    def _front_command(self) -> list[str]:
+        if self.router == "vllm-router":
+            host, port = self.front.rsplit(":", 1)
+            workers = [Worker(r.url, r.events or "") for r in self.replicas]
+            return vllm_router_command(workers, host, int(port), self.model)
         cfg = self.workdir / "haproxy.cfg"
         backends = [haproxy.Backend(haproxy.backend_name(r.id), f"{r.host}:{r.port}")
                     for r in self.replicas]  # fmt: skip
         cfg.write_text(haproxy.config(backends, self.front))
         haproxy.check(str(cfg))
-        self.haproxy = subprocess.Popen(haproxy.command(str(cfg)))
+        return haproxy.command(str(cfg))
 
     def _start_again(self, r: Replica) -> bool:
         """A replica exited before it was up: start it again, on another port where its own
@@ -167,10 +184,11 @@ class Launcher:
         return True
 
     def supervise(self) -> int:
-        """Until stopped: restart replicas that exit; HAProxy exiting ends the cluster."""
+        """Until stopped: restart replicas that exit; the front exiting ends the cluster."""
         while not self.stopping:
-            if self.haproxy.poll() is not None:
-                log.error("haproxy exited %s; stopping the cluster", self.haproxy.returncode)
+            if self.front_proc.poll() is not None:
+                log.error("%s exited %s; stopping the cluster", self.router,
+                          self.front_proc.returncode)  # fmt: skip
                 return 1
             for r in self.replicas:
                 if r.proc.poll() is None:
@@ -197,7 +215,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for p in (self.haproxy, self.redis):
+        for p in (self.front_proc, self.redis):
             if p is not None and p.poll() is None:
                 p.terminate()
                 try:
@@ -227,8 +245,16 @@ def _start_redis(host: str) -> tuple[subprocess.Popen, str]:
     raise ValueError("the local redis-server did not start")
 
 
-def run(given: dict[str, object], replicas: int, host: str, port: int, log_level: str) -> int:
-    """Start the cluster with the serve settings `given` (name -> value) and supervise it."""
+def run(
+    given: dict[str, object],
+    replicas: int,
+    host: str,
+    port: int,
+    log_level: str,
+    router: str = "haproxy",
+) -> int:
+    """Start the cluster with the serve settings `given` (name -> value) and `router` in
+    front, and supervise it."""
     from store.db import check_database, is_sqlite
     from store.migrate import upgrade_async
 
@@ -253,8 +279,14 @@ def run(given: dict[str, object], replicas: int, host: str, port: int, log_level
     for own in ("PENSIEVE_REPLICA_ID", "PENSIEVE_REPLICA_URL", "PENSIEVE_HOST", "PENSIEVE_PORT"):
         env.pop(own, None)  # each replica's own
     members = [Replica(host, p, env, log_level) for p in replica_ports(host, port, replicas)]
+    if router == "vllm-router":
+        vllm_router_command([], host, port, settings.model)  # refuses now when not installed
+        for r in members:  # each its own KV events endpoint
+            r.events = f"tcp://{host}:{_free_port(host)}"
     with tempfile.TemporaryDirectory(prefix="pensieve-cluster-") as tmp:
-        launcher = Launcher(members, f"{host}:{port}", Path(tmp), redis=redis_proc)
+        launcher = Launcher(
+            members, f"{host}:{port}", Path(tmp), redis_proc, router, settings.model
+        )
 
         def stop(signum, frame) -> None:
             launcher.stopping = True
