@@ -132,7 +132,7 @@ def start_servers(args, pools: str, database_url: str, workdir: Path):
             "PENSIEVE_TURNS_PER_MINUTE": "100000",
             "PENSIEVE_KV_EVENTS_ENDPOINT": events,
         }
-        s = Server(database_url, workdir / f"{pools}{i}.log", env=env).start()
+        s = Server(database_url, workdir / f"{pools}{i}.log", env=env).start(timeout=600)
         servers.append(s)
         workers.append(Worker(s.url, events))
     return servers, workers
