@@ -92,9 +92,12 @@ class Handler:
         prompt = list(request["token_ids"])
         turn = await self.plan(prompt, sampling(request, self.default_max_tokens))
         stream: TurnStream = self.engine.submit(turn)
+        last: list[int] = []  # held back: the final chunk carries the last token
         try:
             async for token in stream:
-                yield {"token_ids": [token], "index": 0}
+                if last:
+                    yield {"token_ids": last, "index": 0}
+                last = [token]
         finally:
             if not stream.done:  # the client went (Dynamo closed this generator) or it failed
                 stream.cancel()
@@ -105,8 +108,10 @@ class Handler:
         else:  # cancelled: its stream is not what the next prompt renders
             self.streams.forget(turn.conversation_id)
         self.count(turn, result)
+        # with the last token, else the frontend ends the reply at a stop token itself and
+        # never reads the usage after it
         yield {
-            "token_ids": [],
+            "token_ids": last,
             "index": 0,
             "finish_reason": result.finish_reason,
             "completion_usage": usage(len(prompt), result),
