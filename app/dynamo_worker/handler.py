@@ -99,8 +99,9 @@ class Handler:
                     yield {"token_ids": last, "index": 0}
                 last = [token]
         finally:
-            if not stream.done:  # the client went (Dynamo closed this generator) or it failed
+            if not stream.done:  # the client went: Dynamo closed this generator
                 stream.cancel()
+            if stream.result is None:  # gone or failed: the stream is not what was indexed
                 self.streams.forget(turn.conversation_id)
         result = stream.result
         if result.finish_reason in ("stop", "length"):
