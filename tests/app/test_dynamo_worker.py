@@ -1,0 +1,161 @@
+"""Pensieve behind NVIDIA Dynamo's frontend (docs/dynamo.md): `python -m dynamo.frontend
+--router-mode kv` in front of two `python -m app.dynamo_worker` processes sends every
+returning turn to the worker that holds its conversation (its cached tokens say so: the
+other worker has never seen it), and the greedy replies are a single Pensieve server's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.lib.harness import free_port, wait_until
+from tests.app.openai.test_app_openai import ask, client
+from tests.app_fixtures import Server
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("dynamo.frontend") is None
+        or importlib.util.find_spec("msgspec") is None,
+        reason="needs ai-dynamo (pip install --no-deps ai-dynamo==1.6.1 msgspec)",
+    ),
+]
+
+MODEL = "smollm2-135m-instruct"
+WORDS = ["river", "stone", "cloud", "lantern", "meadow", "copper", "violin", "harbor"]
+MAX_TOKENS = 16
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def first_message(i: int) -> str:
+    """Distinct from the first chunk on: no two conversations share a full chunk."""
+    return f"Story {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(60))
+
+
+def dynamo_env(store: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "DYN_FILE_KV": str(store),  # file discovery: both sides read this dir
+        # loopback only: the request, response and event planes bind the host's address else
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    }
+
+
+def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    out = log.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dynamo")
+    env = dynamo_env(tmp / "store")
+    planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    workers = [
+        start(
+            ["app.dynamo_worker", "--model", MODEL, "--device", "cpu", "--dtype", "float32"]
+            + ["--gpu-cache-chunks", "200", "--cpu-cache-chunks", "200"]
+            + ["--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", *planes],
+            tmp / f"w{i}.log",
+            env,
+        )
+        for i in range(2)
+    ]
+    port = free_port()
+    frontend = start(
+        ["dynamo.frontend", *planes, "--router-mode", "kv"]
+        + ["--http-host", "127.0.0.1", "--http-port", str(port)],
+        tmp / "frontend.log",
+        env,
+    )
+    procs = [*workers, frontend]
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert all(p.poll() is None for p in procs), "a process died: see " + str(tmp)
+        instances = tmp / "store" / "v1" / "instances"
+        if not instances.exists() or len(list(instances.iterdir())) < 2:
+            return False
+        try:
+            models = httpx.get(url + "/v1/models", timeout=2).json()["data"]
+        except httpx.HTTPError:
+            return False
+        # the router subscribes to each worker's KV events once it has found it
+        connected = (tmp / "frontend.log").read_text(errors="replace").count("stream connected")
+        return [m["id"] for m in models] == [MODEL] and connected >= 2
+
+    try:
+        assert wait_until(ready, 300, every=1.0), "the fleet did not come up: see " + str(tmp)
+        yield url, [tmp / f"w{i}.log" for i in range(2)]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    for i in range(2):
+        assert "Traceback" not in (tmp / f"w{i}.log").read_text(errors="replace")
+
+
+def chat(url: str, messages: list[dict]) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def turns_served(log: Path) -> int:
+    return log.read_text(errors="replace").count("pensieve.dynamo turn ")
+
+
+def test_returning_turns_go_to_their_worker_and_replies_are_greedy(fleet, tmp_path):
+    url, logs = fleet
+    chats = [[{"role": "user", "content": first_message(i)}] for i in range(6)]
+    replies: list[list[str]] = [[] for _ in chats]
+    previous = [0] * len(chats)  # each chat's prompt tokens last turn
+    for turn in range(3):
+        # first turns at once: the router spreads them by load; later turns by their KV
+        with ThreadPoolExecutor(6 if turn == 0 else 1) as pool:
+            answers = list(pool.map(lambda m: chat(url, m), chats))
+        for i, (messages, a) in enumerate(zip(chats, answers, strict=True)):
+            cached = a["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if turn == 0:
+                assert cached == 0, a["usage"]
+            else:  # the whole previous turn found in memory: the worker that holds it
+                assert cached >= previous[i], (i, turn, a["usage"])
+            text = a["choices"][0]["message"]["content"]
+            replies[i].append(text)
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"Go on, part {turn + 2}."},
+            ]
+        previous = [a["usage"]["prompt_tokens"] for a in answers]
+    served = [turns_served(log) for log in logs]
+    assert sum(served) == 18 and min(served) >= 3, served  # both workers hold conversations
+
+    # the same messages, turn by turn, to one Pensieve server: the same greedy replies
+    srv = Server(f"sqlite+aiosqlite:///{tmp_path}/one.db", tmp_path / "one.log")
+    srv.start()
+    try:
+        c = client(srv, srv.user("alice"))
+        for i, messages in enumerate(chats):
+            for turn in range(3):
+                asked = messages[: 2 * turn + 1]
+                got, _ = ask(c, asked, max_tokens=MAX_TOKENS)
+                assert got.choices[0].message.content == replies[i][turn], (i, turn)
+    finally:
+        srv.stop()
