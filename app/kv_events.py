@@ -21,6 +21,7 @@ serves subscriptions and replay requests between polls.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
@@ -36,6 +37,22 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_BATCHES = 10_000  # batches kept for late subscribers
+
+
+RESTORE_LIMIT = 10_000  # most recent conversations a restart looks for on the disk tier
+
+
+async def announce_disk(engine, store, limit: int = RESTORE_LIMIT, batch: int = 64) -> int:
+    """A warm restart: announce what the disk tier holds of the most recent conversations
+    (their tokens read from the history: the tier's files are keyed by hash alone), so a
+    router sends them back here before they return. Returns how many had chunks there."""
+    ids = await store.recent_conversation_ids(limit)
+    found = 0
+    for i in range(0, len(ids), batch):
+        histories = [(cid, await store.stream(cid)) for cid in ids[i : i + batch]]
+        found += await asyncio.to_thread(engine.announce_disk, histories)
+    log.info("KV events: %d of %d conversations announced from the disk tier", found, len(ids))
+    return found
 
 
 class EndpointError(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from pathlib import Path
@@ -95,6 +96,9 @@ async def lifespan(app: Starlette):
         await retention.restore(engine, store, sv.replica)
         # before ready: the first message pays no one-time costs
         sv.warm_up_s = await warm.warm_up(engine)
+        if settings.kv_events_endpoint and engine.disk_tier:  # what a restart found on disk
+            restoring = asyncio.create_task(kv_events.announce_disk(engine, store))
+            stack.callback(restoring.cancel)
         app.state.services = sv
         log.info("pensieve ready: model %s on %s", settings.model, engine.snapshot().device)
         try:

@@ -258,6 +258,9 @@ class AsyncEngine:
             built = self._built = (capture, capture.build())
         return built[1]
 
+    def announce_disk(self, histories: list[tuple[str, list[int]]]) -> int:
+        return self.engine.announce_disk(histories)
+
     def kv_events(self, full: bool = False) -> list:
         """The engine's KV events since the last call (any thread: the engine's lock)."""
         return self.engine.kv_events(full)

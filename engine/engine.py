@@ -303,6 +303,20 @@ class Engine:
         with self.lock:
             return self.events.poll(self.cache, self.streams, self.disk, full)
 
+    def announce_disk(self, histories: list[tuple[str, list[int]]]) -> int:
+        """At a start: announce in the KV events what the disk tier holds of conversations
+        not back yet (`histories`: each one's id and tokens, from the history). Returns how
+        many had chunks there."""
+        if self.events is None or self.disk is None:
+            return 0
+        with self.lock:
+            on_disk, n = self.disk.keys(), 0
+            for cid, tokens in histories:
+                if cid not in self.cache.tables:
+                    self.events.restore(cid, tokens, on_disk)
+                    n += cid in self.events.restored
+            return n
+
     def write_back(self, limit: int | None = None) -> int:
         """Write the full chunks held in memory that the disk tier lacks, of idle
         conversations: all of them and wait (a graceful stop: the next process reads them

@@ -76,6 +76,22 @@ class KVEvents:
         self.keys: dict[str, list[bytes]] = {}
         self.pending: list[Event] = [AllCleared()]  # a start clears what a router knew
         self.dirty: set[str] = set()  # conversations whose tokens changed since
+        # Conversations announced from the disk tier at a start, before they have a table
+        self.restored: set[str] = set()
+
+    def restore(self, cid: str, tokens: list[int], on_disk: set[bytes]) -> None:
+        """A start found chunks of the conversation (its tokens read from the history) on
+        the disk tier: its prefix up to the last of them is announced in STORAGE (the chunks
+        before it that are not there are recomputed, as a dropped leading end is)."""
+        self.extend(cid, 0, tokens)
+        keys = self.keys[cid]
+        last = max((i for i, k in enumerate(keys) if k in on_disk), default=-1)
+        if last < 0:
+            self.tokens.pop(cid, None)
+            self.keys.pop(cid, None)
+            return
+        self.restored.add(cid)
+        self._show(cid, [(block_hash(k), 2) for k in keys[: last + 1]])
 
     def poll(
         self, cache: KVCacheManager, streams: dict[str, StreamState], disk, full: bool = False
@@ -84,7 +100,8 @@ class KVEvents:
         whose chunks changed (`Tiers.touched`), were learned, or were freed. `full`: a
         subscriber joined (one that knew this server before a restart, say): everything is
         cleared and announced again instead."""
-        changed = cache.tiers.touched | self.dirty | (self.shown.keys() - cache.tables.keys())
+        freed = self.shown.keys() - cache.tables.keys() - self.restored
+        changed = cache.tiers.touched | self.dirty | freed
         cache.tiers.touched, self.dirty = set(), set()
         dropped = any(cache.tables[c].n_dropped for c in changed if c in cache.tables)
         on_disk = disk.keys() if disk is not None and dropped else frozenset()
@@ -146,6 +163,9 @@ class KVEvents:
         touched, freed, or whose tokens changed)."""
         for cid in changed:
             t, state = cache.tables.get(cid), streams.get(cid)
+            if t is None and cid in self.restored:
+                continue  # announced from the disk tier until it comes back
+            self.restored.discard(cid)
             want: Shown = []
             if t is not None:
                 # positions whose KV is computed: a running turn's grow step by step

@@ -88,6 +88,13 @@ class Conversations(StorePart):
         async with self.sessions() as s:
             return list(await s.scalars(q))
 
+    async def recent_conversation_ids(self, limit: int) -> list[str]:
+        """Every owner's conversations, most recently updated first (a restart's KV events
+        announce what the disk tier holds of them)."""
+        q = select(Conversation.id).order_by(Conversation.updated.desc()).limit(limit)
+        async with self.sessions() as s:
+            return list(await s.scalars(q))
+
     async def set_title(self, conversation_id: str, title: str) -> None:
         if len(title) > MAX_TITLE:
             raise ValueError(f"title is longer than {MAX_TITLE} characters")

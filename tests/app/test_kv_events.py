@@ -167,3 +167,28 @@ def test_a_bad_endpoint_is_refused_at_start_naming_its_flag(tmp_path):
     srv = Server(f"sqlite+aiosqlite:///{tmp_path}/y.db", tmp_path / "y.log", env=env)
     with pytest.raises(ServiceError, match="kv_events_endpoint"):
         srv.start(timeout=60)
+
+
+def test_a_warm_restart_announces_what_its_disk_tier_holds(tmp_path):
+    """A graceful stop writes the chats' chunks to the disk tier; the restarted server
+    announces them (STORAGE) from the history before any of them returns."""
+    pub, replay = free_port(), free_port()
+    env = {**events_env(pub, replay), "PENSIEVE_DISK_CACHE_DIR": str(tmp_path / "kv")}
+    srv = Server(f"sqlite+aiosqlite:///{tmp_path}/d.db", tmp_path / "d.log", env=env).start()
+    indexer = Indexer({1: f"tcp://127.0.0.1:{pub}"}, tmp_path / "ix")
+    try:
+        key = srv.user("dora")
+        messages = [{"role": "user", "content": story(7)}]
+        ask(client(srv, key), messages, extra_headers={"X-Session-ID": "disk-1"})
+        tokens = prompt_tokens(srv, key, messages)
+        full = len(tokens) // 32 * 32
+        assert wait_for(lambda: indexer.match(tokens).get(1, {}).get("gpu") == full, 10)
+        srv.stop()  # graceful: its chunks are written to the disk tier
+        srv.start()
+        found = wait_for(lambda: indexer.match(tokens).get(1, {}).get("disk") == full, 20)
+        assert found, indexer.match(tokens)
+        assert indexer.match(tokens)[1]["cpu"] == 0  # on disk, nowhere in memory
+    finally:
+        indexer.stop()
+        srv.stop()
+    assert "Traceback" not in srv.log_tail(100_000)

@@ -176,3 +176,17 @@ def test_a_prompts_chunks_are_announced_while_its_turn_runs():
     assert len(req.output) < 64 and stored[0].tokens == list(range(100, 196))  # 3 full chunks
     while e.has_work():
         e.step()
+
+
+def test_a_conversation_restored_from_disk_stays_announced_until_it_returns():
+    e, router = engine(), Router()
+    tokens = list(range(400, 500))
+    keys = chain_hashes(tokens, 32)
+    e.events.restore("r", tokens, {keys[1]})  # its second chunk on disk: two announced
+    router.apply(e.kv_events())
+    assert router.match(tokens) == {"GPU": 0, "CPU": 0, "STORAGE": 64}
+    chat(e, "other", [], list(range(9000, 9050)))  # other work polls: r stays
+    router.apply(e.kv_events())
+    assert router.match(tokens)["STORAGE"] == 64
+    e.events.restore("none", list(range(7000, 7100)), set())  # nothing on disk: nothing
+    assert e.kv_events() == [] and "none" not in e.events.tokens
