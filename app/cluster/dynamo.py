@@ -21,6 +21,7 @@ log = logging.getLogger("pensieve.cluster")
 
 START_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 2.0
+MIGRATION_LIMIT = 3  # a turn whose worker died is retried on another
 # serve settings a worker takes as flags
 WORKER_FLAGS = ("device", "dtype", "gpu_cache_chunks", "cpu_cache_chunks", "cache_dir",
                 "max_tokens_default")  # fmt: skip
@@ -56,7 +57,9 @@ class DynamoCluster:
         self.events = [f"tcp://127.0.0.1:{fleet.free_port()}" for _ in range(self.workers)]
         self.procs = [self.start_worker(i) for i in range(self.workers)]
         self.frontend = fleet.start(
-            fleet.frontend_args(self.port, self.host), self.frontend_log, fleet.env(self.store)
+            fleet.frontend_args(self.port, self.host, MIGRATION_LIMIT),
+            self.frontend_log,
+            fleet.env(self.store),
         )
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -50,9 +50,12 @@ def worker_args(model: str, events: str, **options: object) -> list[str]:
     return args
 
 
-def frontend_args(port: int, host: str = "127.0.0.1") -> list[str]:
+def frontend_args(port: int, host: str = "127.0.0.1", migration_limit: int = 0) -> list[str]:
+    """`migration_limit` > 0: a request whose worker dies is sent to another (Dynamo's default
+    0 answers it 503)."""
     http = ["--http-host", host, "--http-port", str(port)]
-    return ["dynamo.frontend", *PLANES, "--router-mode", "kv", *http]
+    migrate = ["--migration-limit", str(migration_limit)]
+    return ["dynamo.frontend", *PLANES, "--router-mode", "kv", *http, *migrate]
 
 
 def start(args: list[str], log: Path, environ: dict[str, str]) -> subprocess.Popen:
