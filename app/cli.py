@@ -86,8 +86,9 @@ def parser() -> argparse.ArgumentParser:
         "--router",
         choices=ROUTERS,
         default="haproxy",
-        help="the front: haproxy (hashes on the conversation; default) or vllm-router (its "
-        "KV-aware policy over the replicas' KV events)",
+        help="the front: haproxy (hashes on the conversation; default), vllm-router (its "
+        "KV-aware policy over the replicas' KV events) or dynamo (Dynamo's frontend and KV "
+        "router over N Pensieve Dynamo workers instead of replicas; /v1 only)",
     )
     _add_server_flags(cluster)
     users = sub.add_parser("users", help="manage owners")
@@ -171,6 +172,10 @@ def _cluster(args: argparse.Namespace) -> int:
         if v is not None and k in Settings.model_fields and k not in skip
     }
     try:
+        if args.router == "dynamo":
+            from app.cluster import dynamo
+
+            return dynamo.run(given, args.replicas, args.host, args.port)
         return launcher.run(given, args.replicas, args.host, args.port, args.log_level, args.router)
     except RuntimeError as e:  # a replica that would not start
         sys.exit(f"pensieve: {e}")

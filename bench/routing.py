@@ -1,14 +1,18 @@
 """Routing of returning turns: chats through a front (HAProxy, or vLLM's KV-aware router reading
-Pensieve's KV events) to independent servers on one database, and the share of returning turns
-that reach the server holding their KV (a server that does not hold it recomputes the whole
-history: its reply reports no cached tokens).
+Pensieve's KV events) to independent servers on one database, or through Dynamo's KV router to
+Pensieve Dynamo workers, and the share of returning turns that reach the server holding their KV
+(a server that does not hold it recomputes the whole history: its reply reports no cached tokens).
 
     python -m bench.routing                                   # both fronts, with and without
                                                               # a session id, 20 chats x 3
     python -m bench.routing --router vllm-router --no-session --chats 8
+    python -m bench.routing --router dynamo --out bench/results/routing_dynamo.json
 
 The servers are not a `--cluster` (a replica hands a turn to its conversation's home, which
-would hide the front's choice): each serves what it is sent. Two pool sizes: "roomy" (every
+would hide the front's choice): each serves what it is sent. The "dynamo" front is
+`python -m dynamo.frontend --router-mode kv` over two `python -m app.dynamo_worker` processes
+(app/dynamo_worker/fleet.py): no database, no keys, and the workers ignore the session id
+(the frontend routes by the KV events alone). Two pool sizes: "roomy" (every
 chat's KV stays in memory: a returning turn without cached tokens was misrouted) and "tight"
 (the chats swap and drop chunks: routing with drops, where a turn at the right server may
 also find its KV gone). JSON and PNG in bench/results/.
@@ -28,8 +32,9 @@ import httpx
 
 from app.cluster import haproxy
 from app.cluster.routers import ROUTERS, Worker, vllm_router_command
+from app.dynamo_worker import fleet as dynamo
 from bench.lib.common import RESULTS, environment
-from bench.lib.harness import PostgresServer, Server, free_port, wait_port
+from bench.lib.harness import PostgresServer, Server, free_port, wait_port, wait_until
 
 MODEL = "smollm2-135m-instruct"
 WORDS = ["river", "stone", "cloud", "lantern", "meadow", "copper", "violin", "harbor"]
@@ -107,14 +112,53 @@ def front(router: str, servers: list[Server], workers: list[Worker], workdir: Pa
 async def replay(pools, router, session, args, servers, workers, key, workdir) -> Run:
     port = free_port()
     proc = front(router, servers, workers, workdir, port)
-    run = Run(pools, router, session, args.chats, args.turns)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
-            await asyncio.gather(*(chat(c, run, i, key) for i in range(args.chats)))
+        return await drive(pools, router, session, args, f"http://127.0.0.1:{port}", key)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def drive(pools: str, router: str, session: bool, args, url: str, key: str) -> Run:
+    run = Run(pools, router, session, args.chats, args.turns)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        await asyncio.gather(*(chat(c, run, i, key) for i in range(args.chats)))
     return run
+
+
+def dynamo_runs(args, pools: str, sessions: list[bool], workdir: Path) -> list[Run]:
+    """Dynamo's frontend over `args.servers` Pensieve Dynamo workers with `pools`' pools: one
+    fleet for every session choice (the chats of each differ from their first tokens)."""
+    gpu, cpu = POOLS[pools]
+    opts = {"device": "cpu", "dtype": "float32", "gpu_cache_chunks": gpu, "cpu_cache_chunks": cpu}
+    store, flog = workdir / f"{pools}-dynamo-store", workdir / f"{pools}-frontend.log"
+    env = dynamo.env(store)
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.servers)]
+    procs = [
+        dynamo.start(dynamo.worker_args(MODEL, e, **opts), workdir / f"{pools}-w{i}.log", env)
+        for i, e in enumerate(events)
+    ]
+    port = free_port()
+    procs.append(dynamo.start(dynamo.frontend_args(port), flog, env))
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a Dynamo process died: see {workdir}")
+            return dynamo.ready(url, store, flog, args.servers, MODEL)
+
+        if not wait_until(ready, 600, every=1.0):
+            raise RuntimeError(f"the Dynamo fleet did not come up: see {workdir}")
+        return [asyncio.run(drive(pools, "dynamo", s, args, url, "none")) for s in sessions]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def start_servers(args, pools: str, database_url: str, workdir: Path):
@@ -139,15 +183,21 @@ def start_servers(args, pools: str, database_url: str, workdir: Path):
 
 
 def fleet_runs(args, pools: str, sessions: list[bool], database_url: str, workdir: Path):
-    """Every front and session choice over one set of servers."""
+    """Every front and session choice: one set of servers for HAProxy and vllm-router, one
+    Dynamo fleet for Dynamo."""
+    fronts = args.router or ROUTERS
+    runs = dynamo_runs(args, pools, sessions, workdir) if "dynamo" in fronts else []
+    others = [r for r in fronts if r != "dynamo"]
+    if not others:
+        return runs
     servers, workers = start_servers(args, pools, database_url, workdir)
     try:
         key = servers[0].user(f"routing-{pools}")
         return [
             asyncio.run(replay(pools, r, s, args, servers, workers, key, workdir))
-            for r in args.router or ROUTERS
+            for r in others
             for s in sessions
-        ]
+        ] + runs
     finally:
         for s in servers:
             s.stop()

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROUTERS = ("haproxy", "vllm-router")
+ROUTERS = ("haproxy", "vllm-router", "dynamo")  # dynamo: app/cluster/dynamo.py
 BLOCK_SIZE = 32  # the events' block: a chunk
 
 

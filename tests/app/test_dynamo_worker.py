@@ -6,15 +6,14 @@ other worker has never seen it), and the greedy replies are a single Pensieve se
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from app.dynamo_worker import fleet as dynamo
 from bench.lib.harness import free_port, wait_until
 from tests.app.openai.test_app_openai import ask, client
 from tests.app_fixtures import Server
@@ -31,7 +30,7 @@ pytestmark = [
 MODEL = "smollm2-135m-instruct"
 WORDS = ["river", "stone", "cloud", "lantern", "meadow", "copper", "violin", "harbor"]
 MAX_TOKENS = 16
-ROOT = Path(__file__).resolve().parents[2]
+CPU = {"device": "cpu", "dtype": "float32", "gpu_cache_chunks": 200, "cpu_cache_chunks": 200}
 
 
 def first_message(i: int) -> str:
@@ -39,62 +38,26 @@ def first_message(i: int) -> str:
     return f"Story {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(60))
 
 
-def dynamo_env(store: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "DYN_FILE_KV": str(store),  # file discovery: both sides read this dir
-        # loopback only: the request, response and event planes bind the host's address else
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-    }
-
-
-def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    out = log.open("ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-    )
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dynamo")
-    env = dynamo_env(tmp / "store")
-    planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    env = dynamo.env(tmp / "store")
     workers = [
-        start(
-            ["app.dynamo_worker", "--model", MODEL, "--device", "cpu", "--dtype", "float32"]
-            + ["--gpu-cache-chunks", "200", "--cpu-cache-chunks", "200"]
-            + ["--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", *planes],
+        dynamo.start(
+            dynamo.worker_args(MODEL, f"tcp://127.0.0.1:{free_port()}", **CPU),
             tmp / f"w{i}.log",
             env,
         )
         for i in range(2)
     ]
     port = free_port()
-    frontend = start(
-        ["dynamo.frontend", *planes, "--router-mode", "kv"]
-        + ["--http-host", "127.0.0.1", "--http-port", str(port)],
-        tmp / "frontend.log",
-        env,
-    )
+    frontend = dynamo.start(dynamo.frontend_args(port), tmp / "frontend.log", env)
     procs = [*workers, frontend]
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
         assert all(p.poll() is None for p in procs), "a process died: see " + str(tmp)
-        instances = tmp / "store" / "v1" / "instances"
-        if not instances.exists() or len(list(instances.iterdir())) < 2:
-            return False
-        try:
-            models = httpx.get(url + "/v1/models", timeout=2).json()["data"]
-        except httpx.HTTPError:
-            return False
-        # the router subscribes to each worker's KV events once it has found it
-        connected = (tmp / "frontend.log").read_text(errors="replace").count("stream connected")
-        return [m["id"] for m in models] == [MODEL] and connected >= 2
+        return dynamo.ready(url, tmp / "store", tmp / "frontend.log", 2, MODEL)
 
     try:
         assert wait_until(ready, 300, every=1.0), "the fleet did not come up: see " + str(tmp)
