@@ -10,7 +10,7 @@ round times `--steps` decode steps of the whole forward (embedding to logits, at
 over `--context` cached tokens a row) of each in turn; the figure is the median of the
 rounds' per-step times, with the rounds' spread. The weights' resident size counts every
 tensor the model holds once (the packed and 4-bit layouts as stored; the tied embedding
-once). Results: bench/results/int4_weights_<commit>.json and .png.
+once). Results: bench/results/int4_weights_<commit>_<threads>t.json and .png.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
         print(rows, json.dumps(result["step_ms"][rows]))
     result["environment"] = environment("cpu")
     print("weights MiB", json.dumps(sizes))
-    stem = RESULTS / f"int4_weights_{git_commit()[:7]}"
+    stem = RESULTS / f"int4_weights_{git_commit()[:7]}_{args.threads}t"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, stem.with_suffix(".png"))
 
