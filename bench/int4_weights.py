@@ -7,8 +7,9 @@ bfloat16 ones (oneDNN-packed, the CPU default), A/B interleaved on a shared mach
 Both models are loaded as the engine's CPU backend loads them (`Local`: `weights=bfloat16`
 and `weights=gguf`, both `dtype=bfloat16`, packed linears), over pools of their own. One
 round times `--steps` decode steps of the whole forward (embedding to logits, attention
-over `--context` cached tokens a row) of each in turn; the figure is the median of the
-rounds' per-step times, with the rounds' spread. The weights' resident size counts every
+over `--context` cached tokens a row) of each in turn; the figures are the median of the
+rounds' per-step times, with the rounds' spread, and the median of the rounds' paired
+ratios int4 / dense (both arms under the same load: the steadier figure). The weights' resident size counts every
 tensor the model holds once (the packed and 4-bit layouts as stored; the tied embedding
 once). Results: bench/results/int4_weights_<commit>_<threads>t.json and .png.
 """
@@ -86,10 +87,15 @@ def main() -> None:
                     step()
                 times[arm].append((time.perf_counter() - t0) / args.steps * 1e3)
         result["step_ms"][rows] = {
-            arm: {"median": statistics.median(t), "min": min(t), "max": max(t)}
+            arm: {"median": statistics.median(t), "min": min(t), "max": max(t), "rounds": t}
             for arm, t in times.items()
         }
-        print(rows, json.dumps(result["step_ms"][rows]))
+        # Paired by round (both arms under the same load): the steadier figure
+        dense, int4 = times.values()
+        ratios = [b / a for a, b in zip(dense, int4, strict=True)]
+        result["step_ms"][rows]["int4_over_dense"] = statistics.median(ratios)
+        print(rows, json.dumps({k: v for k, v in result["step_ms"][rows].items() if k in ARMS}))
+        print(rows, "int4 / dense, median of paired rounds:", f"{statistics.median(ratios):.3f}")
     result["environment"] = environment("cpu")
     print("weights MiB", json.dumps(sizes))
     stem = RESULTS / f"int4_weights_{git_commit()[:7]}_{args.threads}t"
@@ -107,7 +113,7 @@ def plot(result: dict, path) -> None:
     rows = list(result["step_ms"])
     width = 0.8 / len(ARMS)
     for i, arm in enumerate(ARMS):
-        s = [result["step_ms"][r][arm] for r in rows]
+        s = [result["step_ms"][r][arm] for r in rows]  # (the ratio is in the JSON)
         med = [x["median"] for x in s]
         err = [[x["median"] - x["min"] for x in s], [x["max"] - x["median"] for x in s]]
         mib = result["weights_mib"][arm]
