@@ -109,21 +109,20 @@ def plot(result: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(10, 4))
     rows = list(result["step_ms"])
-    width = 0.8 / len(ARMS)
-    for i, arm in enumerate(ARMS):
-        s = [result["step_ms"][r][arm] for r in rows]  # (the ratio is in the JSON)
-        med = [x["median"] for x in s]
-        err = [[x["median"] - x["min"] for x in s], [x["max"] - x["median"] for x in s]]
-        mib = result["weights_mib"][arm]
-        xs = [j + i * width for j in range(len(rows))]
-        ax.bar(xs, med, width, yerr=err, capsize=3, label=f"{arm} ({mib:.0f} MiB weights)")
-    ax.set_xticks([j + width / 2 for j in range(len(rows))], [f"{r} rows" for r in rows])
-    ax.set_ylabel("decode step, ms (median of rounds, min-max)")
-    t = result["settings"]["threads"]
-    ax.set_title(f"SmolLM2-135M decode step: GGUF int4 vs bfloat16, {t} threads")
+    for arm in ARMS:
+        med = [result["step_ms"][r][arm]["median"] for r in rows]
+        ax.plot(rows, med, "o-", label=f"{arm} ({result['weights_mib'][arm]:.0f} MiB weights)")
+    ax.set_xlabel("rows (decoding turns)")
+    ax.set_ylabel("decode step, ms (median of rounds)")
     ax.legend()
+    rx.bar([str(r) for r in rows], [result["step_ms"][r]["int4_over_dense"] for r in rows])
+    rx.axhline(1.0, color="k", lw=0.8)
+    rx.set_xlabel("rows")
+    rx.set_ylabel("int4 / dense step time (median of paired rounds)")
+    t = result["settings"]["threads"]
+    fig.suptitle(f"SmolLM2-135M decode step: GGUF int4 vs bfloat16 dense, {t} threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -50,9 +50,10 @@ def serving_dtype(device: str | None) -> tuple[str, str]:
     return "float32", "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
 
 
-# Whether "auto" weights take the GGUF's 4-bit linears where they can: no. A decode step of
-# the bundled model at 8 rows is slower with them than with oneDNN's packed bfloat16 on this
-# kind of CPU (bench/int4_weights.py; bench/results/int4_weights_*.json).
+# Whether "auto" weights take the GGUF's 4-bit linears where they can: no. On this kind of
+# CPU (AVX512-BF16) a whole decode step of the bundled model at 8 rows is a tie with
+# oneDNN's packed bfloat16 (0.97x at 2 threads, 1.01x at 1), slower at 16 rows (1.16-1.23x),
+# faster only at 1 row (0.63-0.77x): bench/int4_weights.py, int4_weights_b0c129d_*.json.
 AUTO_INT4 = False
 
 

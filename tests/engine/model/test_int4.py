@@ -105,3 +105,28 @@ def test_bad_weights_are_refused_naming_the_setting():
 
     with pytest.raises(ValidationError, match="weights"):
         Settings(weights="q4")
+
+
+def test_the_compiled_forward_traces_the_4bit_linears():
+    """Inductor traces the int4 kernel as it is (no opaque op needed): in float32 the
+    compiled forward gives eager's tokens."""
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    turns = [Turn(f"c{i}", list(range(40 + i, 80 + 3 * i)), sp) for i in range(3)]
+    runs = []
+    for compile_cpu in (False, True):
+        config = EngineConfig(
+            device="cpu", dtype="float32", weights="gguf", compile_cpu=compile_cpu
+        )
+        engine = Engine(config)
+        assert (engine.runner.compiled is not None) == compile_cpu
+        runs.append([r.token_ids for r in engine.run(turns)])
+    assert runs[0] == runs[1]
+
+
+def test_serve_takes_weights_as_a_flag_and_dequantized_weights_name_the_dtype():
+    from app.cli import _settings, _with_serving_dtype, parser
+
+    args = parser().parse_args(["serve", "--device", "cpu", "--weights", "float32"])
+    settings = _with_serving_dtype(_settings(args))
+    assert settings.weights == "float32" and settings.dtype == "float32"
+    assert settings.engine_config().weights == "float32"
