@@ -19,11 +19,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from engine.model.shapes import ModelArgs
+
+if TYPE_CHECKING:  # numpy comes with gguf, which only a read needs
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ _FIELDS = ("codes", "scales", "mins")
 def _blocks(raw: np.ndarray, kind: str) -> Q4Weight:
     """raw uint8 [N, K / 32 * block bytes] -> codes, scales and minimums."""
     n = raw.shape[0]
-    b = torch.from_numpy(np.array(raw, copy=True)).view(n, -1, _BLOCK_BYTES[kind])
+    # a writable copy of the file's map
+    b = torch.from_numpy(raw.copy()).view(n, -1, _BLOCK_BYTES[kind])
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
     if kind == "Q4_1":
         m, qs = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float(), b[..., 4:]
