@@ -137,6 +137,8 @@ def _with_serving_dtype(settings: Settings) -> Settings:
 
     if settings.dtype is not None:
         return settings
+    if settings.weights in ("bfloat16", "float32"):  # dequantized weights name their dtype
+        return settings.model_copy(update={"dtype": settings.weights})
     dtype, why = serving_dtype(settings.device)
     logging.getLogger(__name__).info("dtype %s: %s", dtype, why)
     return settings.model_copy(update={"dtype": dtype})

@@ -96,8 +96,12 @@ def device_from(fit: dict) -> Device:
 
 
 def _path(config: EngineConfig) -> Path:
+    from engine.backends.local import use_gguf  # not at import: backends import this module
+
     dtype = config.dtype or "float32"
-    name = f"cpu-{config.model}-{dtype}-{torch.get_num_threads()}t-v{FIT}.json"
+    # A step with the GGUF's 4-bit linears costs what it costs: a fit of its own
+    weights = "-int4" if use_gguf(config, torch.device("cpu"), getattr(torch, dtype)) else ""
+    name = f"cpu-{config.model}-{dtype}{weights}-{torch.get_num_threads()}t-v{FIT}.json"
     return cache_root(config.cache_dir) / "sim" / name.replace(":", "_").replace("/", "_")
 
 
@@ -108,6 +112,7 @@ def calibrate(config: EngineConfig, build: Build) -> dict:
             model=config.model,
             device="cpu",
             dtype=config.dtype or "float32",
+            weights=config.weights,
             max_batch_tokens=config.max_batch_tokens,
             gpu_cache_chunks=4096,
             cpu_cache_chunks=0,

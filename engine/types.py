@@ -26,6 +26,9 @@ class Eviction(StrEnum):
 CACHE_MODES = tuple(m.value for m in CacheMode)
 EVICTION_POLICIES = tuple(m.value for m in Eviction)
 KV_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype
+# gguf: a GGUF's own 4-bit linears (engine/model/int4.py); bfloat16 / float32: dequantized
+WEIGHTS = ("auto", "gguf", "bfloat16", "float32")
+DENSE = ("bfloat16", "float32")
 
 
 @dataclass
@@ -34,6 +37,10 @@ class EngineConfig:
     device: str | None = None  # None: "cuda" when present, else "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kv_dtype: str = "auto"  # "fp8" (e4m3) or "int8": 8-bit KV, ~2x the chunks per byte
+    # "gguf": the bundled GGUF's 4-bit linears as stored, on the CPU (engine/model/int4.py);
+    # "bfloat16" / "float32": dequantized, in that dtype (dtype must agree); "auto": the
+    # 4-bit ones only where they are faster (engine/backends/local.py, `use_gguf`)
+    weights: str = "auto"
     kv_events: bool = False  # record where chunks live for a fleet's routers (`kv_events()`)
     chunk_size: int = 32
     gpu_cache_chunks: int | None = None  # None: sized from free memory
@@ -122,6 +129,15 @@ class EngineConfig:
         self.cache_mode = CacheMode(self.cache_mode)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.weights in DENSE and self.dtype not in (None, self.weights):
+            raise ValueError(
+                f"weights={self.weights!r} (dequantized) needs dtype {self.weights!r} or none, "
+                f"got dtype={self.dtype!r}"
+            )
+        if self.weights == "gguf" and (self.tensor_parallel > 1 or self.force_tensor_parallel):
+            raise ValueError("weights='gguf' serves one process: not with tensor parallelism")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         self.eviction = Eviction(self.eviction)

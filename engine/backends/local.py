@@ -15,11 +15,13 @@ from engine.graphs import StepGraphs, buckets
 from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward, usable
-from engine.model.loader import Loaded, cache_root, load
+from engine.model.gguf_weights import read_q4
+from engine.model.int4 import swap_int4
+from engine.model.loader import BUNDLED, Loaded, bundle_gguf, cache_root, load
 from engine.model.moe import graph_safe
 from engine.model.packed import pack_linears
 from engine.runner import Runner
-from engine.types import EngineConfig
+from engine.types import DENSE, EngineConfig
 from kernels import pick_backend
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,33 @@ def serving_dtype(device: str | None) -> tuple[str, str]:
     return "float32", "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
 
 
+# Whether "auto" weights take the GGUF's 4-bit linears where they can: no. On this kind of
+# CPU (AVX512-BF16) a whole decode step of the bundled model at 8 rows is a tie with
+# oneDNN's packed bfloat16 (0.97x at 2 threads, 1.01x at 1), slower at 16 rows (1.16-1.23x),
+# faster only at 1 row (0.63-0.77x): bench/int4_weights.py, int4_weights_b0c129d_*.json.
+AUTO_INT4 = False
+
+
+def use_gguf(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the model's linears are the GGUF's own 4-bit weights (engine/model/int4.py):
+    asked for ("gguf": refused where it cannot be), or "auto" where they win: the bundled
+    Llama GGUF, on the CPU, in bfloat16, one process."""
+    fits = (
+        config.model == BUNDLED
+        and device.type == "cpu"
+        and config.tensor_parallel == 1
+        and not config.force_tensor_parallel
+    )
+    if config.weights == "gguf":
+        if not fits:
+            raise ValueError(
+                f"weights='gguf' serves the 4-bit weights of {BUNDLED!r}'s GGUF on the CPU in "
+                f"one process; got model {config.model!r} on {device.type}"
+            )
+        return True
+    return config.weights == "auto" and AUTO_INT4 and fits and dtype == torch.bfloat16
+
+
 def check_kv_dtype(kv_dtype: str, attention: str | None, device: torch.device) -> None:
     """Triton converts to and from e4m3 only on GPUs with native fp8 (compute capability 8.9+)."""
     if kv_dtype != "fp8" or attention != "triton" or device.type != "cuda":
@@ -65,19 +94,25 @@ class Local(Backend):
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.use_device()
-        self.dtype = pick_dtype(config.dtype, self.device)
+        dense = config.weights if config.weights in DENSE else None
+        self.dtype = pick_dtype(config.dtype or dense, self.device)
         self.setup()
         loaded = self.load()
         self.model, self.args = loaded.model, loaded.args
         self.pool_args = self.args
         self.tokenizer = loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
+        self.profile_name = config.model  # the key of its Cost(l) profile
+        if use_gguf(config, self.device, self.dtype):
+            gguf = bundle_gguf(config.model, config.cache_dir)
+            n = swap_int4(self.model, read_q4(gguf, self.args), self.dtype)
+            log.info("weights: %d linears with %s's own 4-bit weights", n, gguf.name)
+            self.profile_name = f"{config.model}+int4"
         if config.pack_cpu_weights:
             pack_linears(self.model)  # CPU layers only; a no-op elsewhere
         self.attention = pick_backend(self.device, config.attention_backend)
         check_kv_dtype(config.kv_dtype, self.attention, self.device)
         self.gpu = self.device.type == "cuda"
-        self.profile_name = config.model  # the key of its Cost(l) profile
 
     def setup(self) -> None:
         """Before the model loads (tensor parallelism starts its ranks here)."""
