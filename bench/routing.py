@@ -34,7 +34,7 @@ from app.cluster import haproxy
 from app.cluster.routers import ROUTERS, Worker, vllm_router_command
 from app.dynamo_worker import fleet as dynamo
 from bench.lib.common import RESULTS, environment
-from bench.lib.harness import PostgresServer, Server, free_port, wait_port, wait_until
+from bench.lib.harness import PostgresServer, Server, free_port, wait_port
 
 MODEL = "smollm2-135m-instruct"
 WORDS = ["river", "stone", "cloud", "lantern", "meadow", "copper", "violin", "harbor"]
@@ -130,35 +130,13 @@ def dynamo_runs(args, pools: str, sessions: list[bool], workdir: Path) -> list[R
     """Dynamo's frontend over `args.servers` Pensieve Dynamo workers with `pools`' pools: one
     fleet for every session choice (the chats of each differ from their first tokens)."""
     gpu, cpu = POOLS[pools]
-    opts = {"device": "cpu", "dtype": "float32", "gpu_cache_chunks": gpu, "cpu_cache_chunks": cpu}
-    store, flog = workdir / f"{pools}-dynamo-store", workdir / f"{pools}-frontend.log"
-    env = dynamo.env(store)
-    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.servers)]
-    procs = [
-        dynamo.start(dynamo.worker_args(MODEL, e, **opts), workdir / f"{pools}-w{i}.log", env)
-        for i, e in enumerate(events)
-    ]
-    port = free_port()
-    procs.append(dynamo.start(dynamo.frontend_args(port), flog, env))
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def ready() -> bool:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"a Dynamo process died: see {workdir}")
-            return dynamo.ready(url, store, flog, args.servers, MODEL)
-
-        if not wait_until(ready, 600, every=1.0):
-            raise RuntimeError(f"the Dynamo fleet did not come up: see {workdir}")
+    fleet_dir = workdir / f"{pools}-dynamo"
+    fleet_dir.mkdir(parents=True, exist_ok=True)
+    with dynamo.running(
+        fleet_dir, args.servers, MODEL, device="cpu", dtype="float32",
+        gpu_cache_chunks=gpu, cpu_cache_chunks=cpu,
+    ) as url:  # fmt: skip
         return [asyncio.run(drive(pools, "dynamo", s, args, url, "none")) for s in sessions]
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def start_servers(args, pools: str, database_url: str, workdir: Path):

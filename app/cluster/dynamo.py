@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.cluster.launcher import stop_all
 from app.dynamo_worker import fleet
 
 log = logging.getLogger("pensieve.cluster")
@@ -96,16 +97,7 @@ class DynamoCluster:
 
     def stop(self) -> None:
         self.stopping = True
-        procs = [p for p in [*self.procs, self.frontend] if p is not None and p.poll() is None]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all([*self.procs, self.frontend])
 
 
 def run(given: dict[str, object], workers: int, host: str, port: int) -> int:

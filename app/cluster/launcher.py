@@ -204,17 +204,7 @@ class Launcher:
 
     def stop(self) -> None:
         self.stopping = True
-        procs = [r.proc for r in self.replicas if r.proc is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all([r.proc for r in self.replicas])
         for p in (self.front_proc, self.redis):
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -223,6 +213,21 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+def stop_all(procs: list[subprocess.Popen | None], timeout_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for them together; SIGKILL those still
+    there after `timeout_s`."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in live:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _start_redis(host: str) -> tuple[subprocess.Popen, str]:

@@ -5,10 +5,13 @@ test, the routing benchmark and the cluster launcher share one recipe."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -86,3 +89,33 @@ def ready(url: str, store: Path, frontend_log: Path, workers: int, model: str) -
         return False
     connected = frontend_log.read_text(errors="replace").count("stream connected")
     return [m["id"] for m in models] == [model] and connected >= workers
+
+
+@contextlib.contextmanager
+def running(
+    workdir: Path, workers: int, model: str, timeout_s: float = 600, **options: object
+) -> Iterator[str]:
+    """`workers` workers (`options`: their flags) behind a frontend, logs and discovery under
+    `workdir`; yields the frontend's URL once `ready`, stops them all after."""
+    from app.cluster.launcher import stop_all
+
+    environ = env(workdir / "store")
+    procs = [
+        start(worker_args(model, f"tcp://127.0.0.1:{free_port()}", **options),
+              workdir / f"w{i}.log", environ)
+        for i in range(workers)
+    ]  # fmt: skip
+    port = free_port()
+    procs.append(start(frontend_args(port), workdir / "frontend.log", environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready(url, workdir / "store", workdir / "frontend.log", workers, model):
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a Dynamo process died: see {workdir}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Dynamo fleet did not come up: see {workdir}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        stop_all(procs)

@@ -6,7 +6,6 @@ other worker has never seen it), and the greedy replies are a single Pensieve se
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import httpx
 import pytest
 
 from app.dynamo_worker import fleet as dynamo
-from bench.lib.harness import free_port, wait_until
 from tests.app.openai.test_app_openai import ask, client
 from tests.app_fixtures import Server
 
@@ -41,35 +39,8 @@ def first_message(i: int) -> str:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dynamo")
-    env = dynamo.env(tmp / "store")
-    workers = [
-        dynamo.start(
-            dynamo.worker_args(MODEL, f"tcp://127.0.0.1:{free_port()}", **CPU),
-            tmp / f"w{i}.log",
-            env,
-        )
-        for i in range(2)
-    ]
-    port = free_port()
-    frontend = dynamo.start(dynamo.frontend_args(port), tmp / "frontend.log", env)
-    procs = [*workers, frontend]
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert all(p.poll() is None for p in procs), "a process died: see " + str(tmp)
-        return dynamo.ready(url, tmp / "store", tmp / "frontend.log", 2, MODEL)
-
-    try:
-        assert wait_until(ready, 300, every=1.0), "the fleet did not come up: see " + str(tmp)
+    with dynamo.running(tmp, 2, MODEL, timeout_s=300, **CPU) as url:
         yield url, [tmp / f"w{i}.log" for i in range(2)]
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
     for i in range(2):
         assert "Traceback" not in (tmp / f"w{i}.log").read_text(errors="replace")
 
