@@ -1,6 +1,6 @@
 """An agent-like workload three ways: many short tool turns on a growing context.
 
-    python -m bench.agent --agents 3 --steps 12
+    python -m bench.agent_protocols --agents 3 --steps 12
 
 Each agent asks a question with three function tools, then loops: the model must call a
 tool (`tool_choice: required`), the agent answers the call with a tool result of about
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", type=Path, default=RESULTS / "agent-cpu.json")
     args = p.parse_args(argv)
-    result = {"benchmark": "agent", "agents": args.agents, "steps": args.steps,
+    result = {"benchmark": "agent_protocols", "agents": args.agents, "steps": args.steps,
               "result_words": args.result_words, "reply_tokens": args.reply_tokens,
               "environment": environment(), "modes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
