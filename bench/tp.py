@@ -1,23 +1,19 @@
-"""Tensor parallelism's cost on this machine: step time per rank count, the all-reduce per
-layer, and the per-step message.
+"""Tensor parallelism's cost: step time per rank count, the all-reduce per layer, and the
+per-step message, on CUDA (NCCL) or the CPU (gloo).
 
     python -m bench.tp --device cuda   # bench/results/tp-<gpu>.json and .png, about a minute
-    python -m bench.tp --device cpu    # dummy:tiny at 1 and 2 ranks (gloo): a dry run
+    python -m bench.tp --device cpu    # dummy:tiny, 1 and 2 ranks: bench/results/tp-cpu.json
 
-Rows (same workload, same weights):
-- `plain`: the one-process engine (tensor_parallel=1);
-- `TP=1`: the same rank through the tensor-parallel path (`force_tensor_parallel`: a process
-  group of one, the sharded layers' collectives, a Step message per forward), its cost over
-  `plain` being the path's own;
-- `TP=N` for N = 2, 4 where there are N GPUs (on the CPU: 2 ranks) and the shape divides.
-
-Each row: rounds of `--convs` conversations (a prompt of `--prompt` tokens, then `--output`
-generated ones, ignoring EOS), ms per engine step (prefill and decode steps together), and for
-the tensor-parallel rows the time rank 0 spends sending its Step messages (and their pickled
-size), and an empty message alone. CUDA graphs are off in every row (they are off under
-tensor parallelism). Then, in separate processes, the all-reduce of a [tokens, dim] activation
-at each rank count: a layer does two (after the attention and after the MLP).
-`bench/tp_cpu.py` keeps the earlier CPU figure (tp_cpu.json) as it was measured.
+Rows, same workload and weights: `plain` (tensor_parallel=1; on the CPU with all the cores
+and with one thread, as threads waiting for each other can cost more than the work on a
+loaded machine), `TP=1` (the tensor-parallel path forced on one rank: its cost over `plain`
+is the path's own), `TP=N` for N = 2, 4 where there are N GPUs (the CPU: 2) and the shape
+divides. Each row: rounds of `--convs` conversations (`--prompt` tokens, then `--output`
+generated, ignoring EOS), ms per engine step, and for the tensor-parallel rows rank 0's time
+sending Step messages and an empty one's. CUDA graphs are off (as under tensor parallelism).
+Then the all-reduce of a [tokens, dim] activation per rank count (two a layer). On the CPU
+two ranks share the cores one had: an overhead, not a speed-up (the earlier CPU figure:
+bench/results/tp_cpu.json).
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pickle
 import statistics
 import time
@@ -36,9 +33,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.lib.common import RESULTS, environment
+from bench.lib.harness import free_port
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.model.loader import model_args
 from engine.model.shard import check_divisible
+from engine.parallel import Step
 
 DEFAULTS = {  # per device: model, convs, prompt, output, rounds, dtype
     "cuda": ("dummy:llama-2-7b", 16, 256, 64, 2, "bfloat16"),
@@ -61,7 +60,9 @@ def rank_counts(model: str, device: str) -> list[int]:
     return out
 
 
-def run_engine(a, name: str, tp: int, force: bool) -> dict:
+def run_engine(a, name: str, tp: int, force: bool, threads: int | None = None) -> dict:
+    if threads:  # the CPU: this process's threads (ranks set their own, cores / ranks each)
+        torch.set_num_threads(threads)
     engine = Engine(
         EngineConfig(
             model=a.model,
@@ -114,8 +115,6 @@ def run_engine(a, name: str, tp: int, force: bool) -> dict:
             row["message_ms_per_step"] = round(1e3 * sent["s"] / max(1, steps), 3)
             row["messages"] = sent["n"]
             row["message_bytes_mean"] = round(statistics.mean(sent["bytes"]))
-            from engine.parallel import Step
-
             n = 200
             t = time.perf_counter()
             for _ in range(n):
@@ -174,8 +173,6 @@ def _all_reduce_rank(rank: int, world: int, port: int, device: str, dim: int, dt
 
 def all_reduce_cost(world: int, device: str, dim: int, dtype) -> dict:
     """Microseconds per all-reduce of [tokens, dim] (back to back, host time), and per layer."""
-    from bench.lib.harness import free_port
-
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     port = free_port()
@@ -200,10 +197,7 @@ def all_reduce_cost(world: int, device: str, dim: int, dtype) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     rows = result["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -236,7 +230,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--model")
@@ -247,7 +241,7 @@ def main() -> None:
     p.add_argument("--dtype")
     p.add_argument("--chunks", type=int, default=256, help="GPU-tier chunks of each rank")
     p.add_argument("--out", type=Path)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here")
     model, convs, prompt, output, rounds, dtype = DEFAULTS[a.device]
@@ -257,7 +251,13 @@ def main() -> None:
     tag = env["device"].split(" (")[0].lower().replace(" ", "-")
     a.out = a.out or RESULTS / f"tp-{tag}.json"
     counts = rank_counts(a.model, a.device)
-    rows = [run_engine(a, "plain", 1, False)]
+    cores = os.cpu_count() or 1
+    if a.device == "cpu":
+        rows = [run_engine(a, f"plain {cores} threads", 1, False, cores)]
+        rows += [run_engine(a, "plain 1 thread", 1, False, 1)]
+        torch.set_num_threads(cores)
+    else:
+        rows = [run_engine(a, "plain", 1, False)]
     rows += [run_engine(a, f"TP={n}", n, True) for n in counts]
     torch_dtype = getattr(torch, a.dtype)
     dim = model_args(a.model).dim
@@ -269,8 +269,14 @@ def main() -> None:
         "environment": env,
         "rows": rows,
         "all_reduce": reduce,
-        "tp1_path_over_plain": round(rows[1]["ms_per_step"] / rows[0]["ms_per_step"], 3),
     }
+    by = {r["name"]: r["ms_per_step"] for r in rows}
+    plain = by.get("plain 1 thread", by.get("plain"))
+    result["tp1_path_over_plain"] = round(by["TP=1"] / plain, 3)
+    if "TP=2" in by:
+        result["tp2_over_plain"] = round(by["TP=2"] / plain, 3)
+    if a.device == "cpu":
+        result["load_avg"] = os.getloadavg()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
     plot(result, a.out.with_suffix(".png"))

@@ -7,16 +7,10 @@ result of the tool that reply k - 1 called, and the last reply is the answer (no
 Deterministic from a seed; token ids are drawn at random (their values do not matter to a
 simulated device, only how many there are).
 
-Tool durations are log-normal per tool name: heavy-tailed, as measured tool latencies are.
-The parameters below are chosen, not fitted: the TraceLab coding-agent trace
-(tracelab.cs.washington.edu, "tool_latency_distribution", Claude Code and Codex sessions,
-357k agent steps) reports per-tool latency in bins <1 s, 1-10 s, 10 s-1 min and >1 min, with
-file reads, searches and edits mostly under a second and shell commands (tests, builds)
-holding most of the summed latency in a tail past a minute; Continuum (arXiv 2511.02230)
-models SWE-bench and BFCL tool calls the same way, a spread that makes a fixed TTL either
-hold memory too long or let go too early. We found no stored copy of either source's exact
-per-tool figures, so the medians and spreads here approximate that shape: they are stated
-in `TOOLS` and written into every result.
+Tool durations are log-normal per tool name: heavy-tailed, as measured tool latencies are
+(the TraceLab coding-agent trace's per-tool latency bins; Continuum, arXiv 2511.02230, models
+tool calls the same way). The medians and spreads in `TOOLS` approximate that shape, chosen
+rather than fitted, and are written into every result.
 """
 
 from __future__ import annotations

@@ -175,27 +175,6 @@ def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
     assert result["environment"]["git_commit"] and "claims" in result
 
 
-@pytest.mark.timeout(300)
-def test_engine_cpu_smoke(tmp_path) -> None:
-    from bench import engine_cpu
-
-    sample = tmp_path / "sample.json"
-    _sample_file(sample, n=4)
-    out = tmp_path / "engine_cpu.json"
-    argv = ["--model", "dummy:tiny", "--sample-file", str(sample), "--conversations", "3"]
-    argv += ["--turns", "2", "--output", "3", "--min-context", "0", "--no-hf", "--out", str(out)]
-    assert engine_cpu.main(argv) == 0
-    result = json.loads(out.read_text())
-    rows = {r["name"]: r for r in result["results"]}
-    assert set(rows) == {"stateless", "pensieve (roomy)", "pensieve", "gpu", "pensieve-lru"}
-    assert all(r["generated"] == 3 * 2 * 3 for r in rows.values())
-    assert rows["stateless"]["recomputed_tokens"] > 0 and rows["stateless"]["cached_tokens"] == 0
-    assert rows["pensieve (roomy)"]["recomputed_tokens"] == 0
-    assert rows["pensieve (roomy)"]["cached_tokens"] == rows["stateless"]["recomputed_tokens"]
-    assert "pensieve_recomputes_less_than_lru" in result["goals"]
-    assert out.with_suffix(".png").stat().st_size > 5_000
-
-
 def test_merge_runs_replaces_the_same_point() -> None:
     earlier = [_run("pensieve", 1, 0.9, 0.1), _run("stateless", 1, 0.5, 0.3)]
     new = [_run("stateless", 1, 0.6, 0.2), _run("stateless", 2, 0.7, 0.4)]

@@ -1,6 +1,6 @@
 """An agent-like workload three ways: many short tool turns on a growing context.
 
-    python -m bench.agent --agents 3 --steps 12
+    python -m bench.agent_protocols --agents 3 --steps 12
 
 Each agent asks a question with three function tools, then loops: the model must call a
 tool (`tool_choice: required`), the agent answers the call with a tool result of about
@@ -41,21 +41,7 @@ TOOLS = [
     ("read_file", "Read a file of the project."),
     ("run_tests", "Run the tests matching a pattern."),
 ]
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "cache",
-    "chunk",
-    "swap",
-    "layer",
-    "token",
-    "batch",
-    "step",
-    "query",
-]
+WORDS = "alpha beta gamma delta kernel cache chunk swap layer token batch step query".split()  # noqa: SIM905
 
 
 def chat_tools() -> list[dict]:
@@ -178,10 +164,7 @@ def summary(runs: list[list[dict]]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, m in result["modes"].items():
@@ -209,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", type=Path, default=RESULTS / "agent-cpu.json")
     args = p.parse_args(argv)
-    result = {"benchmark": "agent", "agents": args.agents, "steps": args.steps,
+    result = {"benchmark": "agent_protocols", "agents": args.agents, "steps": args.steps,
               "result_words": args.result_words, "reply_tokens": args.reply_tokens,
               "environment": environment(), "modes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

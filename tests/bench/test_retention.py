@@ -1,4 +1,4 @@
-"""The agent workload and the comparison of retention policies on it (`bench.agents`), tiny:
+"""The agent workload and the comparison of retention policies on it (`bench.retention`), tiny:
 sessions are deterministic and grow by tool outputs, and the modes differ where they must."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import agents as A
+from bench import retention as A
 from bench.lib import agents as ag
 from bench.lib import workload as wl
 

@@ -1,31 +1,21 @@
-"""Engine throughput on the CPU over multi-turn conversations, against transformers' own batching.
+"""The transformers peer of `bench.peer_cpu` (`--peer transformers`): the engine's cache
+modes in process against transformers' continuous batching, round by round.
 
-    python -m bench.engine_cpu            # writes bench/results/engine_cpu.json and .png
-
-The same conversations (ShareGPT, fixed seed) are served round by round: each round submits
-the next turn of every conversation in one `engine.run` call, and every reply is exactly
-`--output` tokens long (`ignore_eos`). Compared, in generated tokens per second:
-
-- the engine in `pensieve`, `gpu` (first tier only) and `stateless` modes, and the `lru`
-  eviction policy; "roomy" pools keep every conversation in the first tier, "tight" ones
-  hold about half of the idle history there;
-- transformers' continuous batching (`generate_batch`), which keeps nothing between calls,
-  so each round re-prefills every conversation's whole history.
+Each round submits the next turn of every conversation in one `engine.run` call, every reply
+exactly `--output` tokens (`ignore_eos`). Rows: the engine in `pensieve`, `gpu` (first tier
+only) and `stateless` modes and with `lru` eviction, "roomy" pools holding every
+conversation in the first tier, "tight" ones about half of the idle history; and
+`generate_batch`, which keeps nothing between calls, so each round re-prefills every history.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, environment
-from bench.lib.pools import history_chunks, model_args
-from bench.lib.samples import load_tokenizer, read_sample
+from bench.lib.pools import history_chunks
 
 
 @dataclass
@@ -43,24 +33,6 @@ SETUPS = [
     Setup("gpu", cache_mode="gpu", pools="tight"),
     Setup("pensieve-lru", eviction="lru", pools="tight"),
 ]
-
-
-def conversations(args, tokenizer, max_context: int) -> list[wl.Conversation]:
-    if args.sample_file is not None:
-        pool, _ = read_sample(args.sample_file)
-    else:
-        pool = wl.load_sharegpt(tokenizer).conversations
-    convs = wl.sample(
-        pool,
-        args.conversations,
-        args.seed,
-        context_cap=min(args.context_cap, max_context),
-        max_output=args.output,
-        min_turns=args.turns,
-        max_turns=args.turns,
-        min_context=args.min_context,
-    )
-    return wl.fixed_replies(convs, args.output)
 
 
 def rounds(convs: list[wl.Conversation]) -> list[list[tuple[str, wl.TurnSpec]]]:
@@ -208,88 +180,28 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.engine_cpu", description=__doc__.split("\n")[0]
-    )
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--output", type=int, default=16, help="tokens generated per turn")
-    ap.add_argument("--context-cap", type=int, default=768)
-    ap.add_argument("--min-context", type=int, default=400)
-    ap.add_argument("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
-    ap.add_argument(
-        "--tight-cpu", type=float, default=0.3, help="second tier / idle history (tight)"
-    )
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (1: OpenMP threads spin badly on a busy 2-core machine)",
-    )
-    ap.add_argument("--sample-file", type=Path, help="draw from this tokenized sample (JSON)")
-    ap.add_argument("--only", help="comma-separated systems to run (default: all)")
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate_batch")
-    ap.add_argument("--out", type=Path, default=RESULTS / "engine_cpu.json")
-    args = ap.parse_args(argv)
-
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer = None if args.sample_file else load_tokenizer(args.model)
-    convs = conversations(args, tokenizer, model_args(args.model).max_context)
-    print(wl.format_summary(wl.summarize(convs)))
+def compare(args, convs: list[wl.Conversation]) -> dict[str, Any]:
+    """Every engine setup (`--only`: some), then transformers' (unless `--no-peer`)."""
     total = history_chunks(convs)
     longest = max(-(-c.context_lens()[-1] // 32) for c in convs)
     tight = max(int(total * args.tight), 2 * longest + 2)
-    # Tight: half the history cannot stay in the first tier, and some cannot stay at all, so
-    # the eviction policy decides what is recomputed.
+    # tight: half the history cannot stay in the first tier and some cannot stay at all, so
+    # the eviction policy decides what is recomputed
     pools = {"roomy": (total + 64, total + 64), "tight": (tight, int(total * args.tight_cpu))}
     print(f"idle history {total} chunks; pools (first, second tier): {pools}")
-
     only = set(args.only.split(",")) if args.only else None
     rows = []
     for setup in SETUPS:
-        if only and setup.name not in only:
-            continue
-        rows.append(run_engine(setup, convs, args, pools))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-    if not args.no_hf and (not only or "hf generate_batch" in only):
+        if not only or setup.name in only:
+            rows.append(run_engine(setup, convs, args, pools))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    if not args.no_peer and (not only or "hf generate_batch" in only):
         rows.append(run_generate_batch(convs, args))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-
-    by_name = {r["name"]: r for r in rows}
-    result = {
-        "benchmark": "engine_cpu",
-        "settings": {**vars(args), "out": str(args.out), "torch_threads": torch.get_num_threads()},
-        "environment": environment(),
-        "workload": wl.summarize(convs),
+    print(table(rows))
+    return {
         "pools": {"history_chunks": total, **{k: list(v) for k, v in pools.items()}},
         "results": rows,
         "note": "tight pools: first tier holds --tight of the idle history, second --tight-cpu",
-        "goals": goals(by_name),
+        "goals": goals({r["name"]: r for r in rows}),
     }
-    print(table(rows))
-    print(json.dumps(result["goals"], indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    from bench.lib.plots import plot_bars
-
-    png = plot_bars(
-        rows,
-        "tokens_per_s",
-        "generated tokens / s",
-        f"{args.model}, CPU: {len(convs)} conversations x {args.turns} turns, "
-        f"{args.output} tokens per reply",
-        args.out.with_suffix(".png"),
-    )
-    print(f"wrote {args.out} and {png}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,44 +1,30 @@
-"""Retention policies on an agent workload: simulated in virtual time, or real on the CPU.
+"""Retention policies compared on an agent workload: simulated in virtual time, or real on the CPU.
 
-    python -m bench.agents --shape 8b                  # Llama-3-8B shape, contexts to 100k
-    python -m bench.agents --shape 13b                 # Llama-2-13B GQA10, contexts to 16k
-    python -m bench.agents --shape 8b --memory 0.15,0.3 --modes tool-aware,ttl-pin
-    python -m bench.agents --shape cpu --device cpu    # REAL: the bundled model, a small scale
+    python -m bench.retention --shape 8b                  # Llama-3-8B shape, contexts to 100k
+    python -m bench.retention --shape 13b                 # Llama-2-13B GQA10, contexts to 16k
+    python -m bench.retention --shape 8b --memory 0.15,0.3 --modes tool-aware,ttl-pin
+    python -m bench.retention --shape cpu --device cpu    # REAL: the bundled model, a small scale
 
-Agent sessions (`bench/lib/agents.py`: dozens of tool steps, contexts growing by tool
-outputs, log-normal tool durations per tool name) run over a background of ShareGPT chats
-on a simulated H100 (`engine/sim`), the real scheduler, cache and policy; with `--device
-cpu` on the real engine and the bundled model in real time (`--shape cpu`: a few short
-sessions, tools a quarter as long, so that a run takes a minute or two). At equal memory
-(both tiers the same size in every mode) it compares how the cache keeps an agent's KV while
-its tool runs:
+Agent sessions (`bench/lib/agents.py`) over a background of ShareGPT chats, on a simulated
+device with the real scheduler, cache and policy (`--device cpu`: the real engine in real
+time, `--shape cpu` a small scale). At equal memory, how the cache keeps an agent's KV while
+its tool runs (`MODES`):
 
-- `cost-t`: the default value Cost/T; the client does not report its tool calls (so its
-  turns are not ordered by job either).
-- `tool-aware`: the same, with each tool call reported (`Engine.tools_called`, as the API
-  does for a reply that calls tools): a waiting agent is worth Cost over its tool's expected
-  time still to come, learned per tool name. No hint from the client.
-- `tool-hold`: tool-aware, and the server holds a waiting agent in memory for the 90th
-  percentile of the tool gaps seen (`EngineConfig.tool_holds`). No hint from the client.
-- `ttl-pin`: a fixed TTL pin after every tool-call turn (`Turn.retention`), as Continuum
-  (arXiv 2511.02230) pins; tool calls reported for the job order alone (Continuum orders by
-  job too), not valued (`EngineConfig.tool_value` off); no pin after the answer.
-- `lru`: least recently used.
-- `hints`: the tool-aware value plus a pin of the tool's expected duration, sent by the agent
-  (`retention.ttl_s`), as a client that knows its tools would.
-- `oracle`: the same GPU tier, and a CPU tier that holds every conversation: swaps, never
-  drops (the serving headline's oracle: a GPU tier that held everything would run batches
-  no card could).
+- `cost-t`: the default value Cost/T, tool calls not reported;
+- `tool-aware`: each tool call reported (`Engine.tools_called`): a waiting agent is worth
+  Cost over its tool's expected time still to come, learned per tool name;
+- `tool-hold`: tool-aware, and waiting agents held for the p90 tool gap (`tool_holds`);
+- `ttl-pin`: a fixed TTL pin after each tool call (`Turn.retention`), as Continuum (arXiv
+  2511.02230); tool calls reported for the job order only;
+- `lru`; `hints`: tool-aware plus a pin of the tool's expected time sent by the agent, and
+  `ttl_s` 0 at the end of a session (no other mode has that hint);
+- `oracle`: the same GPU tier and a CPU tier that holds everything (swaps, never drops).
 
-`hints` ends a session with `ttl_s` 0 (the client knows its job is done); no other mode
-has that hint (an earlier version gave it to `ttl-pin` too: its edge over `tool-aware` was
-mostly that, not its pins). Memory is
-swept as a share of every conversation's full context (`--memory`, the GPU tier; the CPU
-tier `--cpu-ratio` times it), the oracle at each memory too; then the memory where
-`ttl-pin`'s p90 job completion time is 1.2x the oracle's there is searched and every mode
-run at it: the issue's goal is read there.
-Reports per mode: job completion time (p50, p90), time to first token per agent step,
-recomputed tokens (agents and chats), mean and peak pinned bytes, chat latency.
+Memory is swept as a share of every conversation's context (`--memory`, the GPU tier; the
+CPU tier `--cpu-ratio` times it); then the memory where ttl-pin's p90 job completion time is
+1.2x the oracle's is searched, and every mode run there: the goal is read at it. Per mode:
+job completion time, time to first token per step, recomputed tokens, pinned bytes, chat
+latency.
 """
 
 from __future__ import annotations
@@ -418,10 +404,7 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     runs = result["runs"]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -485,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(json.dumps(work.info["tool_s"]["all"]), wl.format_summary(work.info["agent_summary"]))
     device = device_of(args.device)
     result: dict[str, Any] = {
-        "benchmark": "agents",
+        "benchmark": "retention",
         "simulated": device != "cpu",
         "device": device,
         "shape": args.shape,
