@@ -1,24 +1,20 @@
-"""Fused elementwise kernels: one decoder layer's elementwise work, fused against unfused.
+"""Fused elementwise kernels (CUDA only): one decoder layer's elementwise work, fused against
+unfused.
 
-`python -m bench.fused` (CUDA only) times, per shape and token count, everything a layer does
-between its matmuls and its attention kernel:
+- unfused: `Block.forward`'s PyTorch code (residual add, RMSNorm, RoPE on q and k, SiLU * up)
+  plus the Triton KV write;
+- fused: `add_rms_norm` twice, `rope_write_kv`, `silu_mul` (`Block.forward_fused`).
 
-- unfused: the model's PyTorch code (residual add, RMSNorm, RoPE on q and k, SiLU * up)
-  plus the Triton KV write: what `Block.forward` runs;
-- fused:   `add_rms_norm` twice, `rope_write_kv`, `silu_mul`: what `Block.forward_fused` runs.
-
-Shapes: SmolLM2-135M and Llama-2-13B with 10 KV heads; token counts of decode batches
-(1, 64, 256) and prefill steps (512, 4096). Each point has `ms` (median of CUDA events over
-one eager call: host launch cost included), `graph_ms` (median device time per call from a
-CUDA graph of 10 calls), kernel launches (counted by the profiler), and GB/s of the fused
-path's minimum traffic. Writes bench/results/fused-<device>.json. `--dry-run` runs tiny
-shapes on the CPU through the Triton interpreter to check the plumbing (numbers meaningless).
+Shapes SmolLM2-135M and Llama-2-13B (10 KV heads) at 1, 64, 256, 512 and 4096 tokens. Per
+point `ms` (eager, launch included), `graph_ms` (device time per call from a CUDA graph of 10
+calls), kernel launches, and GB/s of the fused path's minimum traffic. Writes
+bench/results/fused-<device>.json; `--dry-run` runs tiny shapes on the CPU through the
+Triton interpreter (numbers meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -30,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.lib.common import environment, git_commit
+from bench.lib.common import device_slug, environment, git_commit, write_json
 from bench.lib.timing import GRAPH_REPS, eager_ms, graph_ms
 
 RESULTS = Path(__file__).parent / "results"
@@ -219,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     import triton
 
-    from bench.kernel import device_slug
-
     summary = summarize(points)
     result = {
         "device": name,
@@ -235,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "points": [asdict(p) for p in points],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"fused-{device_slug(name)}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(out_dir / f"fused-{device_slug(name)}.json", result)
     for row in summary:
         extra = f", graph {row['graph_speedup']:.2f}x" if "graph_speedup" in row else ""
         launched = f", launches {row['launches']}" if "launches" in row else ""
