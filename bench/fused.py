@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.lib.common import device_slug, environment, git_commit, write_json
-from bench.lib.timing import GRAPH_REPS, eager_ms, graph_ms
+from bench.lib.common import device_slug, write_json
+from bench.lib.timing import eager_ms, graph_ms, header
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -213,19 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         points = run(
             SHAPES, args.tokens, getattr(torch, args.dtype), torch.device("cuda"), args.iters
         )
-    import triton
-
     summary = summarize(points)
+    device = torch.device("cuda") if name != "cpu-dry-run" else None
+    dtype = "float32" if args.dry_run else args.dtype
     result = {
-        "device": name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": git_commit(),
-        "environment": environment(torch.device("cuda") if name != "cpu-dry-run" else None),
-        "dtype": "float32" if args.dry_run else args.dtype,
-        "iters": args.iters,
-        "graph_reps": GRAPH_REPS,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **header(name, device, dtype, args.iters),
         "summary": summary,
         "points": [asdict(p) for p in points],
     }

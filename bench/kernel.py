@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -28,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.lib.common import device_slug, environment, git_commit, write_json
-from bench.lib.timing import GRAPH_REPS, eager_ms
+from bench.lib.common import device_slug, write_json
+from bench.lib.timing import eager_ms, header
 from bench.lib.timing import graph_ms as graph_device_ms
 from kernels import AttentionMetadata, QuantizedKV, paged_attention
 from kernels.quant import quantize
@@ -465,20 +464,10 @@ def plot(points: list[dict], title: str, path: Path) -> None:
 
 
 def save(bench: Bench, name: str, out_dir: Path, part: str = "") -> None:
-    import triton
-
     points = [asdict(p) for p in bench.points]
+    dtype = str(bench.dtype).removeprefix("torch.")
     result = {
-        "device": name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": git_commit(),
-        "environment": environment(bench.device),
-        "dtype": str(bench.dtype).removeprefix("torch."),
-        "block_size": bench.block_size,
-        "iters": bench.iters,
-        "graph_reps": GRAPH_REPS,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **header(name, bench.device, dtype, bench.iters, block_size=bench.block_size),
         "summary": summarize(points),
         "points": points,
     }

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from bench.lib.common import environment, git_commit
+
 GRAPH_REPS = 10  # calls per captured graph
 
 
@@ -59,3 +61,21 @@ def graph_ms(fn: Callable[[], object], iters: int) -> float:
     ms = _event_ms(graph.replay, iters) / GRAPH_REPS
     del graph
     return ms
+
+
+def header(name: str, device, dtype: str, iters: int, **extra) -> dict:
+    """What a kernel benchmark's JSON opens with: the device, versions, commit and timing."""
+    import triton
+
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "environment": environment(device),
+        "dtype": dtype,
+        **extra,
+        "iters": iters,
+        "graph_reps": GRAPH_REPS,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
