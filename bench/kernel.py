@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -79,17 +78,13 @@ class Bench:
     graphs: bool = True  # also time captured CUDA graphs (CUDA only)
     points: list[Point] = field(default_factory=list)
 
-    def time_ms(self, fn: Callable[[], object]) -> float:
-        """Median milliseconds of fn over self.iters runs after warm-up."""
-        return eager_ms(fn, self.iters, self.device.type == "cuda", 2 if self.dry else 5)
-
     def record(
         self, base: Point, method: str, fn, flops: int, nbytes: int, note: str = "", graph=False
     ) -> Point | None:
         """Time fn eagerly (and from a CUDA graph if `graph`); None if the method failed."""
         graph_ms = None
         try:
-            ms = self.time_ms(fn)
+            ms = eager_ms(fn, self.iters, self.device.type == "cuda", 2 if self.dry else 5)
             if graph and self.graphs and self.device.type == "cuda":
                 graph_ms = graph_device_ms(fn, self.iters)
         except (RuntimeError, torch.OutOfMemoryError) as e:  # a method may not support a shape
