@@ -63,7 +63,7 @@ class Chat:
 class Run:
     front: str
     token: str
-    admin: str
+    cluster: LocalCluster  # its admin listing of the replicas
     t0: float = field(default_factory=time.monotonic)
     done: int = 0
     killed: dict | None = None
@@ -77,10 +77,7 @@ def auth(token: str) -> dict[str, str]:
 
 
 async def listing(run: Run) -> dict:
-    async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
-        r = await c.get(run.front + "/api/admin/cluster", headers=auth(run.admin))
-        r.raise_for_status()
-        return r.json()
+    return await asyncio.to_thread(run.cluster.listing)
 
 
 async def one_turn(ws, content: str, max_tokens: int) -> tuple[dict, str]:
@@ -319,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         token = cluster.user("load")
         cluster.start(timeout=600)
         print(f"cluster up at {cluster.url}", flush=True)
-        result = asyncio.run(drive(args, Run(cluster.url, token, cluster.admin_token)))
+        result = asyncio.run(drive(args, Run(cluster.url, token, cluster)))
     finally:
         cluster.stop(60)
         redis.kill()

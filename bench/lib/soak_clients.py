@@ -51,6 +51,37 @@ class Tally:
         return time.monotonic() - self.t0
 
 
+def tally_json(tally: Tally) -> dict[str, Any]:
+    answered = sorted(tally.turn_seconds)
+    health_s = [s for _, _, s in tally.health]
+    return dict(
+        turn_seconds={
+            "p50": round(answered[len(answered) // 2], 2) if answered else None,
+            "max": round(answered[-1], 2) if answered else None,
+            "over_10s": sum(s > 10 for s in answered),
+        },
+        healthz={
+            "probes": len(tally.health),
+            "status": dict(Counter(status for _, status, _ in tally.health)),
+            "max_s": max(health_s, default=None),
+            "over_5s": sum(s > 5 for s in health_s),
+        },
+        error_frames=dict(tally.error_frames),
+        turn_failures=dict(tally.failures),
+        hung_turns=tally.failures["timeout"] + tally.failures["connect_timeout"],
+        storm_connects=tally.storm_connects,
+        storm_connect_failures=dict(tally.storm_connect_failures),
+        aborts=dict(tally.aborts),
+        storm_windows=tally.storm_windows,
+        fault_windows=tally.fault_windows,
+        fault_errors=tally.fault_errors,
+        timeline={
+            "done_s": [round(t, 2) for t in tally.done_times],
+            "failed_s": [round(t, 2) for t in tally.fail_times],
+        },
+    )
+
+
 def closed_reason(e: ConnectionClosed) -> str:
     frame = e.rcvd or e.sent
     return f"closed_{frame.code}" if frame is not None else "closed_1006"
