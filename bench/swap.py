@@ -85,11 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    default = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else default
     if args.model.startswith("dummy:") and args.model.split(":", 1)[1] not in DUMMY_SHAPES:
         raise SystemExit(f"unknown dummy shape in {args.model}")
     loaded = load(args.model, device, dtype)
@@ -110,7 +107,7 @@ def main() -> None:
     # blocks shuffled on both sides, every run one block, as swaps in serving mostly are;
     # through the block-copy kernel and, for comparison, run by run.
     rng = random.Random(0)
-    contiguous = [(g, c) for g, c in zip(range(n), range(n), strict=True)]
+    contiguous = [(i, i) for i in range(n)]
     scattered = list(zip(rng.sample(range(n), n), rng.sample(range(n), n), strict=True))
 
     # Overlap: a prefill of batch_tokens over its own blocks while n chunks swap in.
