@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.lib.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment, write_json
 from bench.lib.harness import Server
 
 ADMIN = "bench-admin-token"
@@ -131,10 +131,7 @@ def measure(url: str, n: int, seconds: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt, save_fig
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     r = result["page"]
@@ -148,8 +145,7 @@ def plot(result: dict, path: Path) -> None:
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_fig(fig, path, dpi=120)
 
 
 def main() -> None:
@@ -183,9 +179,7 @@ def main() -> None:
         "page": page,
         "environment": environment("cpu"),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"admin_page_{n}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_json(RESULTS / f"admin_page_{n}.json", result, indent=2)
     plot(result, out.with_suffix(".png"))
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {out}")

@@ -5,15 +5,11 @@ SIGKILLed in the middle.
     python -m bench.cluster                       # 60 chats x 3 turns, 3 replicas, one killed
     python -m bench.cluster --chats 12 --no-kill  # a quick look
 
-Every chat is a client that creates its conversation through the front, connects its socket
-through the front, and sends its turns with a short think time between them. A socket that
-drops (its replica was killed) reconnects through the front and resends the turn it was
-waiting on. The launcher restarts the killed replica, which rejoins. At the end every chat's
-stored history is read back and checked: each turn the client saw answered is stored in that
-chat, with the streamed text, under a message id no other chat has; every chat has its 3
-answered turns. Reported: throughput, the share of turns that recomputed context, and what
-the chats whose home was killed went through. JSON and PNG in bench/results/; exit status 1
-when a check fails.
+A chat whose socket drops reconnects through the front and resends its turn; the launcher
+restarts the killed replica. At the end every answered turn must be stored in its chat with
+the streamed text under a message id no other chat has. Reported: throughput, the share of
+turns that recomputed context, and what the killed replica's chats went through. JSON and
+PNG in bench/results/; exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ import httpx
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.lib.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment, write_json
 from bench.lib.harness import LocalCluster, PostgresServer, RedisServer
 
 RECONNECT_S = 120.0  # a chat gives up on a turn after this long without an answer
@@ -67,7 +63,7 @@ class Chat:
 class Run:
     front: str
     token: str
-    admin: str
+    cluster: LocalCluster  # its admin listing of the replicas
     t0: float = field(default_factory=time.monotonic)
     done: int = 0
     killed: dict | None = None
@@ -81,10 +77,7 @@ def auth(token: str) -> dict[str, str]:
 
 
 async def listing(run: Run) -> dict:
-    async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
-        r = await c.get(run.front + "/api/admin/cluster", headers=auth(run.admin))
-        r.raise_for_status()
-        return r.json()
+    return await asyncio.to_thread(run.cluster.listing)
 
 
 async def one_turn(ws, content: str, max_tokens: int) -> tuple[dict, str]:
@@ -133,18 +126,9 @@ async def drive_chat(run: Run, chat: Chat, turns: int, max_tokens: int, think: f
             await asyncio.sleep(1.0)
             continue
         chat.turns.append(
-            TurnLog(
-                chat.index,
-                turn,
-                sent,
-                run.now(),
-                done["timing"]["ttft_ms"],
-                done["usage"],
-                done["message_id"],
-                text,
-                attempts,
-            )  # fmt: skip
-        )
+            TurnLog(chat.index, turn, sent, run.now(), done["timing"]["ttft_ms"], done["usage"],
+                    done["message_id"], text, attempts)
+        )  # fmt: skip
         run.done += 1
         turn, attempts = turn + 1, 0
         deadline = time.monotonic() + RECONNECT_S
@@ -202,10 +186,7 @@ async def check(run: Run, chats: list[Chat], turns: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt, save_fig
 
     turns = result["turns"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -233,9 +214,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     a.legend(fontsize=8)
     fig.suptitle(f"{result['environment']['device']} · {result['environment']['git_commit'][:12]}",
                  fontsize=8)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_fig(fig, path)
 
 
 def kind_of(t: TurnLog) -> str:
@@ -319,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="result name (default cluster_<device>)")
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON and PNG go")
     args = p.parse_args(argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     name = args.out or f"cluster_{args.device}"
     pg, redis = PostgresServer(), RedisServer()
     log = Path(tempfile.gettempdir()) / f"pensieve-{name}.log"  # the replicas' and HAProxy's
@@ -338,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         token = cluster.user("load")
         cluster.start(timeout=600)
         print(f"cluster up at {cluster.url}", flush=True)
-        result = asyncio.run(drive(args, Run(cluster.url, token, cluster.admin_token)))
+        result = asyncio.run(drive(args, Run(cluster.url, token, cluster)))
     finally:
         cluster.stop(60)
         redis.kill()
         pg.destroy()
-    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out_dir / f"{name}.json", result)
     plot(result, args.out_dir / f"{name}.png")
     keys = ("wall_s", "turns_answered", "turns_per_s", "completion_tokens_per_s",
             "share_recomputed", "share_cached", "turns_resent", "affected_chats",

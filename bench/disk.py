@@ -2,33 +2,24 @@
 
     python -m bench.disk --convs 6 --context 1024
 
-A first engine holds `--convs` conversations of about `--context` tokens each (built turn
-by turn), then stops gracefully: it writes what memory holds to the disk tier. Engines
-started afresh on the same history then serve one more short turn of each conversation,
-one at a time, and the time to its first token is measured:
-
-- `recompute`: no disk tier, the context is recomputed from the history (what a restart
-  does without one);
-- `disk`: the disk tier, chunks read back where cheaper than recomputing (the default);
-- on a disk throttled to `--slow-mb-s`: the cost-based choice, always loading, and always
-  recomputing, to show that the cost rule does not lose to recompute on a slow disk.
-
-JSON and a bar plot in bench/results/ (device and commit recorded). The files are in the
-page cache when read back: the unthrottled figure is host memory speed, the throttled ones
-what a slow disk costs.
+A first engine builds `--convs` conversations of about `--context` tokens, then stops
+gracefully (memory written to the disk tier). Fresh engines on the same history serve one
+more turn of each, one at a time: `recompute` (no disk tier), `disk` (chunks read back where
+cheaper than recomputing), and on a disk throttled to `--slow-mb-s` the cost rule, always
+load and always recompute. The files sit in the page cache: unthrottled is host memory
+speed. JSON and a bar plot in bench/results/.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.lib.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment, write_json
 from engine import Engine, EngineConfig, SamplingParams, Turn
 
 MODEL = "smollm2-135m-instruct"
@@ -93,10 +84,7 @@ def returning(
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt, save_fig
 
     rows = result["runs"]
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -109,8 +97,7 @@ def plot(result: dict, path: Path) -> None:
     env = result["environment"]
     ax.set_title(f"{result['convs']} conversations of {result['context']} tokens, {MODEL} on "
                  f"{env['device']} ({env['git_commit'][:9]})", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_fig(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,8 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['disk_tokens']}, recomputed {r['recomputed_tokens']}")  # fmt: skip
     result = {"benchmark": "disk", "convs": args.convs, "context": len(contexts[0]),
               "slow_mb_s": args.slow_mb_s, "environment": environment(), "runs": runs}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -1,28 +1,23 @@
-"""Fused elementwise kernels: one decoder layer's elementwise work, fused against unfused.
+"""Fused elementwise kernels (CUDA only): one decoder layer's elementwise work, fused against
+unfused.
 
-`python -m bench.fused` (CUDA only) times, per shape and token count, everything a layer does
-between its matmuls and its attention kernel:
+- unfused: `Block.forward`'s PyTorch code (residual add, RMSNorm, RoPE on q and k, SiLU * up)
+  plus the Triton KV write;
+- fused: `add_rms_norm` twice, `rope_write_kv`, `silu_mul` (`Block.forward_fused`).
 
-- unfused: the model's PyTorch code (residual add, RMSNorm, RoPE on q and k, SiLU * up)
-  plus the Triton KV write: what `Block.forward` runs;
-- fused:   `add_rms_norm` twice, `rope_write_kv`, `silu_mul`: what `Block.forward_fused` runs.
-
-Shapes: SmolLM2-135M and Llama-2-13B with 10 KV heads; token counts of decode batches
-(1, 64, 256) and prefill steps (512, 4096). Each point has `ms` (median of CUDA events over
-one eager call: host launch cost included), `graph_ms` (median device time per call from a
-CUDA graph of 10 calls), kernel launches (counted by the profiler), and GB/s of the fused
-path's minimum traffic. Writes bench/results/fused-<device>.json. `--dry-run` runs tiny
-shapes on the CPU through the Triton interpreter to check the plumbing (numbers meaningless).
+Shapes SmolLM2-135M and Llama-2-13B (10 KV heads) at 1, 64, 256, 512 and 4096 tokens. Per
+point `ms` (eager, launch included), `graph_ms` (device time per call from a CUDA graph of 10
+calls), kernel launches, and GB/s of the fused path's minimum traffic. Writes
+bench/results/fused-<device>.json; `--dry-run` runs tiny shapes on the CPU through the
+Triton interpreter (numbers meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.lib.common import environment, git_commit
-from bench.lib.timing import GRAPH_REPS, eager_ms, graph_ms
+from bench.lib.common import device_slug, write_json
+from bench.lib.timing import eager_ms, graph_ms, header
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -217,27 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         points = run(
             SHAPES, args.tokens, getattr(torch, args.dtype), torch.device("cuda"), args.iters
         )
-    import triton
-
-    from bench.kernel import device_slug
-
     summary = summarize(points)
+    device = torch.device("cuda") if name != "cpu-dry-run" else None
+    dtype = "float32" if args.dry_run else args.dtype
     result = {
-        "device": name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": git_commit(),
-        "environment": environment(torch.device("cuda") if name != "cpu-dry-run" else None),
-        "dtype": "float32" if args.dry_run else args.dtype,
-        "iters": args.iters,
-        "graph_reps": GRAPH_REPS,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **header(name, device, dtype, args.iters),
         "summary": summary,
         "points": [asdict(p) for p in points],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"fused-{device_slug(name)}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(out_dir / f"fused-{device_slug(name)}.json", result)
     for row in summary:
         extra = f", graph {row['graph_speedup']:.2f}x" if "graph_speedup" in row else ""
         launched = f", launches {row['launches']}" if "launches" in row else ""

@@ -2,18 +2,13 @@
 
     python -m bench.grammar            # writes bench/results/grammar-<device>.json and .png
 
-(a) Validity: `--generations` replies (100) over the five schemas of bench/lib/schemas.py,
-sampled at temperatures 0.7-1.0 with seeds, served in one `engine.run`; each reply is parsed
-and checked with `jsonschema`.
-
-(b) Cost per decode step, bundled model, at batch sizes 1, 4 and 16: the same prompts decoded
-unguided and guided (every row with its schema), with the mask fill in the guide thread
-overlapped with the forward (the engine's way) and without overlap. The whole `Engine.step`
-is timed; only steps in which all B rows decode and each is within its first `--window`
-reply tokens count, so both sides see the same batch and positions. Medians over
-`--rounds` rounds, the configurations interleaved in each round. Beside it, the mask work
-alone on replies from (a): llguidance's fill of B rows, and applying the masks to B rows of
-logits.
+(a) Validity: `--generations` replies over the five schemas of bench/lib/schemas.py (sampled
+at 0.7-1.0 with seeds, one `engine.run`), each checked with `jsonschema`. (b) The cost per
+decode step at batch 1, 4 and 16: the same prompts unguided, guided with the mask fill
+overlapped with the forward (the engine's way) and guided serially; only steps where all
+rows decode within their first `--window` reply tokens count; medians over `--rounds`
+interleaved rounds. Beside it the mask work alone: llguidance's fill of B rows, and applying
+the masks to B rows of logits.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.lib.common import RESULTS, device_slug, environment
+from bench.lib.common import RESULTS, device_slug, environment, write_json
 from bench.lib.schemas import SCHEMAS
 from engine import Engine, EngineConfig, Guide, SamplingParams, Turn
 from engine.guide import StepMask, plan_masks
@@ -180,10 +175,7 @@ def mask_work(engine: Engine, replies: list[tuple[str, list[int]]], sizes: list[
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt, save_fig
 
     rows = result["step_cost"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
@@ -218,10 +210,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     bx.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"Grammar-constrained decoding, {result['model']}, {result['environment']['device']}",
                  fontsize=10)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_fig(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     engine.close()
     out = args.out or RESULTS / f"grammar-{device_slug(result['environment']['device'])}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result, indent=2)
     png = plot(result, out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("validity", "step_cost", "mask_work")}, indent=2))
     print(f"wrote {out} and {png}")

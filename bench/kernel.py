@@ -1,50 +1,33 @@
-"""Kernel benchmark: multi-token paged attention against the ways around it.
+"""Kernel benchmark (CUDA only): multi-token paged attention against the ways around it.
 
-`python -m bench.kernel` (CUDA only) times, for a batch of 32 requests with 8 new query tokens
-each over 1k-16k tokens of context kept in shuffled, non-contiguous blocks:
-
-- triton:      the paged Triton kernel, all 8 query tokens in one call;
-- copy-out:    gather each request's KV into contiguous memory, then scaled_dot_product_attention;
-- multi-round: one query token at a time through the decode path (8 calls);
-- ideal:       KV already contiguous, SDPA's flash backend (no copy; the 8x8 causal corner is
-               ignored, which only makes it faster);
-- flex:        FlexAttention over the same contiguous KV with a bottom-right causal mask.
-
-It also times decode-only batches (q_len 1, batch 1 to 256: the small-batch GQA case is where
-split-KV matters) with `triton-nosplit` (no key segments) and `triton-int8` (an 8-bit pool),
-and a mixed prompt + decode batch. Two timings per point, both medians of CUDA events:
-
-- `ms`: one eager call, host launch cost included (what a step without CUDA graphs pays);
-- `graph_ms`: device time per call, from a CUDA graph of 10 back-to-back calls (what a
-  graph-captured decode step pays; flex and copy-out are not captured). The kernel goal
-  (issue 11: Triton within 1.10x of the contiguous ideal) is judged on it.
-
-TFLOP/s and GB/s come from `graph_ms` where measured. Writes bench/results/kernel-<device>.json
-and .png with a summary of the Triton / ideal ratios. `--part sweep` times launch shapes
-(`LaunchConfig`: key tile, segments, stages) around the default on small decode batches and
-writes kernel-sweep-<device>.json, to tune `pick_config`. `--dry-run` runs tiny shapes on the
-CPU (the torch backend, or the Triton interpreter under TRITON_INTERPRET=1) to check the
-plumbing (numbers meaningless).
+Methods, for 32 requests x 8 new query tokens over 1k-16k tokens of shuffled, non-contiguous
+KV blocks: `triton` (the paged kernel, one call), `copy-out` (gather KV, then SDPA),
+`multi-round` (8 decode calls), `ideal` (contiguous KV, SDPA flash) and `flex`
+(FlexAttention, bottom-right causal). Also decode batches 1-256 (with `triton-nosplit`
+and `triton-int8`) and a mixed prompt + decode batch. Per point `ms` (one eager call,
+launch included) and `graph_ms` (device time per call from a CUDA graph of 10 calls: the
+issue 11 goal, Triton within 1.10x of the ideal, is judged on it). Writes
+bench/results/kernel-<device>.json and .png; `--part sweep` times launch shapes around
+`pick_config`'s default (kernel-sweep-<device>.json); `--dry-run` runs tiny shapes on the
+CPU to check the plumbing (numbers meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import random
 import sys
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.lib.common import device_slug, environment, git_commit
-from bench.lib.timing import GRAPH_REPS, eager_ms
+from bench.lib.common import device_slug, write_json
+from bench.lib.timing import eager_ms, header
 from bench.lib.timing import graph_ms as graph_device_ms
 from kernels import AttentionMetadata, QuantizedKV, paged_attention
 from kernels.quant import quantize
@@ -95,26 +78,13 @@ class Bench:
     graphs: bool = True  # also time captured CUDA graphs (CUDA only)
     points: list[Point] = field(default_factory=list)
 
-    # ------------------------------------------------------------ timing
-
-    def time_ms(self, fn: Callable[[], object]) -> float:
-        """Median milliseconds of fn over self.iters runs after warm-up."""
-        return eager_ms(fn, self.iters, self.device.type == "cuda", 2 if self.dry else 5)
-
     def record(
-        self,
-        base: Point,
-        method: str,
-        fn,
-        flops: int,
-        nbytes: int,
-        note: str = "",
-        graph: bool = False,
+        self, base: Point, method: str, fn, flops: int, nbytes: int, note: str = "", graph=False
     ) -> Point | None:
         """Time fn eagerly (and from a CUDA graph if `graph`); None if the method failed."""
         graph_ms = None
         try:
-            ms = self.time_ms(fn)
+            ms = eager_ms(fn, self.iters, self.device.type == "cuda", 2 if self.dry else 5)
             if graph and self.graphs and self.device.type == "cuda":
                 graph_ms = graph_device_ms(fn, self.iters)
         except (RuntimeError, torch.OutOfMemoryError) as e:  # a method may not support a shape
@@ -142,17 +112,25 @@ class Bench:
 
     def pool(self, cfg: HeadConfig, blocks_per_seq: list[int], seed: int = 0):
         """A random pool and shuffled, non-contiguous block tables."""
-        total = sum(blocks_per_seq)
-        ids = list(range(total))
+        ids = list(range(sum(blocks_per_seq)))
         random.Random(seed).shuffle(ids)
         tables, at = [], 0
         for n in blocks_per_seq:
             tables.append(ids[at : at + n])
             at += n
-        shape = (total, self.block_size, cfg.kv_heads, cfg.head_dim)
+        shape = (len(ids), self.block_size, cfg.kv_heads, cfg.head_dim)
         k = torch.randn(shape, device=self.device, dtype=self.dtype)
         v = torch.randn(shape, device=self.device, dtype=self.dtype)
         return k, v, tables
+
+    def fitting_pool(self, cfg: HeadConfig, batch: int, q_len: int, contexts: list[int]):
+        """The contexts whose KV fits in max_pool_bytes, and a pool for the longest."""
+        fits = [
+            c for c in contexts if self.pool_bytes(cfg, batch * (c + q_len)) <= self.max_pool_bytes
+        ]
+        if not fits:
+            return [], None, None, []
+        return fits, *self.pool(cfg, [-(-(max(fits) + q_len) // self.block_size)] * batch)
 
     def pool_bytes(self, cfg: HeadConfig, tokens: int) -> int:
         return 2 * tokens * cfg.kv_heads * cfg.head_dim * self.dtype.itemsize
@@ -161,6 +139,16 @@ class Bench:
         bs = self.block_size
         cut = [t[: -(-(p + n) // bs)] for t, n, p in zip(tables, q_lens, positions, strict=True)]
         return AttentionMetadata.build(q_lens, positions, cut, self.device)
+
+    def point(self, scenario: str, cfg: HeadConfig, batch: int, q_len: int, context: int):
+        """A point's base, its queries, useful FLOPs and bytes moved (KV read, q in and out)."""
+        base = Point(scenario, cfg.name, "", batch, q_len, context, None)
+        q = torch.randn(
+            batch * q_len, cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype
+        )
+        flops = attention_flops([q_len] * batch, [context] * batch, cfg.heads, cfg.head_dim)
+        nbytes = self.pool_bytes(cfg, batch * (context + q_len)) + 2 * q.numel() * q.element_size()
+        return base, q, flops, nbytes
 
     # ------------------------------------------------------------ methods
 
@@ -174,12 +162,8 @@ class Bench:
 
     def quantized(self, cache: torch.Tensor, fmt: str, step: int = 256) -> QuantizedKV:
         """An 8-bit copy of a pool, quantized a few blocks at a time (float32 temporaries)."""
-        codes, scales = [], []
-        for b in range(0, cache.shape[0], step):
-            c, sc = quantize(cache[b : b + step], fmt)
-            codes.append(c)
-            scales.append(sc)
-        return QuantizedKV(torch.cat(codes), torch.cat(scales), fmt)
+        parts = [quantize(cache[b : b + step], fmt) for b in range(0, cache.shape[0], step)]
+        return QuantizedKV(torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]), fmt)
 
     def copy_out(self, q, k, v, tables, q_len, context, scale):
         """Gather every request's KV into a contiguous tensor, then one SDPA call."""
@@ -225,118 +209,74 @@ class Bench:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         b, h = qs.shape[:2]
-        length = context + q_len
 
         def causal(b_, h_, qi, ki):
             return ki <= qi + context
 
-        block_mask = create_block_mask(causal, b, None, q_len, length, device=self.device)
+        block_mask = create_block_mask(causal, b, None, q_len, context + q_len, device=self.device)
         compiled = _compiled_flex(flex_attention)
         gqa = kc.shape[1] != h
         return lambda: compiled(qs, kc, vc, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+    def contiguous_methods(self, cfg, base, q, k, v, tables, flops, nbytes, flex=False):
+        """`ideal` (and `flex`) over a contiguous copy of the KV; the ideal's point."""
+        q_len, context = base.q_len, base.context
+        scale = 1 / math.sqrt(cfg.head_dim)
+        try:
+            kc, vc = self.contiguous(k, v, tables, context + q_len)
+        except torch.OutOfMemoryError:
+            print("  no memory for a contiguous copy: ideal skipped", file=sys.stderr)
+            return None
+        qt = q.view(base.batch, q_len, cfg.heads, cfg.head_dim).transpose(1, 2)
+        ideal = self.record(base, "ideal", self.ideal(qt, kc, vc, scale), flops, nbytes, graph=True)
+        if flex and self.use_flex and not self.dry:
+            fn = self.flex(qt, kc, vc, q_len, context, scale)
+            self.record(base, "flex", fn, flops, nbytes)
+        del kc, vc
+        return ideal
 
     # ------------------------------------------------------------ scenarios
 
     def multi_token(self, cfg: HeadConfig, batch: int, q_len: int, contexts: list[int]):
         """The paper's figure: batch requests, q_len new tokens each, growing context."""
-        bs, scale = self.block_size, 1 / math.sqrt(cfg.head_dim)
-        fits = [
-            c for c in contexts if self.pool_bytes(cfg, batch * (c + q_len)) <= self.max_pool_bytes
-        ]
-        if not fits:
-            return
-        k, v, tables = self.pool(cfg, [-(-(max(fits) + q_len) // bs)] * batch)
+        scale = 1 / math.sqrt(cfg.head_dim)
+        fits, k, v, tables = self.fitting_pool(cfg, batch, q_len, contexts)
         for context in fits:
-            length = context + q_len
-            base = Point("multi-token", cfg.name, "", batch, q_len, context, None)
-            q = torch.randn(
-                batch * q_len, cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype
-            )
-            flops = attention_flops([q_len] * batch, [context] * batch, cfg.heads, cfg.head_dim)
-            nbytes = self.pool_bytes(cfg, batch * length) + 2 * q.numel() * q.element_size()
+            base, q, flops, nbytes = self.point("multi-token", cfg, batch, q_len, context)
             meta = self.meta([q_len] * batch, [context] * batch, tables)
             self.record(base, "triton", self.paged(q, k, v, meta, scale), flops, nbytes, graph=True)
-
             qs = q.view(batch, q_len, cfg.heads, cfg.head_dim)
-            rounds = []
-            for i in range(q_len):
-                qi = qs[:, i].contiguous()
-                rounds.append((qi, self.meta([1] * batch, [context + i] * batch, tables)))
-            steps = [self.paged(qi, k, v, m, scale) for qi, m in rounds]
-            self.record(
-                base,
-                "multi-round",
-                lambda steps=steps: [s() for s in steps],
-                flops,
-                nbytes,
-                graph=True,
-            )
-
-            self.record(
-                base,
-                "copy-out",
-                self.copy_out(q, k, v, tables, q_len, context, scale),
-                flops,
-                nbytes,
-            )
-            try:
-                kc, vc = self.contiguous(k, v, tables, length)
-            except torch.OutOfMemoryError:
-                print("  no memory for a contiguous copy: ideal and flex skipped", file=sys.stderr)
-                continue
-            qt = qs.transpose(1, 2)
-            self.record(base, "ideal", self.ideal(qt, kc, vc, scale), flops, nbytes, graph=True)
-            if self.use_flex and not self.dry:
-                self.record(
-                    base, "flex", self.flex(qt, kc, vc, q_len, context, scale), flops, nbytes
-                )
-            del kc, vc
+            metas = [self.meta([1] * batch, [context + i] * batch, tables) for i in range(q_len)]
+            steps = [self.paged(qs[:, i].contiguous(), k, v, m, scale) for i, m in enumerate(metas)]
+            fn = lambda steps=steps: [s() for s in steps]  # noqa: E731
+            self.record(base, "multi-round", fn, flops, nbytes, graph=True)
+            fn = self.copy_out(q, k, v, tables, q_len, context, scale)
+            self.record(base, "copy-out", fn, flops, nbytes)
+            self.contiguous_methods(cfg, base, q, k, v, tables, flops, nbytes, flex=True)
 
     def decode(self, cfg: HeadConfig, batch: int, contexts: list[int], int8: bool = True):
-        bs, scale = self.block_size, 1 / math.sqrt(cfg.head_dim)
-        fits = [c for c in contexts if self.pool_bytes(cfg, batch * (c + 1)) <= self.max_pool_bytes]
-        if not fits:
-            return
-        k, v, tables = self.pool(cfg, [-(-(max(fits) + 1) // bs)] * batch)
+        scale = 1 / math.sqrt(cfg.head_dim)
+        fits, k, v, tables = self.fitting_pool(cfg, batch, 1, contexts)
         kq = vq = None
-        if int8 and (not self.dry or _interpreting()):
+        if fits and int8 and (not self.dry or _interpreting()):
             kq, vq = self.quantized(k, "int8"), self.quantized(v, "int8")
         for context in fits:
-            base = Point("decode", cfg.name, "", batch, 1, context, None)
-            q = torch.randn(batch, cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype)
-            flops = attention_flops([1] * batch, [context] * batch, cfg.heads, cfg.head_dim)
-            nbytes = self.pool_bytes(cfg, batch * (context + 1)) + 2 * q.numel() * q.element_size()
-            meta = self.meta([1] * batch, [context] * batch, tables)
-            note = self.plan_note(q, k, meta, scale)
-            self.record(
-                base, "triton", self.paged(q, k, v, meta, scale), flops, nbytes, note, graph=True
-            )
-            nosplit = self.meta([1] * batch, [context] * batch, tables)
-            self.record(
-                base,
-                "triton-nosplit",
-                self.paged(q, k, v, nosplit, scale, num_segs=1),
-                flops,
-                nbytes,
-                graph=True,
-            )
+            base, q, flops, nbytes = self.point("decode", cfg, batch, 1, context)
+            m, nosplit, m8 = (self.meta([1] * batch, [context] * batch, tables) for _ in range(3))
+            note = self.plan_note(q, k, m, scale)
+            fn = self.paged(q, k, v, m, scale)
+            self.record(base, "triton", fn, flops, nbytes, note, graph=True)
+            fn = self.paged(q, k, v, nosplit, scale, num_segs=1)
+            self.record(base, "triton-nosplit", fn, flops, nbytes, graph=True)
             if kq is not None:
                 # Reads half the K/V bytes (plus 2 bytes of scale per head_dim codes).
                 qbytes = nbytes // 2 + nbytes // (2 * cfg.head_dim)
-                m8 = self.meta([1] * batch, [context] * batch, tables)
                 fn = self.paged(q, kq, vq, m8, scale)
                 self.record(base, "triton-int8", fn, flops, qbytes, "8-bit pool", graph=True)
             if batch <= 64:  # bounded: the gather is slow and its timing known
                 fn = self.copy_out(q, k, v, tables, 1, context, scale)
                 self.record(base, "copy-out", fn, flops, nbytes)
-            try:
-                kc, vc = self.contiguous(k, v, tables, context + 1)
-            except torch.OutOfMemoryError:
-                print("  no memory for a contiguous copy: ideal skipped", file=sys.stderr)
-                continue
-            qt = q.view(batch, 1, cfg.heads, cfg.head_dim).transpose(1, 2)
-            self.record(base, "ideal", self.ideal(qt, kc, vc, scale), flops, nbytes, graph=True)
-            del kc, vc
+            self.contiguous_methods(cfg, base, q, k, v, tables, flops, nbytes)
 
     def plan_note(self, q, k, meta, scale) -> str:
         """The launch shape the kernel picks for this step (empty on the torch backend)."""
@@ -351,21 +291,13 @@ class Bench:
     def sweep(self, cfg: HeadConfig, batch: int, contexts: list[int]):
         """Decode at one batch size: the default launch shape and its neighbours (key tile,
         segments, stages), each timed from a CUDA graph, against the contiguous ideal."""
-        from dataclasses import replace
-
         from kernels.triton_attention import _num_sms, pick_config
 
         bs, scale = self.block_size, 1 / math.sqrt(cfg.head_dim)
-        fits = [c for c in contexts if self.pool_bytes(cfg, batch * (c + 1)) <= self.max_pool_bytes]
-        if not fits:
-            return
-        k, v, tables = self.pool(cfg, [-(-(max(fits) + 1) // bs)] * batch)
-        sms = _num_sms(self.device)
+        fits, k, v, tables = self.fitting_pool(cfg, batch, 1, contexts)
+        sms = _num_sms(self.device) if fits else 0
         for context in fits:
-            base = Point("sweep", cfg.name, "", batch, 1, context, None)
-            q = torch.randn(batch, cfg.heads, cfg.head_dim, device=self.device, dtype=self.dtype)
-            flops = attention_flops([1] * batch, [context] * batch, cfg.heads, cfg.head_dim)
-            nbytes = self.pool_bytes(cfg, batch * (context + 1)) + 2 * q.numel() * q.element_size()
+            base, q, flops, nbytes = self.point("sweep", cfg, batch, 1, context)
             width = -(-(context + 1) // bs)
             group = cfg.heads // cfg.kv_heads
             default = pick_config(batch, batch, cfg.kv_heads, group, cfg.head_dim, width * bs, sms)
@@ -375,8 +307,9 @@ class Bench:
                 for stages in (2, 3):
                     segs = 1
                     while segs <= min(64, tiles) and batch * cfg.kv_heads * segs <= 16 * sms:
-                        shape = replace(default, tile_n=tile_n, num_segs=segs, num_stages=stages)
-                        shapes.add(shape)
+                        shapes.add(
+                            replace(default, tile_n=tile_n, num_segs=segs, num_stages=stages)
+                        )
                         segs *= 2
             best = None
             for shape in sorted(shapes, key=config_label):
@@ -386,20 +319,10 @@ class Bench:
                 p = self.record(base, "triton", fn, flops, nbytes, label, graph=True)
                 if p is not None and (best is None or _device_ms(p) < _device_ms(best)):
                     best = p
-            try:
-                kc, vc = self.contiguous(k, v, tables, context + 1)
-            except torch.OutOfMemoryError:
-                continue
-            qt = q.view(batch, 1, cfg.heads, cfg.head_dim).transpose(1, 2)
-            ideal = self.record(
-                base, "ideal", self.ideal(qt, kc, vc, scale), flops, nbytes, graph=True
-            )
-            del kc, vc
+            ideal = self.contiguous_methods(cfg, base, q, k, v, tables, flops, nbytes)
             if best is not None and ideal is not None:
-                print(
-                    f"  best {best.note}: {_device_ms(best) / _device_ms(ideal):.2f}x the ideal",
-                    file=sys.stderr,
-                )
+                ratio = _device_ms(best) / _device_ms(ideal)
+                print(f"  best {best.note}: {ratio:.2f}x the ideal", file=sys.stderr)
 
     def mixed(self, cfg: HeadConfig, prompts: int, prompt_len: int, decodes: int, context: int):
         """A unified step: a few prompts over their history plus many decode rows."""
@@ -414,24 +337,18 @@ class Bench:
         nbytes = self.pool_bytes(cfg, tokens) + 2 * q.numel() * q.element_size()
         base = Point("mixed", cfg.name, "", prompts + decodes, sum(q_lens), context, None)
         note = f"{prompts} prompts x {prompt_len} + {decodes} decodes"
-        fn = self.paged(q, k, v, meta, scale)
-        self.record(base, "triton", fn, flops, nbytes, note, graph=True)
         self.record(
-            base,
-            "torch-reference",
-            lambda: paged_attention(q, k, v, meta, scale, backend="torch"),
-            flops,
-            nbytes,
-            note + "; per-sub-request gather + SDPA, decodes batched",
+            base, "triton", self.paged(q, k, v, meta, scale), flops, nbytes, note, graph=True
         )
+        fn = lambda: paged_attention(q, k, v, meta, scale, backend="torch")  # noqa: E731
+        note += "; per-sub-request gather + SDPA, decodes batched"
+        self.record(base, "torch-reference", fn, flops, nbytes, note)
 
 
 _FLEX = None
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -451,25 +368,15 @@ def summarize(points: list[dict]) -> dict:
     measured): the figure of issue 11's kernel goal (<= 1.10x)."""
     by_point: dict[tuple, dict[str, float]] = {}
     for p in points:
-        if p["ms"] is None or p["scenario"] not in ("multi-token", "decode"):
-            continue
-        key = (p["scenario"], p["config"], p["batch"], p["context"])
-        by_point.setdefault(key, {})[p["method"]] = p["graph_ms"] or p["ms"]
-    rows = []
-    for (scenario, config, batch, context), ms in sorted(by_point.items()):
-        if "triton" in ms and "ideal" in ms:
-            ratio = ms["triton"] / ms["ideal"]
-            rows.append(
-                dict(
-                    scenario=scenario,
-                    config=config,
-                    batch=batch,
-                    context=context,
-                    triton_ms=ms["triton"],
-                    ideal_ms=ms["ideal"],
-                    ratio=round(ratio, 3),
-                )
-            )
+        if p["ms"] is not None and p["scenario"] in ("multi-token", "decode"):
+            key = (p["scenario"], p["config"], p["batch"], p["context"])
+            by_point.setdefault(key, {})[p["method"]] = p["graph_ms"] or p["ms"]
+    rows = [
+        dict(scenario=scenario, config=config, batch=batch, context=context,
+             triton_ms=ms["triton"], ideal_ms=ms["ideal"], ratio=round(ms["triton"] / ms["ideal"], 3))
+        for (scenario, config, batch, context), ms in sorted(by_point.items())
+        if "triton" in ms and "ideal" in ms
+    ]  # fmt: skip
     worst = max(rows, key=lambda r: r["ratio"], default=None)
     return {
         "timing": "graph_ms where measured, else ms",
@@ -498,98 +405,69 @@ def attention_flops(q_lens: list[int], positions: list[int], heads: int, head_di
     return 4 * visible * heads * head_dim
 
 
-def plot(points: list[dict], title: str, path: Path) -> None:
-    import matplotlib
+def _lines(ax, series: dict, **kw) -> None:
+    for label, (xy, style) in sorted(series.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], label=label, **style, **kw)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(points: list[dict], title: str, path: Path) -> None:
+    from bench.lib.plots import plt, save_fig
 
     ok = [{**p, "ms": p["graph_ms"] or p["ms"]} for p in points if p["ms"] is not None]
-    methods = sorted({p["method"] for p in ok})
-    color = {m: f"C{i}" for i, m in enumerate(methods)}
+    color = {m: f"C{i}" for i, m in enumerate(sorted({p["method"] for p in ok}))}
     styles = {1: (0, (1, 3)), 8: ":", 16: "-.", 64: "--", 256: "-"}
     names = [c.name for c in CONFIGS]
+    ratios = summarize(points)["ratios"]
     fig, axes = plt.subplots(len(names), 3, figsize=(18, 4.8 * len(names)), squeeze=False)
     for row, cfg in enumerate(names):
         for col, scenario in enumerate(("multi-token", "decode")):
-            ax = axes[row, col]
-            series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+            ax, series = axes[row, col], {}
             for p in ok:
                 if p["scenario"] == scenario and p["config"] == cfg:
-                    series.setdefault((p["method"], p["batch"]), []).append((p["context"], p["ms"]))
-            for (method, batch), xy in sorted(series.items()):
-                xy.sort()
-                label = method if scenario == "multi-token" else f"{method} b={batch}"
-                ax.plot(
-                    [x for x, _ in xy],
-                    [y for _, y in xy],
-                    marker="o",
-                    color=color[method],
-                    linestyle=styles.get(batch, "-") if scenario == "decode" else "-",
-                    label=label,
-                )
+                    decode = scenario == "decode"
+                    label = f"{p['method']} b={p['batch']}" if decode else p["method"]
+                    style = {"color": color[p["method"]],
+                             "linestyle": styles.get(p["batch"], "-") if decode else "-"}  # fmt: skip
+                    series.setdefault(label, ([], style))[0].append((p["context"], p["ms"]))
+            _lines(ax, series, marker="o")
             what = "32 requests x 8 new tokens" if scenario == "multi-token" else "decode"
             ax.set_title(f"{what}, {cfg}")
-            ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("context tokens")
             ax.set_ylabel("latency (ms, median; graph time where measured)")
-            ax.grid(True, which="both", alpha=0.3)
             if series:
                 ax.legend(fontsize=6, ncol=3 if scenario == "decode" else 1)
-        # Third column: Triton over the ideal, decode, per batch size.
-        ax = axes[row, 2]
-        ratios = [r for r in summarize(points)["ratios"] if r["config"] == cfg]
-        for scenario, marker in (("decode", "o"), ("multi-token", "s")):
-            batches = sorted({r["batch"] for r in ratios if r["scenario"] == scenario})
-            for batch in batches:
-                xy = sorted(
-                    (r["context"], r["ratio"])
-                    for r in ratios
-                    if r["scenario"] == scenario and r["batch"] == batch
-                )
-                ax.plot(
-                    [x for x, _ in xy],
-                    [y for _, y in xy],
-                    marker=marker,
-                    linestyle=styles.get(batch, "-"),
-                    label=f"{scenario} b={batch}",
-                )
+        ax, series = axes[row, 2], {}  # Triton over the ideal, per scenario and batch size
+        for r in ratios:
+            if r["config"] == cfg:
+                style = {"marker": "o" if r["scenario"] == "decode" else "s",
+                         "linestyle": styles.get(r["batch"], "-")}  # fmt: skip
+                label = f"{r['scenario']} b={r['batch']}"
+                series.setdefault(label, ([], style))[0].append((r["context"], r["ratio"]))
+        _lines(ax, series)
         ax.axhline(1.10, color="red", linewidth=0.8, label="goal 1.10x")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context tokens")
         ax.set_ylabel("triton / ideal")
         ax.set_title(f"Triton over the contiguous ideal, {cfg}")
-        ax.grid(True, which="both", alpha=0.3)
-        if ratios:
+        if series:
             ax.legend(fontsize=6, ncol=2)
+    for ax in axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_fig(fig, path, dpi=100)
 
 
 def save(bench: Bench, name: str, out_dir: Path, part: str = "") -> None:
-    import triton
-
     points = [asdict(p) for p in bench.points]
+    dtype = str(bench.dtype).removeprefix("torch.")
     result = {
-        "device": name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": git_commit(),
-        "environment": environment(bench.device),
-        "dtype": str(bench.dtype).removeprefix("torch."),
-        "block_size": bench.block_size,
-        "iters": bench.iters,
-        "graph_reps": GRAPH_REPS,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **header(name, bench.device, dtype, bench.iters, block_size=bench.block_size),
         "summary": summarize(points),
         "points": points,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"kernel-{part + '-' if part else ''}{device_slug(name)}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    write_json(stem.with_suffix(".json"), result)
     if part != "sweep":
         title = f"Paged attention on {name} ({result['dtype']}, block {bench.block_size})"
         plot(points, title, stem.with_suffix(".png"))

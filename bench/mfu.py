@@ -3,17 +3,11 @@
     python -m bench.mfu                                  # dummy:llama-2-13b-gqa10, bf16, CUDA
     python -m bench.mfu --model dummy:tiny --device cpu --dtype float32 --prompts 256,512
 
-The stateless baseline of the serving benchmark is only a strong one if the engine's prefill
-runs near the hardware's matmul rate. This measures:
-
-- the device's dense matmul rate in the model's dtype (square GEMMs, the best of a few
-  sizes, median of repeats, CUDA events on the GPU);
-- the engine's prefill: `--requests` fresh conversations of `--prompts` tokens each, one
-  output token, served by `Engine.step` until done (scheduling, chunked prefill, sampling
-  and host-device traffic included), median of repeats;
-- model flops per prompt: 2 x the weights each token multiplies (projections, MLP), the
-  attention's QK^T and PV over each token's causal context, and the LM head of the sampled
-  rows. MFU = model flops / time / matmul rate.
+The stateless baseline is only strong if prefill runs near the matmul rate. Measured: the
+device's dense matmul rate in the model's dtype (best of a few square sizes); the engine
+prefilling `--requests` fresh `--prompts`-token conversations to one output token through
+`Engine.step` (median of repeats); model flops per prompt (2 x the weights each token
+multiplies, causal QK^T and PV, the LM head of sampled rows). MFU = flops / time / rate.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.lib.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment, write_json
 from bench.lib.pools import model_args
 
 
@@ -194,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     dev = result["environment"]["device"].split(" (")[0].replace(" ", "-").lower()
     out = args.out or RESULTS / f"mfu-{dev}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result)
     print(f"matmul {result['matmul_flops_per_s']['best'] / 1e12:.1f} TFLOP/s; wrote {out}")
     if not args.no_plot:
         try:

@@ -3,24 +3,18 @@
     python -m bench.prefetch                 # CPU preset, tight tiers, ~14 minutes
     python -m bench.prefetch --conversations 4 --think 3,5 --lead 1,2 --order off,on  # quick
 
-Eight conversations of the CPU preset's ShareGPT sample (SmolLM2-135M, float32, one torch
-thread) start at 0.05/s on an in-process AsyncEngine whose GPU tier holds a quarter of the
-sample's history (at least twice the longest conversation) and whose CPU tier an eighth, so
-idle conversations are swapped out and many of their prefixes dropped, while the server is
-loaded but not past its capacity (at 0.1/s on a 2-core machine, long first prompts queue
-every turn for a while, and no prefetch runs then). Each user thinks 12-20 s (uniform)
-before a later turn; with typing on, the user "starts typing" 2-10 s (uniform, within the
-think time) before sending, and the engine is told (`AsyncEngine.prefetch`, as the `typing`
-frame does). The same schedule runs on fresh engines without typing hints and with them
-(off, on, on, off by default, so that drift cancels); the result holds TTFT of returning
-turns (mean, median, p90) and of first turns, throughput and prefetched tokens of each.
+The CPU preset's ShareGPT conversations arrive at `--rate` on an in-process AsyncEngine whose
+tiers hold a fraction of their history (idle chats swap out and drop). Users think 12-20 s
+before a later turn; with typing on they "start typing" 2-10 s before sending and the engine
+is told (`AsyncEngine.prefetch`, as the `typing` frame does). The same schedule runs on fresh
+engines in `--order` (off, on, on, off: drift cancels); TTFT of returning and first turns,
+throughput and prefetched tokens of each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -30,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment, write_json
 from bench.lib.drivers import EngineDriver
 from bench.lib.metrics import cache_use, counters_delta, metrics
 from bench.lib.pools import engine_config, fit_pools, history_chunks, model_args
@@ -84,19 +78,10 @@ async def replay(engine, plan, typing: bool, tag: str) -> tuple[list[wl.TurnReco
             sent = time.monotonic() - start
             reply = await driver.send(conv.id, i, spec, context)
             records.append(
-                wl.TurnRecord(
-                    conv.id,
-                    i,
-                    sent,
-                    reply.first_token_at - start,
-                    reply.done_at - start,
-                    reply.output_tokens,
-                    len(spec.prompt),
-                    context,
-                    reply.stats,
-                    reply.error,
-                )
-            )
+                wl.TurnRecord(conv.id, i, sent, reply.first_token_at - start,
+                              reply.done_at - start, reply.output_tokens, len(spec.prompt),
+                              context, reply.stats, reply.error)
+            )  # fmt: skip
             if reply.error is not None:
                 return
             context += len(spec.prompt) + reply.output_tokens
@@ -238,7 +223,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    from bench.lib.plots import plt
+    from bench.lib.plots import plt, save_fig
 
     s = result["summary"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -259,10 +244,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         f"TTFT {s['ttft_mean_change']:+.0%}, throughput {s['throughput_tps_change']:+.1%}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_fig(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment("cpu")
     result = asyncio.run(bench(args))
     result["environment"] = env
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(f"wrote {args.out} and {plot(result, args.out.with_suffix('.png'))}")
     s = result["summary"]
     print(

@@ -1,28 +1,22 @@
 """Routing of returning turns: chats through a front (HAProxy, or vLLM's KV-aware router reading
 Pensieve's KV events) to independent servers on one database, or through Dynamo's KV router to
-Pensieve Dynamo workers, and the share of returning turns that reach the server holding their KV
-(a server that does not hold it recomputes the whole history: its reply reports no cached tokens).
+Pensieve Dynamo workers; the share of returning turns that reach the server holding their KV
+(one that does not recomputes the history: its reply reports no cached tokens).
 
-    python -m bench.routing                                   # both fronts, with and without
+    python -m bench.routing                                   # every front, with and without
                                                               # a session id, 20 chats x 3
     python -m bench.routing --router vllm-router --no-session --chats 8
     python -m bench.routing --router dynamo --out bench/results/routing_dynamo.json
 
-The servers are not a `--cluster` (a replica hands a turn to its conversation's home, which
-would hide the front's choice): each serves what it is sent. The "dynamo" front is
-`python -m dynamo.frontend --router-mode kv` over two `python -m app.dynamo_worker` processes
-(app/dynamo_worker/fleet.py): no database, no keys, and the workers ignore the session id
-(the frontend routes by the KV events alone). Two pool sizes: "roomy" (every
-chat's KV stays in memory: a returning turn without cached tokens was misrouted) and "tight"
-(the chats swap and drop chunks: routing with drops, where a turn at the right server may
-also find its KV gone). JSON and PNG in bench/results/.
+The servers are not a `--cluster` (a replica would hand a turn to its home, hiding the
+front's choice). Pools "roomy" (every chat's KV stays: a returning turn without cached
+tokens was misrouted) and "tight" (chats swap and drop chunks). JSON and PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
@@ -33,7 +27,7 @@ import httpx
 from app.cluster import haproxy
 from app.cluster.routers import ROUTERS, Worker, vllm_router_command
 from app.dynamo_worker import fleet as dynamo
-from bench.lib.common import RESULTS, environment
+from bench.lib.common import RESULTS, environment, write_json
 from bench.lib.harness import PostgresServer, Server, free_port, wait_port
 
 MODEL = "smollm2-135m-instruct"
@@ -182,7 +176,7 @@ def fleet_runs(args, pools: str, sessions: list[bool], database_url: str, workdi
 
 
 def plot(runs: list[Run], path: Path) -> None:
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt, save_fig
 
     fig, ax = plt.subplots(figsize=(1.6 * len(runs) + 1, 3.4))
     labels = [f"{r.pools}\n{r.router}\n{'session' if r.session else 'no session'}" for r in runs]
@@ -191,8 +185,7 @@ def plot(runs: list[Run], path: Path) -> None:
     ax.set_ylabel("returning turns at their KV (%)")
     ax.set_ylim(0, 105)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_fig(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: str(v) for k, v in vars(args).items()},
         "runs": [{**asdict(r), "hit_share": round(r.hit_share, 4)} for r in runs],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out, indent=2)
     plot(runs, args.out.with_suffix(".png"))
     return 0 if all(r.lost == 0 for r in runs) else 1
 

@@ -4,11 +4,10 @@ how much of the layer-by-layer swap-in hides behind compute.
     python -m bench.swap                       # CUDA: dummy:llama-2-13b-gqa10, bfloat16
     python -m bench.swap --model dummy:tiny --device cpu --chunks 16   # plumbing check
 
-Writes bench/results/swap-<device>.json. Times are medians of CUDA events. `scattered`: the
-same chunks as single-block runs, through the block-copy kernel and run by run on the copy
-engine, each direction; `choice` names the faster way per direction, as the setting the pool
-reads (`PENSIEVE_SWAP_COPY`, engine/kv_pool.py), and `host_s` is the host's time to issue
-a swap (what the step loop pays even when the copy itself overlaps).
+Writes bench/results/swap-<device>.json (medians of CUDA events). `scattered`: single-block
+runs through the block-copy kernel and run by run, each direction; `choice` names the faster
+way per direction as the `PENSIEVE_SWAP_COPY` setting; `host_s` is the host's time to issue
+a swap.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.common import RESULTS, device_name, environment, git_commit
+from bench.lib.common import RESULTS, device_name, environment, git_commit, write_json
 from engine.cache.profile import timed
 from engine.copies import CopyPlan
 from engine.kv_pool import KVPool, kernel_copies_work
@@ -86,11 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    default = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else default
     if args.model.startswith("dummy:") and args.model.split(":", 1)[1] not in DUMMY_SHAPES:
         raise SystemExit(f"unknown dummy shape in {args.model}")
     loaded = load(args.model, device, dtype)
@@ -111,7 +107,7 @@ def main() -> None:
     # blocks shuffled on both sides, every run one block, as swaps in serving mostly are;
     # through the block-copy kernel and, for comparison, run by run.
     rng = random.Random(0)
-    contiguous = [(g, c) for g, c in zip(range(n), range(n), strict=True)]
+    contiguous = [(i, i) for i in range(n)]
     scattered = list(zip(rng.sample(range(n), n), rng.sample(range(n), n), strict=True))
 
     # Overlap: a prefill of batch_tokens over its own blocks while n chunks swap in.
@@ -204,11 +200,8 @@ def main() -> None:
         "choice_setting": f"PENSIEVE_SWAP_COPY=out={choice['out']},in={choice['in']}",
     }
     print(json.dumps(result, indent=2))
-    out = (
-        Path(args.out) if args.out else RESULTS / f"swap-{result['device'].replace(' ', '_')}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    name = result["device"].replace(" ", "_")
+    write_json(Path(args.out) if args.out else RESULTS / f"swap-{name}.json", result, indent=2)
 
 
 if __name__ == "__main__":

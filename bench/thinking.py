@@ -5,30 +5,22 @@ re-encoding each reply as the template renders it in history (app/turns/reencode
     python -m bench.thinking --turns 5 --max-tokens 32
 
 The template is bench/samples/thinking.jinja (Qwen3-shaped: earlier replies render without
-their <think> block; its generation prompt opens and closes a thought, as the small model
-never thinks by itself). Each turn runs as the server runs it, in process: the turn's prompt
-from the chat template (`plan_turn`, its cut where the stored stream no longer matches),
-the real engine, and at the end the re-encode (`reencode` + `Engine.rewrite`) or not.
-Per turn: the previous context's tokens not reused (computed again or dropped), the prompt
-positions computed, the reply's tokens re-encoded, and the KV the idle chat holds between
-turns. Results: bench/results/thinking-cpu.json and .png.
+their <think> block). Each turn runs as the server runs it, in process (`plan_turn`, the
+engine, then `reencode` + `Engine.rewrite` or not). Per turn: the previous context's tokens
+not reused, the prompt positions computed, the reply's tokens re-encoded, and the KV the idle
+chat holds. Results: bench/results/thinking-cpu.json and .png.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from app.turns.reencode import reencode
 from app.turns.window import plan_turn
-from bench.lib.common import device_name, git_commit
+from bench.lib.common import device_name, git_commit, write_json
+from bench.lib.plots import plt, save_fig
 from engine import Engine, EngineConfig, SamplingParams, Turn
 
 ROOT = Path(__file__).resolve().parent
@@ -120,9 +112,7 @@ def plot(runs: list[Run], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("a thinking chat (bench/samples/thinking.jinja), SmolLM2-135M on the CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_fig(fig, path)
 
 
 def main() -> None:
@@ -148,7 +138,7 @@ def main() -> None:
         "runs": [vars(r) for r in runs],
     }
     out = Path(a.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out.with_suffix(".json"), result, indent=2)
     plot(runs, out.with_suffix(".png"))
     for r in runs:
         print(r.mode, "not reused", r.not_reused, "computed", r.computed)

@@ -3,6 +3,7 @@ it measured. Standard library and torch only (no web stack)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -106,3 +107,11 @@ def environment(device=None) -> dict[str, Any]:
     if host is not None:
         env["memory_gb"] = round(host, 1)
     return env
+
+
+def write_json(path: Path, result: dict[str, Any], indent: int = 1) -> Path:
+    """A benchmark's result as JSON at `path` (its folder made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=indent) + "\n")
+    return path

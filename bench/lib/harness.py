@@ -1,9 +1,7 @@
 """Local processes for tests and benchmarks: free ports; PostgreSQL and Redis (the machine's
-own, started when not running, or throwaway ones on free ports); `pensieve serve` and
-`pensieve cluster` as subprocesses with their output in a log file.
-
-The standard library only at import: tests/conftest.py imports this module on GPU machines
-that have no web stack; httpx is imported by the methods that ask a server over HTTP."""
+own, or throwaway ones on free ports); `pensieve serve` and `pensieve cluster` as
+subprocesses logging to a file. The standard library only at import (tests/conftest.py
+imports it on GPU machines without the web stack): httpx is imported where it is used."""
 
 from __future__ import annotations
 
@@ -35,9 +33,6 @@ class ServiceError(RuntimeError):
     """A process the harness needs could not be started or did not come up."""
 
 
-# --- ports -------------------------------------------------------------------------------
-
-
 def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -67,9 +62,6 @@ def wait_port(host: str, port: int, timeout: float = 30.0, up: bool = True) -> N
     if not wait_until(lambda: port_open(host, port) == up, timeout, every=0.05):
         state = "accept connections" if up else "close"
         raise ServiceError(f"{host}:{port} did not {state} within {timeout:.0f}s")
-
-
-# --- the machine's PostgreSQL and Redis ----------------------------------------------------
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -134,9 +126,6 @@ def ensure_redis() -> None:
     )  # fmt: skip
 
 
-# --- throwaway PostgreSQL and Redis, which a run may stop, freeze and restart --------------
-
-
 def _pg_bindir() -> Path:
     found = shutil.which("pg_ctl")
     if found:
@@ -160,7 +149,6 @@ class PostgresServer:
 
     @property
     def data(self) -> Path:
-        assert self.root is not None
         return self.root / "data"
 
     @property
@@ -174,9 +162,8 @@ class PostgresServer:
 
     def _run(self, tool: str, *args: str, timeout: float = 60) -> None:
         try:
-            res = subprocess.run(
-                self._cmd(tool, *args), capture_output=True, text=True, timeout=timeout
-            )
+            res = subprocess.run(self._cmd(tool, *args), capture_output=True, text=True,
+                                 timeout=timeout)  # fmt: skip
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ServiceError(f"{tool} failed: {e}") from None
         if res.returncode != 0:
@@ -284,9 +271,6 @@ class RedisServer:
             self.proc.wait(timeout=10)
         self.proc = None
         wait_port(HOST, self.port, timeout=10, up=False)
-
-
-# --- pensieve as a subprocess ----------------------------------------------------------------
 
 
 class Local:

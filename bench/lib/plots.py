@@ -31,6 +31,14 @@ TIERS = (
 )
 
 
+def save_fig(fig, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_serve(result: dict[str, Any], path: Path) -> Path:
     """Normalized latency (mean and p90) vs throughput, one line per mode, one column per think time."""
     runs = result["runs"]
@@ -95,10 +103,7 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
     if run:
         lines.append("; ".join(run))
     fig.suptitle("\n".join(lines), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_fig(fig, path)
 
 
 def plot_bars(
@@ -115,7 +120,4 @@ def plot_bars(
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_fig(fig, path)

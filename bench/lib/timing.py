@@ -9,21 +9,14 @@ from collections.abc import Callable
 
 import torch
 
+from bench.lib.common import environment, git_commit
+
 GRAPH_REPS = 10  # calls per captured graph
 
 
-def eager_ms(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 3) -> float:
-    """Median milliseconds of one call of fn (host launch included) after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
+def _event_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median milliseconds of fn between two CUDA events."""
     runs = []
-    if not cuda:
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            runs.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(runs)
-    torch.cuda.synchronize()
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -31,6 +24,21 @@ def eager_ms(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 3) 
         end.record()
         end.synchronize()
         runs.append(start.elapsed_time(end))
+    return statistics.median(runs)
+
+
+def eager_ms(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 3) -> float:
+    """Median milliseconds of one call of fn (host launch included) after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        return _event_ms(fn, iters)
+    runs = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t) * 1e3)
     return statistics.median(runs)
 
 
@@ -50,13 +58,24 @@ def graph_ms(fn: Callable[[], object], iters: int) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    runs = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) / GRAPH_REPS)
+    ms = _event_ms(graph.replay, iters) / GRAPH_REPS
     del graph
-    return statistics.median(runs)
+    return ms
+
+
+def header(name: str, device, dtype: str, iters: int, **extra) -> dict:
+    """What a kernel benchmark's JSON opens with: the device, versions, commit and timing."""
+    import triton
+
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "environment": environment(device),
+        "dtype": dtype,
+        **extra,
+        "iters": iters,
+        "graph_reps": GRAPH_REPS,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
