@@ -209,19 +209,15 @@ def _chunks(conv: wl.Conversation, chunk: int = 32) -> int:
 # ---- the sweep and the goal -------------------------------------------------------------------
 
 
-def workload(shape: Shape, seed: int, agents: int | None = None, chats: int | None = None,
-             spec: ag.AgentSpec | None = None) -> ag.Workload:  # fmt: skip
+def workload(shape: Shape, seed: int, agents: int | None = None, chats: int | None = None):
     """The shape's agents over its background of ShareGPT chats (the committed sample)."""
     n_chats = shape.chats if chats is None else chats
-    convs: list[wl.Conversation] = []
-    if n_chats:
-        sample, _ = read_sample(CHATS)
-        cap = (spec or shape.spec).context_cap
-        capped = (wl.cap_conversation(c, cap, 1024) for c in sample[:n_chats])
-        convs = [wl.Conversation(f"chat-{c.id}", c.turns) for c in capped if c is not None]
+    sample = read_sample(CHATS)[0][:n_chats] if n_chats else []
+    capped = (wl.cap_conversation(c, shape.spec.context_cap, 1024) for c in sample)
+    convs = [wl.Conversation(f"chat-{c.id}", c.turns) for c in capped if c is not None]
     n_agents = shape.agents if agents is None else agents
     return ag.build(n_agents, shape.agent_rate, convs, shape.chat_rate, shape.think_s, seed,
-                    spec or shape.spec)  # fmt: skip
+                    shape.spec)  # fmt: skip
 
 
 def history_chunks(work: ag.Workload) -> int:
@@ -337,16 +333,10 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
             runs += [r for r in search if r["memory"] == target]
     if target is None and (points := slowdowns(runs)):  # not crossed: the nearest swept
         target = nearest(points)[0]
-    return {
-        "history_chunks": hist,
-        "bytes_per_chunk": per,
-        "ttl_s": ttl,
-        "runs": runs,
-        "goal_search": [
-            {k: r[k] for k in ("mode", "memory", "gpu_gb", "jct_s_p90") if k in r} for r in search
-        ],  # fmt: skip
-        "goal": goal(runs, target) if target is not None else {"evaluated": False},
-    }
+    keys = ("mode", "memory", "gpu_gb", "jct_s_p90")
+    return {"history_chunks": hist, "bytes_per_chunk": per, "ttl_s": ttl, "runs": runs,
+            "goal_search": [{k: r[k] for k in keys if k in r} for r in search],
+            "goal": goal(runs, target) if target is not None else {"evaluated": False}}  # fmt: skip
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -388,20 +378,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    p.add_argument("--device", default="h100", help="a simulated device, or cpu: real")
-    p.add_argument("--model", default=None, help="the shape's model unless given")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--memory", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.05, 0.1, 0.2], help="GPU tier as a share of every context")  # fmt: skip
-    p.add_argument("--cpu-ratio", type=float, default=1.0, help="CPU tier = this x GPU tier")
-    p.add_argument("--ttl", type=float, default=None,
-                   help="ttl-pin's TTL (s); default the tools' p90 duration")  # fmt: skip
-    p.add_argument("--agents", type=int, default=None)
-    p.add_argument("--chats", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-refine", action="store_true", help="no run at the interpolated memory")
-    p.add_argument("--out", type=Path, default=None)
+    add = p.add_argument
+    add("--shape", choices=sorted(SHAPES), default="8b")
+    add("--device", default="h100", help="a simulated device, or cpu: real")
+    add("--model", default=None, help="the shape's model unless given")
+    add("--modes", default=",".join(MODES))
+    add(
+        "--memory",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.05, 0.1, 0.2],
+        help="GPU tier as a share of every context",
+    )
+    add("--cpu-ratio", type=float, default=1.0, help="CPU tier = this x GPU tier")
+    add(
+        "--ttl", type=float, default=None, help="ttl-pin's TTL (s); default the tools' p90 duration"
+    )
+    for name in ("--agents", "--chats"):
+        add(name, type=int, default=None)
+    add("--seed", type=int, default=0)
+    add("--no-refine", action="store_true", help="no run at the interpolated memory")
+    add("--out", type=Path, default=None)  # fmt: skip
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     work = workload(shape, args.seed, args.agents, args.chats)
