@@ -3,19 +3,12 @@
     python -m bench.agent_protocols --agents 3 --steps 12
 
 Each agent asks a question with three function tools, then loops: the model must call a
-tool (`tool_choice: required`), the agent answers the call with a tool result of about
-`--result-words` words, and the context grows by the call and the result each step. Modes:
-
-- `responses`: the stateful protocol, `/v1/responses` with `previous_response_id`: a step
-  sends only the new function_call_output item.
-- `chat`: `/v1/chat/completions` resending the whole chat; the server finds the
-  conversation by its prefix and continues its KV.
-- `stateless`: the same resend against a server started with `cache_mode=stateless`, which
-  recomputes the whole context every step (what a stateless server does).
-
-Per step: the time from sending to the whole answer, the request's bytes, and the tokens
-the server reports as cached. JSON plus a plot in bench/results/ (device and commit
-recorded)."""
+tool (`tool_choice: required`), the agent answers with a result of about `--result-words`
+words. Modes: `responses` (`/v1/responses` with `previous_response_id`: a step sends only
+the new output item), `chat` (`/v1/chat/completions` resending the whole chat; the server
+finds the conversation by its prefix), `stateless` (the same resend to a server with
+`cache_mode=stateless`). Per step: time to the whole answer, request bytes, cached tokens.
+"""
 
 from __future__ import annotations
 
@@ -45,13 +38,12 @@ WORDS = "alpha beta gamma delta kernel cache chunk swap layer token batch step q
 
 
 def chat_tools() -> list[dict]:
-    return [{"type": "function", "function": {"name": n, "description": d, "parameters": PARAMS}}
-            for n, d in TOOLS]  # fmt: skip
+    return [{"type": "function", "function": t} for t in response_tools(flat=False)]
 
 
-def response_tools() -> list[dict]:
-    return [{"type": "function", "name": n, "description": d, "parameters": PARAMS}
-            for n, d in TOOLS]  # fmt: skip
+def response_tools(flat: bool = True) -> list[dict]:
+    tools = [{"name": n, "description": d, "parameters": PARAMS} for n, d in TOOLS]
+    return [{"type": "function", **t} for t in tools] if flat else tools
 
 
 def tool_result(rng: random.Random, words: int) -> str:
@@ -147,20 +139,15 @@ def run_mode(mode: str, args, tmp: Path) -> list[list[dict]]:
 
 def summary(runs: list[list[dict]]) -> dict:
     """Per step: the median over agents; overall: means over every step."""
-    steps = len(runs[0])
-    per_step = [
-        {k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]} for i in range(steps)
-    ]
+    per_step = [{k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]}
+                for i in range(len(runs[0]))]  # fmt: skip
     every = [s for r in runs for s in r]
-    return {
-        "per_step": per_step,
-        "latency_s_mean": statistics.fmean(s["latency_s"] for s in every),
-        "latency_s_last": per_step[-1]["latency_s"],
-        "bytes_sent_mean": statistics.fmean(s["bytes_sent"] for s in every),
-        "bytes_sent_last": per_step[-1]["bytes_sent"],
-        "cached_share": sum(s["cached_tokens"] for s in every)
-        / max(1, sum(s["prompt_tokens"] for s in every)),
-    }
+    mean = lambda k: statistics.fmean(s[k] for s in every)  # noqa: E731
+    return {"per_step": per_step, "latency_s_mean": mean("latency_s"),
+            "latency_s_last": per_step[-1]["latency_s"], "bytes_sent_mean": mean("bytes_sent"),
+            "bytes_sent_last": per_step[-1]["bytes_sent"],
+            "cached_share": sum(s["cached_tokens"] for s in every)
+            / max(1, sum(s["prompt_tokens"] for s in every))}  # fmt: skip
 
 
 def plot(result: dict, path: Path) -> None:

@@ -5,17 +5,12 @@ preparation of it, and the cache's bookkeeping of it.
     python -m bench.host_step --part step --profile 25   # the step alone, its 25 costliest functions
     python -m bench.host_step --part prep,cache          # the two small parts, printed only
 
-- `step`: a real `Engine` over `NoForward` (zero logits at once), a KV pool of the model's
-  layers at a few bytes a block, linear Cost(l). `--conversations` of about `--context`
-  tokens are seeded into both tiers; turns of `--prompt` tokens and `--decodes` + 1 replies
-  arrive one a step, so a ramped-up step holds `--decodes` decodes and one new prompt.
-  Timed: `Engine.step`'s wall and thread CPU time (median, p90 over `--steps`), split by
-  phase with timers for this run only; then `submit` and the snapshot (`capture`).
-- `prep`: `Runner.step` alone for a decode of `--prep-pieces` turns at `--prep-context`
-  tokens (lists, block tables, uploads, a greedy sample), with no pool copies.
-- `cache`: the cache manager's work of a step with `--cache-idle` idle conversations
-  filling the first tier: an admission check, 8 turns grown (0, 1 or 8 of them starting a
-  chunk, which evicts) and the ahead-of-time swap-out plan.
+- `step`: a real `Engine` over `NoForward`, a pool of a few bytes a block, linear Cost(l);
+  `--conversations` seeded in both tiers, a turn arriving each step until `--decodes` run.
+  Timed: `Engine.step` (wall and thread CPU time) split by phase, `submit`, the snapshot.
+- `prep`: `Runner.step` alone for a decode of `--prep-pieces` turns at `--prep-context`.
+- `cache`: the cache manager's work of a step over `--cache-idle` idle conversations: an
+  admission check, 8 turns grown (0, 1 or 8 starting a chunk, which evicts), the swap-out plan.
 `measure(Load(...), device)` is the step part as a function (a GPU profile reuses it).
 """
 
@@ -105,10 +100,8 @@ class HostOnly(Local):
 
     def pool(self, gpu_blocks: int, cpu_blocks: int, layout: KVLayout) -> KVPool:
         c = self.config
-        return KVPool(
-            self.pool_args, gpu_blocks, cpu_blocks, c.chunk_size, self.device, self.dtype,
-            layout=layout,
-        )  # fmt: skip
+        return KVPool(self.pool_args, gpu_blocks, cpu_blocks, c.chunk_size, self.device,
+                      self.dtype, layout=layout)  # fmt: skip
 
     def runner(self, pool: KVPool) -> Runner:
         return Runner(NoForward(), pool, self.config.chunk_size, self.attention)
@@ -119,14 +112,10 @@ class HostOnly(Local):
 
 def build_engine(load: Load, device: str = "cpu") -> Engine:
     config = EngineConfig(
-        model=load.model,
-        device=device,
-        gpu_cache_chunks=load.gpu_cache_chunks,
-        cpu_cache_chunks=load.cpu_cache_chunks,
-        pack_cpu_weights=False,  # the weights are never used
-        cuda_graphs=False,  # nothing to capture: the forward is nothing
-        max_running=max(256, load.decodes + 1),
-    )
+        model=load.model, device=device, gpu_cache_chunks=load.gpu_cache_chunks,
+        cpu_cache_chunks=load.cpu_cache_chunks, max_running=max(256, load.decodes + 1),
+        pack_cpu_weights=False, cuda_graphs=False,  # the weights are never used
+    )  # fmt: skip
     return Engine(config, backend=HostOnly(config))
 
 
@@ -155,8 +144,7 @@ class Phases:
         self.pieces: list[tuple[int, int]] = []  # (decodes, other tokens) of each forward
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
-        fn = getattr(obj, name)
-        clock = time.perf_counter
+        fn, clock = getattr(obj, name), time.perf_counter
 
         def timed(*args, **kwargs):
             start = clock()
@@ -169,12 +157,11 @@ class Phases:
 
     def attach(self, engine: Engine) -> None:
         r, pool = engine.runner, engine.pool
-        self.wrap(engine.scheduler, "schedule", "schedule")
-        self.wrap(r, "step", "runner")
-        self.wrap(r, "run", "forward")
-        self.wrap(r, "sampler", "sample")
-        self.wrap(pool, "begin_step", "copies_before")
-        self.wrap(pool, "end_step", "copies_after")
+        for obj, name, phase in ((engine.scheduler, "schedule", "schedule"), (r, "step", "runner"),
+                                 (r, "run", "forward"), (r, "sampler", "sample"),
+                                 (pool, "begin_step", "copies_before"),
+                                 (pool, "end_step", "copies_after")):  # fmt: skip
+            self.wrap(obj, name, phase)
         step = r.step
 
         def counted(pieces, plan):
@@ -185,25 +172,29 @@ class Phases:
         r.step = counted
 
     def split(self, before: dict[str, float], total_s: float) -> dict[str, float]:
-        """One step's phases in ms, from the totals before it and its wall time."""
+        """One step's phases in ms, from the totals before it and its wall time (copies
+        before the forward start inside the runner's step, those after outside it)."""
         d = {k: v - before.get(k, 0.0) for k, v in self.s.items()}
-        runner, fwd, smp = d.get("runner", 0.0), d.get("forward", 0.0), d.get("sample", 0.0)
-        before_copies, after_copies = d.get("copies_before", 0.0), d.get("copies_after", 0.0)
-        # copies before the forward are started inside the runner's step, those after outside
+        g = lambda k: d.get(k, 0.0)  # noqa: E731
         ms = {
-            "schedule": d.get("schedule", 0.0),
-            "build": runner - fwd - smp - before_copies,
-            "copies": before_copies + after_copies,
-            "forward": fwd,
-            "sample": smp,
+            "schedule": g("schedule"),
+            "build": g("runner") - g("forward") - g("sample") - g("copies_before"),
+            "copies": g("copies_before") + g("copies_after"),
+            "forward": g("forward"),
+            "sample": g("sample"),
+            "bookkeeping": total_s - g("schedule") - g("runner") - g("copies_after"),
         }
-        ms["bookkeeping"] = total_s - d.get("schedule", 0.0) - runner - after_copies
         return {k: v * 1e3 for k, v in ms.items()}
 
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _ms(xs: list[float], *keys: str) -> dict[str, float]:
+    f = {"median": statistics.median, "p90": lambda v: _pct(v, 0.9), "mean": statistics.fmean}
+    return {k: round(f[k](xs), 3) for k in keys}
 
 
 def measure(
@@ -263,24 +254,10 @@ def measure(
             "load": asdict(load),
             "device": device,
             "goal_ms": GOAL_MS,
-            "host_ms": {
-                "median": round(statistics.median(steps_ms), 3),
-                "p90": round(_pct(steps_ms, 0.9), 3),
-                "mean": round(statistics.fmean(steps_ms), 3),
-            },
-            # the step thread's CPU time: what a machine shared with other work adds to the
-            # wall time (waiting for a core) left out
-            "host_cpu_ms": {
-                "median": round(statistics.median(cpu_ms), 3),
-                "p90": round(_pct(cpu_ms, 0.9), 3),
-            },
-            "phases_ms": {
-                k: {
-                    "median": round(statistics.median(s[k] for s in split), 3),
-                    "mean": round(statistics.fmean(s[k] for s in split), 3),
-                }
-                for k in PHASES
-            },
+            "host_ms": _ms(steps_ms, "median", "p90", "mean"),
+            # the step thread's CPU time: the wait for a core on a shared machine left out
+            "host_cpu_ms": _ms(cpu_ms, "median", "p90"),
+            "phases_ms": {k: _ms([s[k] for s in split], "median", "mean") for k in PHASES},
             "per_step": {
                 "decodes": statistics.median(p[0] for p in pieces),
                 "prompt_tokens": statistics.median(p[1] for p in pieces),
@@ -302,36 +279,35 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     from bench.lib.plots import plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    h, goal = result["host_ms"], result["goal_ms"]
     ax.plot(result["steps_ms"], lw=0.8, color="tab:blue", label="host ms per step")
-    h = result["host_ms"]
-    ax.axhline(h["median"], color="tab:blue", ls="--", lw=1, label=f"median {h['median']:.2f}")
-    ax.axhline(h["p90"], color="tab:orange", ls=":", lw=1, label=f"p90 {h['p90']:.2f}")
-    ax.axhline(result["goal_ms"], color="tab:red", lw=1, label=f"goal {result['goal_ms']:g}")
-    ax.set_xlabel("measured step")
-    ax.set_ylabel("ms")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
+    for y, style, label in ((h["median"], ("tab:blue", "--"), f"median {h['median']:.2f}"),
+                            (h["p90"], ("tab:orange", ":"), f"p90 {h['p90']:.2f}"),
+                            (goal, ("tab:red", "-"), f"goal {goal:g}")):  # fmt: skip
+        ax.axhline(y, color=style[0], ls=style[1], lw=1, label=label)
+    ax.set(xlabel="measured step", ylabel="ms", ylim=(0, None))
     ax.legend(fontsize=8)
-    means = [result["phases_ms"][k]["mean"] for k in PHASES]
-    bars = bx.barh(list(PHASES), means, color="tab:green")
+    bars = bx.barh(
+        list(PHASES), [result["phases_ms"][k]["mean"] for k in PHASES], color="tab:green"
+    )
     bx.bar_label(bars, fmt="%.3f", fontsize=7)
     bx.invert_yaxis()
     bx.set_xlabel("mean ms per step")
-    bx.grid(True, axis="x", alpha=0.3)
-    lo, per = result["load"], result["per_step"]
+    for a in (ax, bx):
+        a.grid(True, alpha=0.3)
+    lo, per, env = result["load"], result["per_step"], result["environment"]
     fig.suptitle(
         f"Host time of a step, forward replaced by nothing: {lo['conversations']} held, "
         f"{per['decodes']:g} decodes + {per['prompt_tokens']:g} prompt tokens "
-        f"({result['environment']['device']}, {result['environment']['git_commit'][:12]})",
-        fontsize=9,
-    )
+        f"({env['device']}, {env['git_commit'][:12]})", fontsize=9,
+    )  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-# ---- prep: the runner's work alone ------------------------------------------------------------
+# ---- prep: the runner's work alone; cache: the cache manager's ------------------------------
 
 
 class NoPool:
@@ -372,9 +348,6 @@ def prep_us(n: int, context: int, steps: int = 300) -> float:
         runner.step(ps, plan)
         times.append(time.perf_counter() - start)
     return statistics.median(times[50:]) * 1e6
-
-
-# ---- cache: the cache manager's work alone ----------------------------------------------------
 
 
 def idle_manager(idle: int) -> tuple[KVCacheManager, list[float]]:
@@ -433,13 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     d = Load()
     for name, value in asdict(d).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated: step,prep,cache")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
-    ap.add_argument("--prep-pieces", type=int, default=64, help="prep: decodes in the step")
-    ap.add_argument("--prep-context", type=int, default=2048, help="prep: tokens of each")
-    ap.add_argument("--cache-idle", type=int, default=2000, help="cache: idle conversations")
-    ap.add_argument("--out", type=Path, default=None, help="the JSON (and .png beside it)")
+    add = ap.add_argument
+    add("--part", default=",".join(PARTS), help="comma-separated: step,prep,cache")
+    add("--device", default="cpu")
+    add("--profile", type=int, default=0, help="print the N costliest functions")
+    add("--prep-pieces", type=int, default=64, help="prep: decodes in the step")
+    add("--prep-context", type=int, default=2048, help="prep: tokens of each")
+    add("--cache-idle", type=int, default=2000, help="cache: idle conversations")
+    add("--out", type=Path, default=None, help="the JSON (and .png beside it)")
     args = ap.parse_args(argv)
     parts = args.part.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -451,12 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         prof = print_profile(args.profile) if args.profile else None
         result = measure(load, args.device, prof)
     if "prep" in parts:
-        us = prep_us(args.prep_pieces, args.prep_context)
-        result["prep"] = {
-            "pieces": args.prep_pieces,
-            "context": args.prep_context,
-            "us": round(us, 1),
-        }
+        us = round(prep_us(args.prep_pieces, args.prep_context), 1)
+        result["prep"] = {"pieces": args.prep_pieces, "context": args.prep_context, "us": us}
     if "cache" in parts:
         us = {f"{k}_evictions": round(cache_us(args.cache_idle, k), 1) for k in (0, 1, 8)}
         result["cache"] = {"idle_conversations": args.cache_idle, "us": us}

@@ -4,14 +4,11 @@ bfloat16 ones (oneDNN-packed, the CPU default), A/B interleaved on a shared mach
     python -m bench.int4_weights                      # 8 rows (and 1, 16), 2 threads
     python -m bench.int4_weights --rows 8 --rounds 40 --threads 1
 
-Both models are loaded as the engine's CPU backend loads them (`Local`: `weights=bfloat16`
-and `weights=gguf`, both `dtype=bfloat16`, packed linears), over pools of their own. One
-round times `--steps` decode steps of the whole forward (embedding to logits, attention
-over `--context` cached tokens a row) of each in turn; the figures are the median of the
-rounds' per-step times, with the rounds' spread, and the median of the rounds' paired
-ratios int4 / dense (both arms under the same load: the steadier figure). The weights' resident size counts every
-tensor the model holds once (the packed and 4-bit layouts as stored; the tied embedding
-once). Results: bench/results/int4_weights_<commit>_<threads>t.json and .png.
+Both loaded as the engine's CPU backend loads them (`weights=bfloat16` and `weights=gguf`,
+packed linears). A round times `--steps` whole decode steps (attention over `--context`
+cached tokens a row) of each in turn; figures: the median of the rounds, their spread, and
+the median of the rounds' paired ratios int4 / dense. The weights' resident size counts each
+tensor once. Results: bench/results/int4_weights_<commit>_<threads>t.json and .png.
 """
 
 from __future__ import annotations
@@ -104,23 +101,19 @@ def main() -> None:
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(10, 4))
-    rows = list(result["step_ms"])
+    steps = result["step_ms"]
+    rows = list(steps)
     for arm in ARMS:
-        med = [result["step_ms"][r][arm]["median"] for r in rows]
-        ax.plot(rows, med, "o-", label=f"{arm} ({result['weights_mib'][arm]:.0f} MiB weights)")
-    ax.set_xlabel("rows (decoding turns)")
-    ax.set_ylabel("decode step, ms (median of rounds)")
+        label = f"{arm} ({result['weights_mib'][arm]:.0f} MiB weights)"
+        ax.plot(rows, [steps[r][arm]["median"] for r in rows], "o-", label=label)
+    ax.set(xlabel="rows (decoding turns)", ylabel="decode step, ms (median of rounds)")
     ax.legend()
-    rx.bar([str(r) for r in rows], [result["step_ms"][r]["int4_over_dense"] for r in rows])
+    rx.bar([str(r) for r in rows], [steps[r]["int4_over_dense"] for r in rows])
     rx.axhline(1.0, color="k", lw=0.8)
-    rx.set_xlabel("rows")
-    rx.set_ylabel("int4 / dense step time (median of paired rounds)")
+    rx.set(xlabel="rows", ylabel="int4 / dense step time (median of paired rounds)")
     t = result["settings"]["threads"]
     fig.suptitle(f"SmolLM2-135M decode step: GGUF int4 vs bfloat16 dense, {t} threads")
     fig.tight_layout()

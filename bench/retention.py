@@ -5,26 +5,16 @@
     python -m bench.retention --shape 8b --memory 0.15,0.3 --modes tool-aware,ttl-pin
     python -m bench.retention --shape cpu --device cpu    # REAL: the bundled model, a small scale
 
-Agent sessions (`bench/lib/agents.py`) over a background of ShareGPT chats, on a simulated
-device with the real scheduler, cache and policy (`--device cpu`: the real engine in real
-time, `--shape cpu` a small scale). At equal memory, how the cache keeps an agent's KV while
-its tool runs (`MODES`):
-
-- `cost-t`: the default value Cost/T, tool calls not reported;
-- `tool-aware`: each tool call reported (`Engine.tools_called`): a waiting agent is worth
-  Cost over its tool's expected time still to come, learned per tool name;
-- `tool-hold`: tool-aware, and waiting agents held for the p90 tool gap (`tool_holds`);
-- `ttl-pin`: a fixed TTL pin after each tool call (`Turn.retention`), as Continuum (arXiv
-  2511.02230); tool calls reported for the job order only;
-- `lru`; `hints`: tool-aware plus a pin of the tool's expected time sent by the agent, and
-  `ttl_s` 0 at the end of a session (no other mode has that hint);
-- `oracle`: the same GPU tier and a CPU tier that holds everything (swaps, never drops).
-
-Memory is swept as a share of every conversation's context (`--memory`, the GPU tier; the
-CPU tier `--cpu-ratio` times it); then the memory where ttl-pin's p90 job completion time is
-1.2x the oracle's is searched, and every mode run there: the goal is read at it. Per mode:
-job completion time, time to first token per step, recomputed tokens, pinned bytes, chat
-latency.
+Agent sessions (`bench/lib/agents.py`) over ShareGPT chats, on a simulated device with the
+real scheduler, cache and policy (`--device cpu`: the real engine in real time). At equal
+memory, how the cache keeps an agent's KV while its tool runs (`MODES`): `cost-t` (Cost/T,
+tool calls not reported), `tool-aware` (each tool call reported: a waiting agent is worth
+Cost over its tool's expected time still to come), `tool-hold` (and waiting agents held for
+the p90 tool gap), `ttl-pin` (a fixed TTL pin per tool call, as Continuum, arXiv
+2511.02230), `lru`, `hints` (tool-aware plus the tool's expected time as a pin, `ttl_s` 0 at
+the end), `oracle` (a CPU tier that holds everything). Memory is swept as a share of every
+context (`--memory`); then the memory where ttl-pin's p90 job time is 1.2x the oracle's is
+searched and every mode run there: the goal is read at it.
 """
 
 from __future__ import annotations
@@ -51,7 +41,6 @@ GOAL_SEARCH = 4  # ttl-pin runs at most to find it
 SAMPLE_S = 1.0  # virtual seconds between samples of the pinned bytes
 
 
-# A run the engine could not finish: its figures are not numbers
 FAILED = {k: float("nan") for k in ("jct_s_p50", "jct_s_p90", "ttft_s_p90", "pinned_gb_mean",
                                    "agent_recomputed_tokens", "chat_recomputed_tokens")}  # fmt: skip
 
@@ -98,36 +87,16 @@ CPU_TOOLS = tuple(replace(t, median_s=t.median_s / 4) for t in ag.TOOLS)
 SHAPES = {
     # Llama 3 8B (128 KiB of KV a token): contexts to 100k tokens, 1-4k a tool result.
     "8b": Shape("dummy:llama-3-8b", ag.AgentSpec(), 16, 1 / 15, 300, 0.5),
-    # The 13B-GQA10 shape of the other H100 simulations: its positions stop at 16k, so tool
-    # results are a quarter as long (250-1000 tokens) and sessions stop at 16k of context.
-    "13b": Shape(
-        "dummy:llama-2-13b-gqa10",
-        ag.AgentSpec(task=(1000, 2000), output_scale=0.25, context_cap=16_000),
-        24,
-        1 / 10,
-        300,
-        0.5,
-    ),
-    # Real on the CPU (`--device cpu`): the bundled SmolLM2-135M, 6 agents of 6-10 steps to
-    # 1.5k tokens (tool results 50-200 tokens) over 12 chats cut to 1.5k, users thinking 5 s.
-    "cpu": Shape(
-        "smollm2-135m-instruct",
-        ag.AgentSpec(
-            steps=(6, 10),
-            task=(200, 400),
-            reply=(8, 24),
-            answer=24,
-            output_scale=0.05,
-            context_cap=1536,
-            tools=CPU_TOOLS,
-        ),  # fmt: skip
-        6,
-        1 / 4,
-        12,
-        0.5,
-        5.0,
-    ),
-}
+    # 13B-GQA10, positions to 16k: tool results a quarter as long, sessions stop at 16k.
+    "13b": Shape("dummy:llama-2-13b-gqa10",
+                 ag.AgentSpec(task=(1000, 2000), output_scale=0.25, context_cap=16_000),
+                 24, 1 / 10, 300, 0.5),
+    # Real on the CPU: the bundled model, 6 agents of 6-10 steps to 1.5k tokens, 12 chats.
+    "cpu": Shape("smollm2-135m-instruct",
+                 ag.AgentSpec(steps=(6, 10), task=(200, 400), reply=(8, 24), answer=24,
+                              output_scale=0.05, context_cap=1536, tools=CPU_TOOLS),
+                 6, 1 / 4, 12, 0.5, 5.0),
+}  # fmt: skip
 
 
 # ---- one run ----------------------------------------------------------------------------------
@@ -177,24 +146,16 @@ def run(work: ag.Workload, mode: Mode, model: str, device: str, gpu: int, cpu: i
 
     t = time.perf_counter()
     try:
-        records, span = replay(
-            engine, plans, mode.name, retention=retention, on_end=ended, on_step=on_step
-        )
+        records, span = replay(engine, plans, mode.name, retention=retention, on_end=ended,
+                               on_step=on_step)  # fmt: skip
         counters = asdict(engine.snapshot().counters)
     finally:
         engine.close()
-    out = summarize(work, records)
-    out.update(
-        mode=mode.name,
-        gpu_cache_chunks=gpu,
-        cpu_cache_chunks=cpu,
-        span_s=span,
-        pinned_gb_mean=sum(pinned) / len(pinned) / 2**30 if pinned else 0.0,
-        pinned_gb_max=max(pinned, default=0) / 2**30,
-        counters=counters,
-        real_s=time.perf_counter() - t,
-    )
-    return out
+    return {**summarize(work, records), "mode": mode.name, "gpu_cache_chunks": gpu,
+            "cpu_cache_chunks": cpu, "span_s": span,
+            "pinned_gb_mean": sum(pinned) / len(pinned) / 2**30 if pinned else 0.0,
+            "pinned_gb_max": max(pinned, default=0) / 2**30, "counters": counters,
+            "real_s": time.perf_counter() - t}  # fmt: skip
 
 
 def summarize(work: ag.Workload, records: list[wl.TurnRecord]) -> dict[str, Any]:
@@ -225,26 +186,20 @@ def summarize(work: ag.Workload, records: list[wl.TurnRecord]) -> dict[str, Any]
     ttft = [r.ttft_s for r in agent if not r.error]
     steps = [r.ttft_s for r in agent if not r.error and r.index > 0]  # after a tool returns
     chat_lat = [r.latency_s for r in chat if not r.error]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {
-        "jobs": len(jobs),
-        "unfinished": unfinished,
-        "jct_s_p50": pct(jobs, 50),
-        "jct_s_p90": pct(jobs, 90),
-        "jct_s_mean": sum(jobs) / len(jobs) if jobs else float("nan"),
-        "ttft_s_p50": pct(ttft, 50),
-        "ttft_s_p90": pct(ttft, 90),
-        "ttft_s_mean": sum(ttft) / len(ttft) if ttft else float("nan"),
+        "jobs": len(jobs), "unfinished": unfinished,
+        "jct_s_p50": pct(jobs, 50), "jct_s_p90": pct(jobs, 90), "jct_s_mean": mean(jobs),
+        "ttft_s_p50": pct(ttft, 50), "ttft_s_p90": pct(ttft, 90), "ttft_s_mean": mean(ttft),
         "step_ttft_s_p90": pct(steps, 90),
         "agent_recomputed_tokens": total(agent, "recomputed_tokens"),
         "agent_recomputed_by_tool": by_tool,
         "agent_swapped_in_tokens": total(agent, "swapped_in_tokens"),
         "agent_context_tokens": sum(r.context_tokens for r in agent),
-        "chat_recomputed_tokens": total(chat, "recomputed_tokens"),
-        "chat_turns": len(chat),
-        "chat_latency_s_p50": pct(chat_lat, 50),
-        "chat_latency_s_p90": pct(chat_lat, 90),
+        "chat_recomputed_tokens": total(chat, "recomputed_tokens"), "chat_turns": len(chat),
+        "chat_latency_s_p50": pct(chat_lat, 50), "chat_latency_s_p90": pct(chat_lat, 90),
         "errors": sum(1 for r in records if r.error),
-    }
+    }  # fmt: skip
 
 
 def _chunks(conv: wl.Conversation, chunk: int = 32) -> int:
@@ -254,19 +209,15 @@ def _chunks(conv: wl.Conversation, chunk: int = 32) -> int:
 # ---- the sweep and the goal -------------------------------------------------------------------
 
 
-def workload(shape: Shape, seed: int, agents: int | None = None, chats: int | None = None,
-             spec: ag.AgentSpec | None = None) -> ag.Workload:  # fmt: skip
+def workload(shape: Shape, seed: int, agents: int | None = None, chats: int | None = None):
     """The shape's agents over its background of ShareGPT chats (the committed sample)."""
     n_chats = shape.chats if chats is None else chats
-    convs: list[wl.Conversation] = []
-    if n_chats:
-        sample, _ = read_sample(CHATS)
-        cap = (spec or shape.spec).context_cap
-        capped = (wl.cap_conversation(c, cap, 1024) for c in sample[:n_chats])
-        convs = [wl.Conversation(f"chat-{c.id}", c.turns) for c in capped if c is not None]
+    sample = read_sample(CHATS)[0][:n_chats] if n_chats else []
+    capped = (wl.cap_conversation(c, shape.spec.context_cap, 1024) for c in sample)
+    convs = [wl.Conversation(f"chat-{c.id}", c.turns) for c in capped if c is not None]
     n_agents = shape.agents if agents is None else agents
     return ag.build(n_agents, shape.agent_rate, convs, shape.chat_rate, shape.think_s, seed,
-                    spec or shape.spec)  # fmt: skip
+                    shape.spec)  # fmt: skip
 
 
 def history_chunks(work: ag.Workload) -> int:
@@ -298,10 +249,8 @@ def nearest(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def goal_memory(runs: list[dict], run_at) -> tuple[float | None, list[dict]]:
     """The memory where ttl-pin's p90 job time is `GOAL_SLOWDOWN` x the oracle's: from the
-    sweep's crossing, then ttl-pin and the oracle alone run at each new interpolation (the
-    curve is steep there: one interpolation missed by 0.1x) until within `GOAL_TOLERANCE`.
-    Returns it (None: the sweep never crossed) and the search's runs (`run_at(memory)` runs
-    both there)."""
+    sweep's crossing, then ttl-pin and the oracle alone (`run_at(memory)`) at each new
+    interpolation until within `GOAL_TOLERANCE`; it (None: never crossed) and those runs."""
     search: list[dict] = []
     target = None
     for _ in range(GOAL_SEARCH):
@@ -329,18 +278,11 @@ def goal(runs: list[dict], memory: float, mode: str = "tool-aware") -> dict[str,
         return {"memory": memory, "evaluated": False}
     ta, ttl, lru = at[mode], at["ttl-pin"], at["lru"]
     jct = ta["jct_s_p90"] / ttl["jct_s_p90"]
-    recompute = (ta["agent_recomputed_tokens"] + ta["chat_recomputed_tokens"]) / max(
-        1, lru["agent_recomputed_tokens"] + lru["chat_recomputed_tokens"]
-    )
-    out = {
-        "memory": memory,
-        "evaluated": True,
-        "jct_p90_vs_ttl": jct,
-        "recomputed_vs_lru": recompute,
-        "met_jct": jct <= 0.85,
-        "met_recompute": recompute <= 0.5,
-        "met": jct <= 0.85 and recompute <= 0.5,
-    }
+    recomputed = lambda r: r["agent_recomputed_tokens"] + r["chat_recomputed_tokens"]  # noqa: E731
+    recompute = recomputed(ta) / max(1, recomputed(lru))
+    out = {"memory": memory, "evaluated": True, "jct_p90_vs_ttl": jct,
+           "recomputed_vs_lru": recompute, "met_jct": jct <= 0.85,
+           "met_recompute": recompute <= 0.5, "met": jct <= 0.85 and recompute <= 0.5}  # fmt: skip
     if mode == "tool-aware" and "tool-hold" in at:
         out["tool-hold"] = goal(runs, memory, "tool-hold")
     return out
@@ -391,47 +333,41 @@ def sweep(args, shape: Shape, work: ag.Workload, log=print) -> dict[str, Any]:
             runs += [r for r in search if r["memory"] == target]
     if target is None and (points := slowdowns(runs)):  # not crossed: the nearest swept
         target = nearest(points)[0]
-    return {
-        "history_chunks": hist,
-        "bytes_per_chunk": per,
-        "ttl_s": ttl,
-        "runs": runs,
-        "goal_search": [
-            {k: r[k] for k in ("mode", "memory", "gpu_gb", "jct_s_p90") if k in r} for r in search
-        ],  # fmt: skip
-        "goal": goal(runs, target) if target is not None else {"evaluated": False},
-    }
+    keys = ("mode", "memory", "gpu_gb", "jct_s_p90")
+    return {"history_chunks": hist, "bytes_per_chunk": per, "ttl_s": ttl, "runs": runs,
+            "goal_search": [{k: r[k] for k in keys if k in r} for r in search],
+            "goal": goal(runs, target) if target is not None else {"evaluated": False}}  # fmt: skip
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     from bench.lib.plots import plt
 
-    runs = result["runs"]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    panels = (
-        ("jct_s_p90", "job completion time p90 (s)"),
-        ("ttft_s_p90", "time to first token per step, p90 (s)"),
-        ("recomputed", "recomputed tokens (agents + chats)"),
-        ("pinned_gb_mean", "pinned KV, mean (GB)"),
-    )
+    panels = (("jct_s_p90", "job completion time p90 (s)"),
+              ("ttft_s_p90", "time to first token per step, p90 (s)"),
+              ("recomputed", "recomputed tokens (agents + chats)"),
+              ("pinned_gb_mean", "pinned KV, mean (GB)"))  # fmt: skip
     for ax, (key, label) in zip(axes.flat, panels, strict=True):
         for mode in MODES:
-            rs = sorted((r for r in runs if r["mode"] == mode and "failed" not in r),
+            rs = sorted((r for r in result["runs"] if r["mode"] == mode and "failed" not in r),
                         key=lambda r: r["memory"])  # fmt: skip
-            if not rs:
-                continue
-            xs = [r["gpu_gb"] for r in rs]
-            ys = [_value(r, key) for r in rs]
+            ys = [r["agent_recomputed_tokens"] + r["chat_recomputed_tokens"]
+                  if key == "recomputed" else r[key] for r in rs]  # fmt: skip
             style = {"color": "black", "ls": "--"} if mode == "oracle" else {}
-            ax.plot(xs, ys, marker="o", label=mode, **style)
+            if rs:
+                ax.plot([r["gpu_gb"] for r in rs], ys, marker="o", label=mode, **style)
         ax.set(xlabel="GPU tier (GB); the CPU tier as large, the oracle's all", ylabel=label)
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
     env, g = result["environment"], result["goal"]
-    verdict = ""
-    if g.get("evaluated"):
-        verdict = (f"; at {g['memory']:.3f}: tool-aware p90 JCT {g['jct_p90_vs_ttl']:.3f}x "
-                   f"ttl-pin, recompute {g['recomputed_vs_lru']:.3f}x lru")  # fmt: skip
+    verdict = (
+        (
+            f"; at {g['memory']:.3f}: tool-aware p90 JCT {g['jct_p90_vs_ttl']:.3f}x "
+            f"ttl-pin, recompute {g['recomputed_vs_lru']:.3f}x lru"
+        )
+        if g.get("evaluated")
+        else ""
+    )
     how = "SIMULATED" if result["simulated"] else "REAL"
     fig.suptitle(f"{how} {result['device']} {result['model']}: {result['agents']} agents "
                  f"over {result['chats']} chats ({env['git_commit'][:9]}){verdict}",
@@ -440,46 +376,39 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _value(r: dict, key: str) -> float:
-    if key == "recomputed":
-        return r["agent_recomputed_tokens"] + r["chat_recomputed_tokens"]
-    return r[key]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    p.add_argument("--device", default="h100", help="a simulated device, or cpu: real")
-    p.add_argument("--model", default=None, help="the shape's model unless given")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--memory", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.05, 0.1, 0.2], help="GPU tier as a share of every context")  # fmt: skip
-    p.add_argument("--cpu-ratio", type=float, default=1.0, help="CPU tier = this x GPU tier")
-    p.add_argument("--ttl", type=float, default=None,
-                   help="ttl-pin's TTL (s); default the tools' p90 duration")  # fmt: skip
-    p.add_argument("--agents", type=int, default=None)
-    p.add_argument("--chats", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-refine", action="store_true", help="no run at the interpolated memory")
-    p.add_argument("--out", type=Path, default=None)
+    add = p.add_argument
+    add("--shape", choices=sorted(SHAPES), default="8b")
+    add("--device", default="h100", help="a simulated device, or cpu: real")
+    add("--model", default=None, help="the shape's model unless given")
+    add("--modes", default=",".join(MODES))
+    add(
+        "--memory",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.05, 0.1, 0.2],
+        help="GPU tier as a share of every context",
+    )
+    add("--cpu-ratio", type=float, default=1.0, help="CPU tier = this x GPU tier")
+    add(
+        "--ttl", type=float, default=None, help="ttl-pin's TTL (s); default the tools' p90 duration"
+    )
+    for name in ("--agents", "--chats"):
+        add(name, type=int, default=None)
+    add("--seed", type=int, default=0)
+    add("--no-refine", action="store_true", help="no run at the interpolated memory")
+    add("--out", type=Path, default=None)  # fmt: skip
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     work = workload(shape, args.seed, args.agents, args.chats)
     print(json.dumps(work.info["tool_s"]["all"]), wl.format_summary(work.info["agent_summary"]))
     device = device_of(args.device)
     result: dict[str, Any] = {
-        "benchmark": "retention",
-        "simulated": device != "cpu",
-        "device": device,
-        "shape": args.shape,
-        "model": args.model or shape.model,
-        "agents": len(work.sessions),
-        "chats": len(work.chats),
-        "tools": [asdict(t) for t in shape.spec.tools],
-        "workload": work.info,
-        "cpu_ratio": args.cpu_ratio,
-        "environment": environment(),
-    }
+        "benchmark": "retention", "simulated": device != "cpu", "device": device,
+        "shape": args.shape, "model": args.model or shape.model, "agents": len(work.sessions),
+        "chats": len(work.chats), "tools": [asdict(t) for t in shape.spec.tools],
+        "workload": work.info, "cpu_ratio": args.cpu_ratio, "environment": environment(),
+    }  # fmt: skip
     result.update(sweep(args, shape, work))
     g = result["goal"]
     print("goal:", json.dumps(g))

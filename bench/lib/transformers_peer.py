@@ -1,11 +1,8 @@
 """The transformers peer of `bench.peer_cpu` (`--peer transformers`): the engine's cache
-modes in process against transformers' continuous batching, round by round.
-
-Each round submits the next turn of every conversation in one `engine.run` call, every reply
-exactly `--output` tokens (`ignore_eos`). Rows: the engine in `pensieve`, `gpu` (first tier
-only) and `stateless` modes and with `lru` eviction, "roomy" pools holding every
-conversation in the first tier, "tight" ones about half of the idle history; and
-`generate_batch`, which keeps nothing between calls, so each round re-prefills every history.
+modes in process against transformers' continuous batching, round by round (each round the
+next turn of every conversation, every reply exactly `--output` tokens). Engine rows: roomy
+pools (everything fits the first tier) or tight ones (about half the idle history);
+`generate_batch` keeps nothing between calls, so each round re-prefills every history.
 """
 
 from __future__ import annotations
@@ -44,25 +41,18 @@ def run_engine(setup: Setup, convs, args, pools: dict[str, tuple[int, int]]) -> 
     from engine import Engine, EngineConfig, SamplingParams, Turn
 
     gpu, cpu = pools[setup.pools]
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            device="cpu",
-            dtype="float32",
-            gpu_cache_chunks=gpu,
-            cpu_cache_chunks=cpu if setup.cache_mode == "pensieve" else 0,
-            cache_mode=setup.cache_mode,
-            eviction=setup.eviction,
-            max_batch_tokens=args.max_batch_tokens,
-        )
-    )
+    cpu = cpu if setup.cache_mode == "pensieve" else 0
+    engine = Engine(EngineConfig(
+        model=args.model, device="cpu", dtype="float32", gpu_cache_chunks=gpu,
+        cpu_cache_chunks=cpu, cache_mode=setup.cache_mode, eviction=setup.eviction,
+        max_batch_tokens=args.max_batch_tokens,
+    ))  # fmt: skip
     try:
         sp = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
         engine.run([Turn("warmup", list(convs[0].turns[0].prompt[:64]), sp)])  # one-time costs
         engine.free("warmup")
-        totals = dict.fromkeys(
-            ("cached_tokens", "swapped_in_tokens", "recomputed_tokens", "generated"), 0
-        )
+        keys = ("cached_tokens", "swapped_in_tokens", "recomputed_tokens")
+        totals = dict.fromkeys((*keys, "generated"), 0)
         round_s = []
         t0 = time.perf_counter()
         for batch in rounds(convs):
@@ -71,24 +61,17 @@ def run_engine(setup: Setup, convs, args, pools: dict[str, tuple[int, int]]) -> 
             round_s.append(time.perf_counter() - t)
             for r in results:
                 totals["generated"] += len(r.token_ids)
-                for key in ("cached_tokens", "swapped_in_tokens", "recomputed_tokens"):
+                for key in keys:
                     totals[key] += getattr(r.stats, key)
         wall = time.perf_counter() - t0
         counters = engine.snapshot().counters
     finally:
         engine.close()
-    return {
-        "name": setup.name,
-        "setup": asdict(setup),
-        "gpu_cache_chunks": gpu,
-        "cpu_cache_chunks": cpu if setup.cache_mode == "pensieve" else 0,
-        "wall_s": wall,
-        "round_s": round_s,
-        "tokens_per_s": totals["generated"] / wall,
-        **totals,
-        "suspensions": counters.suspensions,
-        "swapped_out_tokens": counters.swapped_out_tokens,
-    }
+    return {"name": setup.name, "setup": asdict(setup), "gpu_cache_chunks": gpu,
+            "cpu_cache_chunks": cpu, "wall_s": wall, "round_s": round_s,
+            "tokens_per_s": totals["generated"] / wall, **totals,
+            "suspensions": counters.suspensions,
+            "swapped_out_tokens": counters.swapped_out_tokens}  # fmt: skip
 
 
 def run_generate_batch(convs, args) -> dict[str, Any]:
@@ -99,21 +82,14 @@ def run_generate_batch(convs, args) -> dict[str, Any]:
     from engine.model.loader import model_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_dir(args.model), dtype=torch.float32).eval()
-    gen = GenerationConfig(
-        max_new_tokens=args.output,
-        min_new_tokens=args.output,  # like ignore_eos: every reply has the same length
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    longest = max(c.context_lens()[-1] for c in convs)
-    page = 256
+    gen = GenerationConfig(max_new_tokens=args.output, do_sample=False, eos_token_id=None,
+                           min_new_tokens=args.output,  # like ignore_eos: every reply as long
+                           pad_token_id=0)  # fmt: skip
+    longest, page = max(c.context_lens()[-1] for c in convs), 256
     cb = ContinuousBatchingConfig(
-        page_size=page,
-        num_blocks=len(convs) * (-(-longest // page) + 1),
-        max_batch_tokens=args.max_batch_tokens,
-        use_cuda_graph=False,  # graphs pad every batch; there are none on the CPU anyway
-    )
+        page_size=page, num_blocks=len(convs) * (-(-longest // page) + 1),
+        max_batch_tokens=args.max_batch_tokens, use_cuda_graph=False,  # none on the CPU
+    )  # fmt: skip
 
     def generate(inputs: list[list[int]]) -> list[list[int]]:
         out = model.generate_batch(
@@ -136,14 +112,9 @@ def run_generate_batch(convs, args) -> dict[str, Any]:
             generated += len(out)
             prefilled += len(inp)
     wall = time.perf_counter() - t0
-    return {
-        "name": "hf generate_batch",
-        "wall_s": wall,
-        "round_s": round_s,
-        "tokens_per_s": generated / wall,
-        "generated": generated,
-        "prefilled_tokens": prefilled,
-    }
+    return {"name": "hf generate_batch", "wall_s": wall, "round_s": round_s,
+            "tokens_per_s": generated / wall, "generated": generated,
+            "prefilled_tokens": prefilled}  # fmt: skip
 
 
 def goals(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -158,10 +129,8 @@ def goals(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "pensieve_tight_over_gpu": (ratio("pensieve", "gpu"), 1.3),
         "pensieve_tight_over_stateless": (ratio("pensieve", "stateless"), 2.5),
     }
-    out: dict[str, Any] = {
-        k: {"ratio": r, "goal": g, "met": None if r is None else r >= g}
-        for k, (r, g) in checks.items()
-    }
+    out: dict[str, Any] = {k: {"ratio": r, "goal": g, "met": None if r is None else r >= g}
+                           for k, (r, g) in checks.items()}  # fmt: skip
     if "pensieve" in rows and "pensieve-lru" in rows:
         p, lru = rows["pensieve"]["recomputed_tokens"], rows["pensieve-lru"]["recomputed_tokens"]
         out["pensieve_recomputes_less_than_lru"] = {"pensieve": p, "lru": lru, "met": p < lru}
@@ -170,14 +139,11 @@ def goals(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = f"{'system':<20}{'tok/s':>8}{'wall s':>8}{'cached':>9}{'swapped':>9}{'recomp':>9}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['name']:<20}{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}"
-            f"{r.get('cached_tokens', '-'):>9}{r.get('swapped_in_tokens', '-'):>9}"
-            f"{r.get('recomputed_tokens', r.get('prefilled_tokens', '-')):>9}"
-        )
-    return "\n".join(lines)
+    return "\n".join([head, "-" * len(head)] + [
+        f"{r['name']:<20}{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}"
+        f"{r.get('cached_tokens', '-'):>9}{r.get('swapped_in_tokens', '-'):>9}"
+        f"{r.get('recomputed_tokens', r.get('prefilled_tokens', '-')):>9}" for r in rows
+    ])  # fmt: skip
 
 
 def compare(args, convs: list[wl.Conversation]) -> dict[str, Any]:
