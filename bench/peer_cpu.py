@@ -89,6 +89,7 @@ class Run:
     others_cores: float = 0.0  # CPU other processes took during the run, in cores
     attempt: int = 0  # earlier attempts were dropped: other processes took too much CPU
     profile: dict | None = None  # a server's run under --profile (bench/lib/sampling_profile.py)
+    memory: dict | None = None  # the server's resident MiB at the run's end and its peak so far
 
 
 @dataclass
@@ -162,11 +163,22 @@ def llama_server(args, binary: Path, log: Path) -> llama_cpp.LlamaServer:
     )  # fmt: skip
 
 
+def resident_mib(pid: int) -> dict[str, float]:
+    """A process's resident memory now and at its peak (VmRSS, VmHWM), in MiB: weights, KV
+    pools and everything else the server touched (pages it reserved and never wrote are not)."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    kib = lambda key: float(fields[key].split()[0])  # noqa: E731
+    return {"rss_mib": kib("VmRSS") / 1024, "peak_mib": kib("VmHWM") / 1024}
+
+
 def run_llama(args, binary: Path, convs, tmp: Path, tag: str):
     """On a freshly started llama-server: nothing of an earlier run in its prompt cache."""
     server = llama_server(args, binary, tmp / "llama-server.log").start()
     try:
-        return asyncio.run(over_http(server.url, None, convs, tag))
+        done = asyncio.run(over_http(server.url, None, convs, tag))
+        return done, resident_mib(server.proc.pid)
     finally:
         server.stop()
 
@@ -198,7 +210,7 @@ class Pensieve:
         spy = profile and sampling_profile.Recorder(self.server.proc.pid, profile).start()
         try:
             done = asyncio.run(over_http(self.server.url, self.token, convs, tag))
-            return done, spy and spy.stop()
+            return done, spy and spy.stop(), resident_mib(self.server.proc.pid)
         finally:
             with httpx.Client(base_url=self.server.url, timeout=60, trust_env=False,
                               headers={"Authorization": f"Bearer {self.token}"}) as http:  # fmt: skip
@@ -303,6 +315,7 @@ def summarize(runs: list[Run], names: list[str]) -> list[dict[str, Any]]:
                 "repeated": sum(r.attempt for r in mine),  # runs dropped for other load
                 "others_cores_max": max(r.others_cores for r in mine),
                 "errors": sum(len(r.errors) for r in mine),
+                "peak_mib": max((r.memory["peak_mib"] for r in mine if r.memory), default=None),
             }
         engines = {k: v for k, v in row["systems"].items() if k.startswith("pensieve ")}
         if engines:
@@ -325,10 +338,14 @@ def table(summary: list[dict[str, Any]], names: list[str]) -> str:
         c = s.get("computed_per_turn") if s else None
         return "-" if c is None else f"{c:.0f}"
 
+    def memory(s: dict | None) -> str:
+        return "-" if s is None or s.get("peak_mib") is None else f"{s['peak_mib']:.0f}"
+
     head = f"{'system':<34}" + "".join(f"{row['conversations']:>16}" for row in summary)
     return "\n".join([
         "generated tokens/s, median (x llama-server) per conversation count", head,
         *lines(speed), "prompt tokens computed a turn (prompt less cached)", *lines(computed),
+        "the server's peak resident MiB (weights, KV pools, the rest)", *lines(memory),
     ])  # fmt: skip
 
 

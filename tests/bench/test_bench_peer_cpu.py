@@ -189,7 +189,11 @@ def test_prompt_tokens_computed_a_turn():
     assert computed_per_turn([a, b]) is None
     summary = summarize([a], [LLAMA])
     assert summary[0]["systems"][LLAMA]["computed_per_turn"] == 25
-    assert table(summary, [LLAMA]).splitlines()[-1].split() == [LLAMA, "25"]
+    lines = table(summary, [LLAMA]).splitlines()
+    assert lines[-3].split() == [LLAMA, "25"]
+    assert lines[-1].split() == [LLAMA, "-"]  # no memory read
+    a.memory = {"rss_mib": 80.0, "peak_mib": 96.4}
+    assert table(summarize([a], [LLAMA]), [LLAMA]).splitlines()[-1].split() == [LLAMA, "96"]
 
 
 def test_the_llama_server_plan_is_read_from_the_command_line(capsys) -> None:
@@ -232,3 +236,15 @@ def test_the_transformers_peer_runs_tiny(tmp_path) -> None:
     assert rows["pensieve (roomy)"]["cached_tokens"] == rows["stateless"]["recomputed_tokens"]
     assert "pensieve_recomputes_less_than_lru" in result["goals"]
     assert out.with_suffix(".png").stat().st_size > 5_000
+
+
+def test_resident_memory_of_a_process_reads_its_peak():
+    import os
+
+    from bench.peer_cpu import resident_mib
+
+    before = resident_mib(os.getpid())
+    block = bytearray(64 << 20)  # written: resident
+    after = resident_mib(os.getpid())
+    assert after["peak_mib"] >= after["rss_mib"] >= before["rss_mib"] + 60 > 60
+    del block
