@@ -34,6 +34,7 @@ import torch
 from engine.model.shapes import ModelArgs
 
 if TYPE_CHECKING:  # numpy comes with gguf, which only a read needs
+    import gguf
     import numpy as np
 
 log = logging.getLogger(__name__)
@@ -144,15 +145,16 @@ def _architecture(reader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def read_q4(path: Path, args: ModelArgs) -> dict[str, Q4Weight]:
+def read_q4(path: Path | gguf.GGUFReader, args: ModelArgs) -> dict[str, Q4Weight]:
     """The 4-bit (Q4_0, Q4_1, Q4_K) linears of a GGUF by the decoder's own weight names
     (`layers.{i}.wqkv.weight`, ...). A fused linear (wqkv, w13) is 4-bit only when all its
     parts are; a linear any of whose parts is another type (`KEPT_DENSE`) is left out, and
     so served from the dequantized checkpoint (both logged, counted); any other type is
-    refused."""
+    refused. `path` may be the file already open (gguf's reader takes ~10-20 s over Gemma's
+    262k-token vocabulary)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(path)
     permuted = _architecture(reader) == "llama"  # llama.cpp permutes only Llama's q and k
     parts: dict[str, dict[int, Q4Weight]] = {}
     kinds: dict[str, set[str]] = {}
