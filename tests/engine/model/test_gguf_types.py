@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 from engine.model import gemma270m
 from engine.model.families.checkpoint import iter_own
 from engine.model.gguf_weights import _PARTS, KEPT_DENSE, Q4Weight, _blocks, read_q4
 from engine.model.int4 import Int4Linear, swap_int4
 from engine.model.loader import Checkpoint, bundle_gguf, load, model_args, model_dir
-from tests.engine.model.test_model_families import own_logits
 
 gguf = pytest.importorskip("gguf")
 
@@ -65,6 +65,27 @@ def test_an_unsupported_type_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight is Q3_K: weights='gguf'"):
         read_q4(path, model_args("dummy:tiny"))
+
+
+def greedy(model, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """`steps` greedy tokens, one a step over a KV pool of the sequence's own, and the
+    logits at every position of the prompt."""
+    a, block = model.args, 32
+    n = -(-(len(ids) + steps) // block)
+    shape = (n, block, a.n_kv_heads, a.head_dim)
+    pools = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(a.n_layers)]
+    table = [list(range(n))]
+    rows = torch.arange(len(ids))
+    meta = kernels.AttentionMetadata.build([len(ids)], [0], table, "cpu")
+    with torch.no_grad():
+        first = model(torch.tensor(ids), rows, pools, meta, rows, rows)
+        out = [int(first[-1].argmax())]
+        for p in range(len(ids), len(ids) + steps - 1):
+            meta = kernels.AttentionMetadata.build([1], [p], table, "cpu")
+            at = torch.tensor([p])
+            logits = model(torch.tensor(out[-1:]), at, pools, meta, at, torch.tensor([0]))
+            out.append(int(logits[-1].argmax()))
+    return out, first
 
 
 @functools.cache
@@ -125,18 +146,9 @@ def test_gemma_with_its_4bit_linears_gives_the_dequantized_models_greedy_tokens(
         for q in ("What is the capital of France?", "Write a haiku about the sea.")
     ]
 
-    def greedy(ids: list[int], steps: int = 12) -> tuple[list[int], torch.Tensor]:
-        ids, first = list(ids), None
-        with torch.no_grad():
-            for _ in range(steps):
-                logits = own_logits(model, ids)
-                first = logits if first is None else first
-                ids.append(int(logits[-1].argmax()))
-        return ids[-steps:], first
-
-    dense = [greedy(p) for p in prompts]
+    dense = [greedy(model, p, 12) for p in prompts]
     assert swap_int4(model, gemma_q4(), torch.float32) == 27
-    int4 = [greedy(p) for p in prompts]
+    int4 = [greedy(model, p, 12) for p in prompts]
     for (d_ids, d_logits), (q_ids, q_logits) in zip(dense, int4, strict=True):
         assert d_ids == q_ids
         assert (d_logits - q_logits).abs().max() <= 2e-3
