@@ -25,7 +25,7 @@ ENGINE_HELP: dict[str, str] = {
     "dtype": "float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native "
     "bfloat16 when served, else float32)",
     "kv_dtype": "KV cache: auto (the model dtype), fp8 (e4m3) or int8 (8-bit: ~2x the chunks)",
-    "weights": "auto | gguf (the bundled GGUF's own 4-bit weights, CPU) | bfloat16 | float32 "
+    "weights": "auto | gguf (a bundled GGUF's own 4-bit weights, CPU) | bfloat16 | float32 "
     "(dequantized; dtype must agree). auto: dequantized (4-bit is opt-in: it halves the "
     "weights' memory but is no faster at 8 rows, slower at 16)",
     "chunk_size": "tokens per KV chunk (a power of two)",

@@ -37,7 +37,7 @@ class EngineConfig:
     device: str | None = None  # None: "cuda" when present, else "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kv_dtype: str = "auto"  # "fp8" (e4m3) or "int8": 8-bit KV, ~2x the chunks per byte
-    # "gguf": the bundled GGUF's 4-bit linears as stored, on the CPU (engine/model/int4.py);
+    # "gguf": a bundled GGUF's 4-bit linears as stored, on the CPU (engine/model/int4.py);
     # "bfloat16" / "float32": dequantized, in that dtype (dtype must agree); "auto": the
     # 4-bit ones only where they are faster (engine/backends/local.py, `use_gguf`)
     weights: str = "auto"

@@ -17,7 +17,7 @@ from engine.kv_pool import KVPool
 from engine.model.compiled import CompiledForward, usable
 from engine.model.gguf_weights import read_q4
 from engine.model.int4 import swap_int4
-from engine.model.loader import BUNDLED, Loaded, bundle_gguf, cache_root, load
+from engine.model.loader import BUNDLES, Loaded, bundle_gguf, cache_root, load
 from engine.model.moe import graph_safe
 from engine.model.packed import pack_linears
 from engine.runner import Runner
@@ -59,10 +59,10 @@ AUTO_INT4 = False
 
 def use_gguf(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the model's linears are the GGUF's own 4-bit weights (engine/model/int4.py):
-    asked for ("gguf": refused where it cannot be), or "auto" where they win: the bundled
-    Llama GGUF, on the CPU, in bfloat16, one process."""
+    asked for ("gguf": refused where it cannot be), or "auto" where they win: a bundled
+    GGUF (SmolLM2, Gemma 3 270M), on the CPU, in bfloat16, one process."""
     fits = (
-        config.model == BUNDLED
+        config.model in BUNDLES
         and device.type == "cpu"
         and config.tensor_parallel == 1
         and not config.force_tensor_parallel
@@ -70,8 +70,9 @@ def use_gguf(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> 
     if config.weights == "gguf":
         if not fits:
             raise ValueError(
-                f"weights='gguf' serves the 4-bit weights of {BUNDLED!r}'s GGUF on the CPU in "
-                f"one process; got model {config.model!r} on {device.type}"
+                f"weights='gguf' serves the 4-bit weights of a bundled model's GGUF "
+                f"({', '.join(map(repr, BUNDLES))}) on the CPU in one process; got model "
+                f"{config.model!r} on {device.type}"
             )
         return True
     return config.weights == "auto" and AUTO_INT4 and fits and dtype == torch.bfloat16
