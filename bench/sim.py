@@ -30,7 +30,20 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, ROOT, SAMPLES, environment
+from bench.lib.common import RESULTS, ROOT, environment
+from bench.lib.gpu_settings import (
+    ENGINE_START_S,
+    RUN_OVERHEAD_S,
+    SERVE_MODES,
+    STEADY_MODES,
+    Settings,
+    label,
+    load_sample,
+    preset_for,
+    rehearsal,
+    report_settings,
+    window_of,
+)
 from bench.lib.metrics import (
     claims,
     crossing,
@@ -44,8 +57,13 @@ from bench.lib.metrics import (
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
-from bench.lib.sweep import ladder, over, plan, then
+from bench.lib.sweep import ladder, next_index, next_start, over, plan, start_index, then, walk
 from bench.lib.virtual import HostTime, replay
+from bench.sim_steady import choose, rehearse
+from bench.sim_steady import twin as steady_twin
+from bench.window_memory import held
+from engine import Engine
+from engine.sim.devices import DEVICES
 from engine.types import KV_DTYPES
 
 SIM = RESULTS / "sim"
@@ -62,12 +80,6 @@ JITTER_S = 0.002
 
 def _log(*a) -> None:
     print(*a, flush=True)
-
-
-def label(device: str) -> str:
-    from engine.sim.devices import VERSIONS
-
-    return f"SIMULATED {device} (cost model v{VERSIONS[device]})"
 
 
 def sim_preset(preset: Preset, device: str) -> Preset:
@@ -101,8 +113,6 @@ def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
     """The byte saving the workload's contexts allow a model with sliding layers: every
     layer's KV over only what each layer can still read, summed over each turn's end (the
     contexts held over the conversations' lives); None without a window."""
-    from bench.window_memory import held
-
     args = model_args(model)
     if not any(args.window(i) for i in range(args.n_layers)):
         return None
@@ -133,8 +143,6 @@ def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:
 def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> dict[str, Any]:
     """One run in virtual time, on an engine of its own. With `preset.arrival_s`, the sample
     repeated arrives for that long and the steady state after the warm-up is measured."""
-    from engine import Engine
-
     mode = MODES[mode_name]
     stop = None
     if preset.arrival_s is not None:
@@ -220,8 +228,6 @@ def scale(preset: Preset, device: str, counts: list[int], rate: float, window_s:
     """Host time of the scheduler and cache per step against the simulated step: n idle
     conversations held in the tiers (`seed_idle`), and the sample arriving at `rate` for
     `window_s` virtual seconds (pensieve mode)."""
-    from engine import Engine
-
     preset = sim_preset(preset, device)
     preset, convs, workload = workload_of(preset, sample_file, log)
     out = []
@@ -335,9 +341,6 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
     (None: the benchmarks' own, `BENCH_QUEUE`), and those still running at the drain's end
     cancelled and counted at their lower bound (`window_metrics`). `jitter`: the seed of
     sends moved by a few ms (`jittered`), None: sent as planned."""
-    from bench.gpu_report import preset_for, window_of
-    from engine import Engine
-
     window, drain = window_of(s, k)
     preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
     config = engine_config(preset, MODES[engine_mode])
@@ -360,16 +363,6 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
             "turns": turn_table(records)}  # fmt: skip
 
 
-def report_settings(settings: dict):
-    """A report's `Settings`, replaying the committed sample of the same name (the report
-    records the path it had on the GPU machine)."""
-    from bench.gpu_report import Settings
-
-    known = Settings.__dataclass_fields__
-    s = replace(Settings(), **{k: v for k, v in settings.items() if k in known})
-    return replace(s, sample=str(SAMPLES / Path(s.sample).name))
-
-
 def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
     """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
     each run with the same sample, rate, replayed think time, tiers and window, and the
@@ -380,8 +373,6 @@ def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
     (`capacity_of`). `spread`: each run simulated that many times more with its sends moved
     by a few ms (`jittered`); each point then has the range and median of its mean latency
     over them all, and the median's error (a single run near saturation is one draw)."""
-    from bench.gpu_report import load_sample
-
     s = report_settings(report["settings"])
     convs, _ = load_sample(s)
     host = host_model(s, device)
@@ -452,7 +443,6 @@ def capacity_of(c: dict) -> dict:
 def host_model(s, device: str) -> tuple[float, float]:
     """The device model's host time (`StepCost.host_s`) for the report's model: seconds per
     step, and per sampled row."""
-    from engine.model.loader import model_args
     from engine.sim.cost import Shape, Work
     from engine.sim.devices import gpu_device
 
@@ -499,31 +489,15 @@ def host_fit(points: list[dict]) -> tuple[float, float]:
     return a, b
 
 
-# What a real serve part spends besides its runs' windows and drains (the H200's, ba0cc72:
-# 394 s in all for 7 runs of 370 s): starting each mode's engine, and per run the settling
-# sleep and freeing its conversations.
-ENGINE_START_S = 7.0
-RUN_OVERHEAD_S = 1.0
-
-
 def serve_part(s, device: str = "h100", log=_log) -> dict:
     """The GPU report's serve part rehearsed in virtual time: the same sweeps (`walk`, each
     mode from where the previous was last under) and the same budget rule, each run's wall
     time estimated as its simulated span, cut at window + drain as the real run cuts it.
     Says which runs the budget would skip and whether every mode crosses the bound."""
-    from bench.gpu_report import (
-        SERVE_MODES,
-        _start_index,
-        load_sample,
-        next_index,
-        next_start,
-        walk,
-    )
-
     convs, info = load_sample(s)
     log(wl.format_summary(info["summary"]))
     t, runs, skipped = 0.0, [], []
-    start = _start_index(s.rates, s.start_rate)
+    start = start_index(s.rates, s.start_rate)
     for mode in SERVE_MODES:
         t += ENGINE_START_S
         got: list[dict] = []
@@ -550,23 +524,9 @@ def serve_part(s, device: str = "h100", log=_log) -> dict:
     return out
 
 
-def rehearsal(device: str, s, info: dict, runs: list, skipped: list, modes) -> dict[str, Any]:
-    """A part rehearsed on a simulated device: its settings, workload, runs and each mode's
-    capacity (`crossing`)."""
-    return {
-        "simulated": label(device),
-        "settings": asdict(s),
-        "workload": {k: v for k, v in info.items() if k != "parse"},
-        "runs": runs,
-        "skipped": skipped,
-        "capacity": {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes},
-    }
-
-
 def calibration(preset, mode: str) -> dict:
     """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
     from engine.calibrate import fitted
-    from engine.engine import Engine
 
     sim = replace(preset, device="sim:cpu")  # the config its engines had (their token budget)
     fit = fitted(engine_config(sim, MODES[mode]), Engine)
@@ -611,7 +571,6 @@ def table(cmp: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.sim.devices import DEVICES
 
     ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="paper-gqa", choices=sorted(PRESETS))
@@ -784,27 +743,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_settings_of(args):
     """The GPU report's settings, with the command line's latency bound."""
-    from bench.gpu_report import Settings
-
     s = Settings()
     return replace(s, bound=args.bound) if args.bound else s
 
 
 def steady_main(args) -> int:
     """`--steady-states`, `--gpu-steady` and `--gpu-steady --gpu-report` (bench/sim_steady.py)."""
-    from bench.gpu_report import STEADY_MODES
-    from bench.sim_steady import choose, rehearse
-
     s = report_settings_of(args)
     env = {**environment(), "device": label(args.device), "simulated": True}
     if args.gpu_report:
-        from bench.sim_steady import twin
-
         report = json.loads(args.gpu_report.read_text())
         if not report.get("steady", {}).get("runs"):
             print(f"{args.gpu_report} has no steady runs to simulate")
             return 0
-        result = twin(report, args.device)
+        result = steady_twin(report, args.device)
         out = args.out or args.gpu_report.with_name(
             f"{args.gpu_report.stem}-steady-sim-{args.device}.json"
         )

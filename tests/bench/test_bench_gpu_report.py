@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench import gpu_report
+from bench.lib import gpu_settings
 from bench.lib.pools import BENCH_QUEUE
 
 
@@ -100,13 +101,13 @@ def test_the_oracle_holds_what_arrives_in_its_window_not_the_whole_sample() -> N
 
     from bench.lib.pools import history_chunks
 
-    s = gpu_report.Settings(device="cpu")
-    convs, _ = gpu_report.load_sample(s)
+    s = gpu_settings.Settings(device="cpu")
+    convs, _ = gpu_settings.load_sample(s)
     whole = int(history_chunks(convs) * 1.1) + 64
-    low, high = (gpu_report.oracle_chunks(s, convs, r) for r in (4.0, 16.0))
+    low, high = (gpu_settings.oracle_chunks(s, convs, r) for r in (4.0, 16.0))
     assert 64 < low < high < whole  # at 16/s, 720 of 1,600 conversations arrive in 45 s
-    assert gpu_report.oracle_chunks(replace(s, window_s=1e6), convs, 4.0) == whole
-    assert gpu_report.no_room(s, whole, whole) is None  # checked on a GPU machine only
+    assert gpu_settings.oracle_chunks(replace(s, window_s=1e6), convs, 4.0) == whole
+    assert gpu_settings.no_room(s, whole, whole) is None  # checked on a GPU machine only
 
 
 def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:

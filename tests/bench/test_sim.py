@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench import sim
+from bench.lib import gpu_settings
 
 
 def run(tmp_path, *args: str) -> dict:
@@ -148,7 +149,7 @@ def test_compare_tells_how_far_the_machine_drifted_from_its_calibration() -> Non
 def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
     from dataclasses import asdict
 
-    from bench.gpu_report import dry_settings
+    from bench.lib.gpu_settings import dry_settings
 
     def real(mode: str, rate: float, tput: float, lat: float) -> dict:
         m = {"throughput_rps": tput, "norm_latency_mean": lat, "norm_latency_p90": lat,
@@ -177,7 +178,8 @@ def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
 def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
     from dataclasses import replace
 
-    from bench.gpu_report import SERVE_MODES, dry_settings, walk
+    from bench.lib.gpu_settings import SERVE_MODES, dry_settings
+    from bench.lib.sweep import walk
 
     steps = walk(5, 2)  # over at 2, under at 1: done
     assert next(steps) == 2 and steps.send(True) == 1
@@ -239,7 +241,7 @@ def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
     h200 = devices.RESULTS / "gpu-report-nvidia-h200-sim-h200-v2.json"
     twins = [json.loads(p.read_text()) for p in (h100, h200)]
     for t in twins:  # made with the figures in force
-        assert t["simulated"] == sim.label(t["simulated"].split()[1])
+        assert t["simulated"] == gpu_settings.label(t["simulated"].split()[1])
         assert t["step_host"]["model_ms"] == pytest.approx(
             [devices.H100_STEP_HOST_S * 1e3, devices.H100_ROW_HOST_S * 1e3]
         )
@@ -253,7 +255,7 @@ def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
 def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
     """The H100 report's stateless run at 16/s refused 178 turns at the server's 256-turn
     queue; its twin replays that limit (the benchmarks' own queue never refuses)."""
-    from bench.gpu_report import load_sample
+    from bench.lib.gpu_settings import load_sample
     from engine.sim import devices
 
     report = json.loads(
@@ -261,7 +263,7 @@ def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
     )
     real = next(r for r in report["serve"]["runs"] if r["mode"] == "stateless" and r["rate"] == 16)
     assert "max_waiting" not in real  # made before runs recorded their queue limit
-    s = sim.report_settings(report["settings"])
+    s = gpu_settings.report_settings(report["settings"])
     convs, _ = load_sample(s)
 
     def refused(queue: int | None) -> int:
