@@ -42,7 +42,6 @@ holds no shared chunk (`residency`). The history of a turn done is its prompt an
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import json
 import math
@@ -52,9 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.drivers import turn_stats
 from bench.lib.metrics import cache_use, steady_metrics, turn_table, window_metrics
-from bench.lib.virtual import wait_next
+from bench.lib.virtual import replay
 
 FORMAT = "pensieve-steady/1"
 COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"]
@@ -245,135 +243,61 @@ def warm_up(
     engine, convs: list[wl.Conversation], rate: float, think: float, seed: int, cut_s: float,
     tag: str = "warm",
 ) -> tuple[list[Row], int, float, dict[str, Any], dict[str, Any]]:  # fmt: skip
-    """The replay of `convs` (the repeated sample) at `rate` on a simulated engine until
-    `cut_s` virtual seconds: the state there (rows, the next index, the cut's time), then
-    the turns in flight run to their end with no new turn sent, for the warm-up's own
-    metrics (turns sent in its last 70%, as `bench.sim` measures a steady state) and a
-    summary. The same loop as `bench.lib.virtual.replay`, cut."""
-    from engine import SamplingParams, Turn
-
-    clock = engine.now
-    start = clock()
+    """The replay of `convs` (the repeated sample) at `rate` on a simulated engine, cut at
+    `cut_s` virtual seconds (`virtual.replay`): the state there (rows, the next index, the
+    cut's time), then the turns in flight run to their end with no new turn sent, for the
+    warm-up's own metrics (turns sent in its last 70%, as `bench.sim` measures a steady
+    state) and a summary."""
+    start = engine.now()
     plans = wl.plan(convs, rate, think, seed)
     index = {p.conversation.id: k for k, p in enumerate(plans)}
-    due = [start]
-    records: list[wl.TurnRecord] = []
-    done = [0] * len(plans)  # turns recorded per conversation
-    events: list[tuple[float, int, int, Any]] = []  # (due, order, conversation, its script)
-    order = itertools.count()
-    waiting: dict[int, tuple[Any, int, Any]] = {}  # id(request) -> (request, k, script)
-    ended: set[int] = set()
-    cut = [False]
-
-    def record(rec: wl.TurnRecord) -> None:
-        records.append(rec)
-        done[index[rec.conversation]] += 1
-
-    def advance(k: int, steps, reply: wl.Reply | None) -> None:
-        try:
-            step = steps.send(reply)
-        except StopIteration:
-            ended.add(k)
-            return
-        if cut[0]:  # past the cut: nothing more is sent
-            return
-        if isinstance(step, wl.Wait):
-            heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), k, steps))
-            return
-        sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
-        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
-        try:
-            req = engine.submit(turn)
-        except ValueError as e:  # refused (too long for the tiers): a result, not a crash
-            now = due[0]
-            advance(k, steps, wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}"))
-            return
-        waiting[id(req)] = (req, k, steps)
-
-    def step_once() -> bool:
-        before = clock()
-        ended_reqs = engine.step()
-        due[0] = clock()
-        for req in ended_reqs:
-            s = req.stats
-            error = None if req.finish_reason == "length" else str(req.finish_reason)
-            reply = wl.Reply(
-                s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
-            )
-            _, k, steps = waiting.pop(id(req))
-            advance(k, steps, reply)
-        return clock() > before or bool(ended_reqs)
-
-    for k, p in enumerate(plans):
-        advance(k, wl.script(p, lambda: due[0] - start, 1.0, None, record), None)
-    stalls = 0
-    while True:
-        while events and events[0][0] <= clock():
-            due[0], _, k, steps = heapq.heappop(events)
-            advance(k, steps, None)
-        if clock() - start >= cut_s:
-            break
-        if not engine.has_work():
-            if not events or events[0][0] - start > cut_s:
-                clock.advance_to(start + cut_s)
-                break
-            clock.advance_to(events[0][0])
-            continue
-        if step_once():
-            stalls = 0
-            continue
-        if wait_next(engine, clock, events):
-            stalls += 1
-            if stalls > 1000:
-                raise RuntimeError(f"{tag}: the engine made no progress")
-    cut[0] = True
-    t_cut = clock()
     counts: dict[str, Any] = {}
     rows: dict[int, Row] = {}
-    cs = engine.cache.chunk_size
-    flying = []  # in flight, in the engine's order: sent again at once, going on from there
-    for req in engine.scheduler.turns():
-        if id(req) not in waiting:
-            continue  # a prefetch
-        k = waiting[id(req)][1]
-        rows[k] = in_flight(engine, req, k, plans[k].conversation, done[k], t_cut, counts)
-        flying.append(k)
-    arrived = len(plans)
-    for at, _, k, _ in events:
-        if not done[k]:  # its arrival: not yet
-            arrived = min(arrived, k)
-            continue
-        state = engine.streams[f"{tag}/{plans[k].conversation.id}"]
-        table = engine.cache.table(state.id)
-        idle = t_cut - (engine.clock.last_active(state.id) or t_cut)
-        res = residency(engine, table, state.kv_len, counts)
-        rows[k] = Row(k, done[k], state.kv_len, res, idle, max(0.0, at - t_cut))
-    for table in engine.cache.held():  # ended, holding chunks until they are evicted
-        k = index[table.id.split("/", 1)[1]]
-        if k in rows or k not in ended or table.n_dropped == len(table.chunks):
-            continue
-        state = engine.streams[table.id]
-        idle = t_cut - (engine.clock.last_active(table.id) or t_cut)
-        rows[k] = Row(k, done[k], state.kv_len, residency(engine, table, state.kv_len, counts),
-                      idle, None)  # fmt: skip
-    n_flying = len(waiting)
-    # The turns in flight run to their end (nothing more is sent): the warm-up's metrics.
-    while engine.has_work():
-        if not step_once():
-            wake = engine.next_read_s()
-            if wake is not None:
-                clock.advance_to(wake)
-            else:
-                engine.wait_for_io()
+    cut: dict[str, Any] = {}
+
+    def at_cut(waiting: dict[int, str], pending: list[tuple[float, str]], records) -> None:
+        t_cut = engine.now()
+        done = [0] * len(plans)  # turns recorded per conversation
+        for rec in records:
+            done[index[rec.conversation]] += 1
+        flying = []  # in flight, in the engine's order: sent again at once, going on from there
+        for req in engine.scheduler.turns():
+            if id(req) not in waiting:
+                continue  # a prefetch
+            k = index[waiting[id(req)]]
+            rows[k] = in_flight(engine, req, k, plans[k].conversation, done[k], t_cut, counts)
+            flying.append(k)
+        arrived = len(plans)
+        for at, cid in pending:
+            k = index[cid]
+            if not done[k]:  # its arrival: not yet
+                arrived = min(arrived, k)
+                continue
+            state = engine.streams[f"{tag}/{cid}"]
+            idle = t_cut - (engine.clock.last_active(state.id) or t_cut)
+            res = residency(engine, engine.cache.table(state.id), state.kv_len, counts)
+            rows[k] = Row(k, done[k], state.kv_len, res, idle, max(0.0, at - t_cut))
+        live = {index[cid] for cid in waiting.values()} | {index[cid] for _, cid in pending}
+        for table in engine.cache.held():  # ended, holding chunks until they are evicted
+            k = index[table.id.split("/", 1)[1]]
+            if k in rows or k in live or table.n_dropped == len(table.chunks):
+                continue
+            state = engine.streams[table.id]
+            idle = t_cut - (engine.clock.last_active(table.id) or t_cut)
+            rows[k] = Row(k, done[k], state.kv_len, residency(engine, table, state.kv_len, counts),
+                          idle, None)  # fmt: skip
+        cut.update(t=t_cut, arrived=arrived, flying=flying, n_flying=len(waiting))
+
+    records, _ = replay(engine, plans, tag, cut_s=cut_s, at_cut=at_cut)
     metrics = steady_metrics(records, WARMUP_MEASURED * cut_s, cut_s)
     tiers: dict[str, int] = {}
     for r in rows.values():
         for t in decode(r.residency):
             tiers[t] = tiers.get(t, 0) + 1
     summary = {
-        "arrived": arrived,
+        "arrived": cut["arrived"],
         "live": sum(1 for r in rows.values() if r.next_s is not None),
-        "in_flight": n_flying,
+        "in_flight": cut["n_flying"],
         "in_flight_partial": counts.get("partial", 0),  # going on from where they were
         "ended_holding": sum(1 for r in rows.values() if r.next_s is None),
         "chunks": tiers,
@@ -382,12 +306,12 @@ def warm_up(
         # shared run before private CPU chunks goes to the CPU or is dropped (`residency`)
         "shared_chunks_dropped": counts.get("shared_dropped", 0),
         "chunks_demoted": counts.get("demoted", 0),
-        "chunk_size": cs,
+        "chunk_size": engine.cache.chunk_size,
     }
-    first = set(flying)
-    order = [rows[k] for k in flying]
+    first = set(cut["flying"])
+    order = [rows[k] for k in cut["flying"]]
     order += sorted((r for k, r in rows.items() if k not in first), key=lambda r: r.index)
-    return order, arrived, t_cut - start, metrics, summary
+    return order, cut["arrived"], cut["t"] - start, metrics, summary
 
 
 def in_flight(engine, req, k: int, conv: wl.Conversation, turns: int, t_cut: float, counts) -> Row:

@@ -71,6 +71,8 @@ def replay(
     retention: Callable[[str, int], Any] | None = None,
     on_end: Callable[[str, int, Any], None] | None = None,
     on_step: Callable[[], None] | None = None,
+    cut_s: float | None = None,
+    at_cut: Callable[[dict[int, str], list[tuple[float, str]], list], None] | None = None,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
     `deadline_s` (seconds of replay, past `stop_s`): the turns still in flight then are
@@ -80,7 +82,10 @@ def replay(
     A client's side, where a workload has one (`bench.agents`): `retention(conversation,
     turn)` gives the turn's `Retention`, `on_end(conversation, turn, request)` runs as a turn
     ends (before the next is due: a client that reports its tool calls), and `on_step()`
-    after every engine step (sampling what the cache holds)."""
+    after every engine step (sampling what the cache holds). `cut_s` (a steady state's
+    warm-up, `bench.lib.steady.warm_up`): at that many seconds nothing more is sent, and
+    `at_cut(turns in flight by id of request, pending events, records)` sees the replay
+    there, before the turns in flight run to their end."""
     from engine import EngineOverloaded, SamplingParams, Turn
 
     clock = engine.now
@@ -92,11 +97,15 @@ def replay(
     # id of the request in flight -> (its conversation's script, the request, its turn)
     waiting: dict[int, tuple[Any, Any, wl.TurnSpec, wl.Send]] = {}
     cut_at = None if deadline_s is None else start + deadline_s
+    names: dict[int, str] = {}  # id of a conversation's script -> its id
+    sending = [True]  # False past `cut_s`
 
     def advance(steps, reply: wl.Reply | None) -> None:
         try:
             step = steps.send(reply)
         except StopIteration:
+            return
+        if not sending[0]:
             return
         if isinstance(step, wl.Wait):
             heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), steps))
@@ -124,17 +133,32 @@ def replay(
             first = min(first, cut_at) - start  # a first token after the deadline: not seen
             advance(steps, censored(spec, first, cut_at - start, len(req.output)))
 
+    def stop_sending() -> None:
+        sending[0] = False
+        if at_cut is not None:
+            flying = {key: w[3].conversation for key, w in waiting.items()}
+            at_cut(flying, [(at, names[id(steps)]) for at, _, steps in events], records)
+        events.clear()
+
     stalls = 0  # steps in a row that ran nothing, with no event to wait for
     for p in plans:
-        advance(wl.script(p, lambda: due[0] - start, time_scale, stop_s, records.append), None)
-    while events or engine.has_work():
+        steps = wl.script(p, lambda: due[0] - start, time_scale, stop_s, records.append)
+        names[id(steps)] = p.conversation.id
+        advance(steps, None)
+    while events or engine.has_work() or (cut_s is not None and sending[0]):
         while events and events[0][0] <= clock():
             due[0], _, steps = heapq.heappop(events)
             advance(steps, None)
+        if cut_s is not None and sending[0] and clock() - start >= cut_s:
+            stop_sending()
+            continue
         if waiting and cut_at is not None and clock() > cut_at:
             cut()
         if not engine.has_work():
-            if events:
+            if cut_s is not None and sending[0] and (not events or events[0][0] - start > cut_s):
+                advance_to(clock, start + cut_s)
+                stop_sending()
+            elif events:
                 advance_to(clock, events[0][0])
             continue
         before = clock()
