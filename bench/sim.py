@@ -19,6 +19,7 @@ The paper presets measure a steady state: conversations (the sample repeated) ar
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import random
@@ -51,11 +52,10 @@ from bench.lib.metrics import (
     run_line,
     run_record,
     steady_metrics,
-    turn_table,
-    window_metrics,
 )
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
+from bench.lib.replay import Virtual, serve_run
 from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder, next_index, next_start, over, plan, start_index, then, walk
 from bench.lib.virtual import HostTime, replay
@@ -351,16 +351,11 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
         plans = wl.plan(convs, rate, s.think_s / k, 0)
         if jitter is not None:
             plans = jittered(plans, jitter)
-        records, span = replay(
-            engine, plans, mode, 1.0, window, deadline_s=window + drain, queue_limit=True
-        )
-        counters = asdict(engine.snapshot().counters)
+        run = serve_run(Virtual(engine), plans, mode, mode, engine_mode, rate, k, s.think_s,
+                        (window, drain))  # fmt: skip
+        return asyncio.run(run)
     finally:
         engine.close()
-    return {"mode": mode, "engine_mode": engine_mode, "rate": rate, "scale": k,
-            "think_s": s.think_s, "window_s": window, "wall_s": span,
-            "metrics": window_metrics(records, span), "counters": counters,
-            "turns": turn_table(records)}  # fmt: skip
 
 
 def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:

@@ -21,6 +21,7 @@ choice of its rates, its rehearsal and its twin. Every figure here is SIMULATED.
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -46,8 +47,8 @@ from bench.lib.gpu_settings import (
 )
 from bench.lib.metrics import crossing, run_line
 from bench.lib.pools import kv_bytes_per_chunk
+from bench.lib.replay import Virtual, steady_run
 from bench.lib.sweep import over
-from bench.lib.virtual import replay
 from engine import Engine
 
 # Rungs 2^(1/4) apart (x1.19): a bracket this narrow is 9% either side of the crossing.
@@ -195,34 +196,12 @@ def run_from(
     the oracle's tiers are sized for)."""
     engine, _ = _engine(s, mode, device, convs, top or state.rate)
     try:
-        return steady_run(engine, s, mode, state, path, convs)
+        return asyncio.run(steady_run(Virtual(engine), s, mode, state, path, convs))
     finally:
         engine.close()
 
 
 # ---- the part rehearsed, and the twin of a real one -------------------------------------
-
-
-def clear(engine) -> None:
-    for cid in set(engine.streams) | {t.id for t in engine.cache.held()}:
-        engine.free(cid)
-
-
-def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict[str, Any]:
-    """`bench.gpu_report.steady_run` in virtual time, cut as the real one is: what still
-    runs at the drain's end is cancelled and counted at its lower bound, a turn refused at
-    a full queue as the AsyncEngine refuses it (`virtual.replay`)."""
-    tag = f"steady-{mode}-{state.rate:g}"
-    t = time.perf_counter()
-    clear(engine)
-    seeds, bad = st.seeds(state, convs, tag, engine.now(), engine.cache.chunk_size)
-    engine.seed(seeds)
-    seed_s = time.perf_counter() - t
-    stop = s.steady_warmup_s + s.steady_window_s
-    plans = st.resume(state, convs, stop)
-    records, span = replay(engine, plans, tag, 1.0, stop, deadline_s=stop + s.steady_drain_s,
-                           queue_limit=True)  # fmt: skip
-    return st.run_row(s, mode, state, path, (len(seeds), bad), seed_s, span, records, convs)
 
 
 def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:

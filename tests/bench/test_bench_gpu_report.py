@@ -9,6 +9,7 @@ import pytest
 
 from bench import gpu_report
 from bench.lib import gpu_settings
+from bench.parts import serving
 from bench.lib.pools import BENCH_QUEUE
 
 
@@ -120,7 +121,7 @@ def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:
         engine = AsyncEngine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=256))
         await engine.start()
         try:
-            await gpu_report.warm_up(engine)
+            await serving.warm_up(engine)
             e = engine.engine
             counters = e.snapshot().counters
             return counters.prompt_tokens, e.context_limit // 2, len(e.streams), len(e.cache.held())
@@ -128,5 +129,5 @@ def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:
             await engine.stop()
 
     prompt_tokens, longest, streams, held = asyncio.run(main())
-    assert prompt_tokens == sum(min(n, longest) for n in gpu_report.WARM_PROMPTS)
+    assert prompt_tokens == sum(min(n, longest) for n in serving.WARM_PROMPTS)
     assert streams == held == 0
