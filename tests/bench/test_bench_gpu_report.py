@@ -9,8 +9,8 @@ import pytest
 
 from bench import gpu_report
 from bench.lib import gpu_settings
-from bench.parts import serving
 from bench.lib.pools import BENCH_QUEUE
+from bench.parts import serving
 
 
 @pytest.mark.slow
