@@ -42,8 +42,8 @@ from bench.lib.gpu_settings import (
     report_settings,
     state_mismatch,
     steady_config,
+    steady_modes,
     steady_preset,
-    steady_states,
 )
 from bench.lib.metrics import crossing, run_line
 from bench.lib.pools import kv_bytes_per_chunk
@@ -209,25 +209,11 @@ def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
     estimated wall time (engine starts, seeding, warm-up, window, drain)."""
     convs, info = load_sample(s)
     folder = steady_folder(s, convs)
-    t, runs, skipped, starts = 0.0, [], [], {}
+    t, runs, starts = 0.0, [], {}
     run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
-    for mode in STEADY_MODES:
-        if mode in s.steady_skipped and not s.steady_rates.get(mode):
-            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
-            continue
-        states, missing = steady_states(s, folder, mode)
-        if missing:
-            skipped.append(f"{mode}: no state {', '.join(missing)}")
-        if not states:
-            continue
-        preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
-        cpu = preset.cpu_cache_chunks if mode not in ("stateless", "gpu") else 0
-        why = lent_room(s, device, preset.gpu_cache_chunks, cpu)
-        why = why or state_mismatch(states[0][2], preset)
-        if why:
-            skipped.append(f"{mode}: {why}")
-            log(f"skip {mode}: {why}")
-            continue
+    todo, skipped = steady_modes(s, convs, folder, lambda *a: lent_room(a[0], device, *a[1:]), log)
+    for mode, preset, states in todo:
+        cpu = preset.cpu_cache_chunks if mode != "gpu" and mode != "stateless" else 0
         starts[mode] = (
             ENGINE_START_S + PIN_S_PER_GIB * cpu * kv_bytes_per_chunk(s.model, s.dtype) / 2**30
         )

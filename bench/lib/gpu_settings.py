@@ -14,7 +14,14 @@ from bench.lib import steady as st
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, SAMPLES, host_memory_gb
 from bench.lib.metrics import crossing
-from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk, model_args
+from bench.lib.pools import (
+    PINNED_SHARE,
+    chunks_in,
+    engine_config,
+    holds_all,
+    kv_bytes_per_chunk,
+    model_args,
+)
 from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
 from bench.mfu import linear_flops_per_token
@@ -206,7 +213,7 @@ def load_sample(s: Settings) -> tuple[list[wl.Conversation], dict[str, Any]]:
 
 def chunks_of(s: Settings, gb: float) -> int:
     """Chunks of the report's model in `gb` GiB (at least 2)."""
-    return max(2, int(gb * 2**30 // kv_bytes_per_chunk(s.model, s.dtype)))
+    return max(2, chunks_in(gb, s.model, s.dtype))
 
 
 def window_of(s: Settings, k: float) -> tuple[float, float]:
@@ -244,7 +251,7 @@ def steady_oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float)
     arrives in the warm-up and the run after it (+50%), +10% and 64 chunks."""
     n = st.warmup_plans_needed(rate, s.steady_cut_s)
     n += int(rate * (s.steady_warmup_s + s.steady_window_s) * 1.5) + 10
-    return int(history_chunks([st.nth(convs, k) for k in range(n)]) * 1.1) + 64
+    return holds_all([st.nth(convs, k) for k in range(n)])
 
 
 def oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int:
@@ -252,7 +259,7 @@ def oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int
     conversation that arrives within its window (not the whole sample), +10% and 64 chunks."""
     plans = wl.plan(convs, rate, s.think_s / s.scale, 0)
     came = [p.conversation for p in plans if p.arrival_s < s.window_s]
-    return int(history_chunks(came) * 1.1) + 64
+    return holds_all(came)
 
 
 def steady_config(s: Settings, mode: str, preset: Preset):
@@ -281,6 +288,32 @@ def steady_states(s: Settings, folder: Path, mode: str):
         else:
             missing.append(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
     return got, missing
+
+
+def steady_modes(s: Settings, convs, folder: Path, room, log) -> tuple[list, list[str]]:
+    """The steady part's modes to run, each (mode, its tiers sized for its highest rate, its
+    (rate, path, state) list), and those skipped, why: no rates, no state, tiers that do not
+    fit (`room(s, gpu_chunks, cpu_chunks)`) or that its states were not made for."""
+    todo, skipped = [], []
+    for mode in STEADY_MODES:
+        if mode in s.steady_skipped and not s.steady_rates.get(mode):
+            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
+            continue
+        states, missing = steady_states(s, folder, mode)
+        if missing:
+            skipped.append(f"{mode}: no state {', '.join(missing)}")
+            log(f"skip {mode}: no state {missing}")
+        if not states:
+            continue
+        preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
+        cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
+        why = room(s, preset.gpu_cache_chunks, cpu) or state_mismatch(states[0][2], preset)
+        if why:
+            skipped.append(f"{mode}: {why}")
+            log(f"skip {mode}: {why}")
+            continue
+        todo.append((mode, preset, states))
+    return todo, skipped
 
 
 # ---- what fits a machine -------------------------------------------------------------------
@@ -317,9 +350,9 @@ def room(s: Settings, gpu_chunks: int, cpu_chunks: int, gpu_bytes: float,
             f"a first tier of {gpu_chunks * per / 1e9:.0f} GB does not fit beside "
             f"{weights / 1e9:.0f} GB of weights in {gpu_bytes / 1e9:.0f} GB of GPU memory"
         )
-    if host_gib is not None and cpu_chunks * per > 0.6 * host_gib * 2**30:
+    if host_gib is not None and cpu_chunks * per > PINNED_SHARE * host_gib * 2**30:
         return (
-            f"a second tier of {cpu_chunks * per / 1e9:.0f} GB (pinned) is over 60% of "
+            f"a second tier of {cpu_chunks * per / 1e9:.0f} GB (pinned) is over {PINNED_SHARE:.0%} of "
             f"{host_gib * 2**30 / 1e9:.0f} GB of RAM"
         )
     return None

@@ -14,6 +14,7 @@ from bench.lib.presets import Mode, Preset
 # turn waits, and its latency says so, instead of being refused and ending its conversation
 # (on an H100 at 16/s every mode refused ~180 turns, and those runs measured nothing).
 BENCH_QUEUE = 1 << 20
+PINNED_SHARE = 0.6  # of the host's RAM: the most a pinned CPU tier takes
 
 
 def engine_config(preset: Preset, mode: Mode):
@@ -51,14 +52,24 @@ def size_pools(preset: Preset, host: bool = True) -> Preset:
     `host`: the CPU tier is capped by this machine's memory (not in a simulation)."""
     if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
         return preset
-    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16", preset.kv_dtype)
+    dtype = preset.dtype or "bfloat16"
     gpu, cpu = preset.gpu_cache_chunks, preset.cpu_cache_chunks
     if preset.gpu_cache_gb is not None:
-        gpu = int(preset.gpu_cache_gb * 2**30 // per)
+        gpu = chunks_in(preset.gpu_cache_gb, preset.model, dtype, preset.kv_dtype)
     if preset.cpu_cache_gb is not None:
         gb = _cpu_pool_gb(preset.cpu_cache_gb) if host else preset.cpu_cache_gb
-        cpu = int(gb * 2**30 // per)
+        cpu = chunks_in(gb, preset.model, dtype, preset.kv_dtype)
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
+
+
+def chunks_in(gib: float, model: str, dtype: str, kv_dtype: str = "auto") -> int:
+    """Chunks of the model's KV in `gib` GiB."""
+    return int(gib * 2**30 // kv_bytes_per_chunk(model, dtype, kv_dtype))
+
+
+def holds_all(convs: list[wl.Conversation]) -> int:
+    """A tier that never evicts these conversations: their whole history, +10% and 64 chunks."""
+    return int(history_chunks(convs) * 1.1) + 64
 
 
 def model_args(model: str):
@@ -113,7 +124,7 @@ def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset
     every conversation of the sample."""
     if not mode.holds_all:
         return preset
-    every = int(history_chunks(convs) * 1.1) + 64
+    every = holds_all(convs)
     gpu = preset.gpu_cache_chunks or 0
     return replace(
         preset,
@@ -125,4 +136,4 @@ def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset
 def _cpu_pool_gb(wanted: float) -> float:
     """The paper's CPU pool when the host has the memory, else 60% of the host's RAM."""
     host = host_memory_gb()
-    return wanted if host is None else min(wanted, 0.6 * host)
+    return wanted if host is None else min(wanted, PINNED_SHARE * host)

@@ -14,16 +14,13 @@ from bench.lib import workload as wl
 from bench.lib.common import ROOT
 from bench.lib.gpu_settings import (
     SERVE_MODES,
-    STEADY_MODES,
     Settings,
     load_sample,
     no_room,
     oracle_chunks,
     preset_for,
-    state_mismatch,
     steady_config,
-    steady_preset,
-    steady_states,
+    steady_modes,
     window_of,
 )
 from bench.lib.metrics import crossing, run_line
@@ -247,26 +244,10 @@ async def part_steady(s: Settings, budget: float, previous: dict | None) -> dict
     convs, info = load_sample(s)
     folder = steady_folder(s, convs)
     runs: list[dict[str, Any]] = []
-    skipped: list[str] = []
     starts: dict[str, float] = {}
-    for mode in STEADY_MODES:
-        if mode in s.steady_skipped and not s.steady_rates.get(mode):
-            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
-            continue
-        states, missing = steady_states(s, folder, mode)
-        if missing:
-            skipped.append(f"{mode}: no state {', '.join(missing)}")
-            _log(f"skip {mode}: no state {missing}")
-        if not states:
-            continue
-        preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
-        cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
-        why = no_room(s, preset.gpu_cache_chunks, cpu) or state_mismatch(states[0][2], preset)
-        if why:
-            skipped.append(f"{mode}: {why}")
-            _log(f"skip {mode}: {why}")
-            continue
-        run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
+    todo, skipped = steady_modes(s, convs, folder, no_room, _log)
+    run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
+    for mode, preset, states in todo:
         if time.monotonic() + run_s + 15 >= budget:
             skipped += [f"{mode} at {r:g}/s: part budget" for r, _, _ in states]
             continue
