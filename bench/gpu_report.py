@@ -8,33 +8,13 @@
     python -m bench.gpu_report --device cpu --model dummy:tiny   # dry run of every part
 
 Everything runs in this process on the engine (no server, no web stack), on dummy weights
-of the 13B-GQA10 shape, replaying the committed ShareGPT sample, so a bare GPU machine
-without network needs only the tree. Parts run separately merge into the same
-`bench/results/gpu-report-<device>.json`; each part stops starting runs that would not
-finish within its budget (`--budget`) and records what it skipped.
-
-- mfu: `bench.mfu` at 512, 2k and 8k prompt tokens.
-- profile: per mode at one load, host ms per step, the device's busy share, copy time and
-  its overlap with the forward, launches per step; the copy rates of scattered chunks per
-  direction through the block-copy kernel and the copy engine (about a minute).
-- decode: the step time of decode-only batches (CUDA events, median of repeats) against
-  the time to read the weights and the batch's KV once at the HBM bandwidth measured by a
-  large device copy; then the same of a mixture-of-experts shape (Qwen3-30B-A3B, batches
-  1 and 64 at 1k context, about 30 s), whose roofline counts the weights a step reads:
-  attention, router and the experts its batch touches (expected under uniform routing).
-- serve: pensieve, gpu-only and stateless; Poisson arrivals, exponential think time (mean
-  60 s) replayed scaled: think time / k and both tiers / k. Each run sends turns for
-  `--window` seconds, then waits at most `--drain` seconds and cancels what still runs
-  (counted with its latency so far: a lower bound). Capacity = the throughput where the
-  mean normalized latency reaches 180 ms/token (`bench.lib.metrics.crossing`).
-- extra: one rate both unscaled (k = 1, a longer window) and scaled, the same run sampled at
-  temperature 1.0 (the goal: within 3% of greedy), the oracle (tiers that never evict) and
-  pensieve's eviction against lru on the same run.
-- steady: the paper's setting unscaled (40 GiB GPU tier, a CPU tier as large as a lent
-  machine allows, think time 60 s), each mode at a pair of rates that brackets the bound,
-  chosen beforehand by the simulator; each run seeded with the state the simulator wrote
-  at the end of a 20-minute warm-up at its rate (`bench/lib/steady.py`), then a short
-  warm-up, then a 45 s window. The oracle where its tiers fit (on a lent machine they do not).
+of the 13B-GQA10 shape, replaying the committed ShareGPT sample: a bare GPU machine without
+network needs only the tree. Parts run separately merge into one
+`bench/results/gpu-report-<device>.json`; each stops starting runs that would not finish
+within its budget (`--budget`) and records what it skipped. The parts: mfu, decode and
+profile (`bench/parts/device.py`); serve, extra and steady (`bench/parts/serving.py`), each
+a list of runs of the one replay (`bench/lib/replay.py`) whose twin on a simulated device
+is `python -m bench.sim --gpu-report` (`bench/sim_serve.py`, `bench/sim_steady.py`).
 """
 
 from __future__ import annotations

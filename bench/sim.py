@@ -28,6 +28,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from bench.lib import steady as st
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, environment
 from bench.lib.gpu_settings import (
@@ -102,19 +103,8 @@ def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
 
 
 def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:
-    """The sample cycled to n conversations. A copy's first token differs from the
-    original's, so that no copy finds another's KV by prefix sharing."""
-    out = []
-    for k in range(n):
-        c = convs[k % len(convs)]
-        copy = k // len(convs)
-        if copy:
-            first = replace(
-                c.turns[0], prompt=[c.turns[0].prompt[0] + copy, *c.turns[0].prompt[1:]]
-            )
-            c = wl.Conversation(f"{c.id}#{copy}", [first, *c.turns[1:]])
-        out.append(c)
-    return out
+    """The sample cycled to n conversations (`steady.nth`: no copy shares another's KV)."""
+    return [st.nth(convs, k) for k in range(n)]
 
 
 def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> dict[str, Any]:

@@ -69,11 +69,9 @@ def jittered(plans: list[wl.Plan], seed: int) -> list[wl.Plan]:
 def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
              oracle: int | None = None, queue: int | None = None,
              jitter: int | None = None) -> dict:  # fmt: skip
-    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time, as
-    the real one runs: turns sent for the window, refused at a full queue of `queue` turns
-    (None: the benchmarks' own, `BENCH_QUEUE`), and those still running at the drain's end
-    cancelled and counted at their lower bound (`window_metrics`). `jitter`: the seed of
-    sends moved by a few ms (`jittered`), None: sent as planned."""
+    """One serving run of a GPU report in virtual time, as the real one ran: refused at a
+    full queue of `queue` turns (None: `BENCH_QUEUE`), cut at the drain's end; `jitter`:
+    the seed of sends moved by a few ms (`jittered`)."""
     window, drain = window_of(s, k)
     preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
     config = engine_config(preset, MODES[engine_mode])
@@ -92,15 +90,10 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
 
 
 def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
-    """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
-    each run with the same sample, rate, replayed think time, tiers and window, and the
-    error of the simulation against it (throughput, mean normalized latency, capacity).
-    Each simulated run is cut as its real one was (`twin_run`): the same queue limit, the
-    same drain. A mode's capacity is compared as `crossing` gives it, for real and simulated
-    runs alike: where the bound was crossed, or the lower bound where it was not
-    (`capacity_of`). `spread`: each run simulated that many times more with its sends moved
-    by a few ms (`jittered`); each point then has the range and median of its mean latency
-    over them all, and the median's error (a single run near saturation is one draw)."""
+    """The serve runs of a GPU report again on a simulated device, each cut as its real one
+    was (`twin_run`), and the error of each run and each capacity (`capacity_of`: where it
+    crossed the bound, else a lower bound). `spread`: each run that many times more with its
+    sends moved by a few ms (`jittered`): the range and median of its mean latency."""
     s = report_settings(report["settings"])
     convs, _ = load_sample(s)
     host = host_model(s, device)

@@ -4,19 +4,11 @@ choice of its rates, its rehearsal and its twin. Every figure here is SIMULATED.
     python -m bench.sim --steady-states --device h100 [--modes pensieve]   # states and rates
     python -m bench.sim --gpu-steady --device h100        # the part rehearsed: time, crossings
 
-- `choose` (`--steady-states`): per mode, warm-ups (`bench/lib/steady.py`: the committed
-  sample repeated, arriving for `steady_cut_s` virtual seconds at a rate, the part's
-  unscaled tiers and think time) along a ladder of rates 2^(1/4) apart, up while the
-  warm-up's own steady window (the turns sent in its last 70%) is under the bound and down
-  while over, until an adjacent pair brackets it; the states at the cut of those two are
-  written to `steady_states` (`<mode>-<rate>.json`). The rates go into `Settings.
-  steady_rates` by hand, with the command. A mode whose tiers do not fit the lent machine
-  (the oracle) is left out, and listed.
-- `rehearse` (`--gpu-steady`): the part as `bench.gpu_report.part_steady` runs it, from
-  the same files, on a simulated engine per mode: each run cleared, seeded and replayed
-  for the short warm-up and the window; its wall time estimated as the seeding's host time
-  here plus its simulated span cut at warm-up + window + drain, plus each engine's start.
-- `twin`: a real report's steady runs again on a simulated device, from the same states.
+`choose` walks a ladder of rates 2^(1/4) apart per mode, a warm-up at each
+(`bench/lib/steady.py`) and the part's run from its state, until an adjacent pair brackets
+the bound; their states are written to `steady_states` (the rates go into
+`Settings.steady_rates` by hand). `rehearse` runs the part as the GPU runs it, from the same
+files, with its budget; `twin` runs a real report's steady runs again from their states.
 """
 
 from __future__ import annotations

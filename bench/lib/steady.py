@@ -1,43 +1,29 @@
-"""The serving benchmark's steady state, computed once by the simulator and resumed on any
-engine: the GPU report's steady part (`bench/gpu_report.py`), its rehearsal and its twin
-(`bench/sim_steady.py`, `python -m bench.sim --gpu-steady`).
+"""A steady state of the serving replay, computed once by the simulator and resumed on any
+engine (the GPU report's steady part, its rehearsal and its twin start from the same file).
 
-A warm-up in virtual time (`warm_up`: the sample, repeated, arriving at a rate for at least
-20 virtual minutes with the part's mode, tiers and think time) is cut, and its state
-written as a small JSON file (`State`). A run seeds an engine with it (`seeds`, through
-`Engine.seed`: each conversation's history, the tier of each of its chunks, its last
-activity) and replays its continuation (`resume`): each live conversation at its next turn
-after what is left of its think time, the turns in flight at the cut sent again at once,
-in the engine's order (running, then waiting), each going on from where it was (its
-history seeded up to what it had computed: a turn that was decoding sends its last token
-and asks for the rest of its reply, one in its prompt sends the rest of the prompt), and
-new conversations arriving at the same rate from where the warm-up's arrivals stopped in
-the repeated sample. Sending the running batch again from the start of each turn instead
-was tried first: near the bound the redone work (on average half of every running
-turn's reply) left a backlog that a 53 s run did not clear (the simulated stateless mode
-at 4/s went from 47 ms/token in the warm-up to 188 after the cut). A real run and its
-simulated twin start from the same file, so they differ only by the cost model.
+A warm-up in virtual time (`warm_up`: the sample repeated, arriving at a rate for
+`steady_cut_s`) is cut and written (`State`). A run seeds an engine with it (`seeds`,
+`Engine.seed`: each conversation's history, the tier of each chunk, its last activity) and
+replays its continuation (`resume`): live conversations at their next turn, the turns in
+flight at the cut going on from where they were (sending them again from their start left
+a backlog near the bound that a 53 s run did not clear), new conversations arriving from
+where the warm-up's stopped.
 
-The file (`bench/samples/steady/<mode>-<rate>.json`, `State.to_json`):
+The file, `<mode>-<rate>.json` (`State.to_json`), one row a conversation live or holding
+chunks at the cut (those in flight first, in the engine's order):
 
-    {"format": "pensieve-steady/1", "mode", "rate", "think_s", "cut_s", "seed",
-     "sample", "sample_size", "next_index", "gpu_cache_chunks", "cpu_cache_chunks",
-     "chunk_size", "simulated", "git_commit", "summary", "warmup_metrics",
+    {"format": "pensieve-steady/1", "mode", "rate", "think_s", "cut_s", "seed", "sample",
+     "sample_size", "next_index", "gpu_cache_chunks", "cpu_cache_chunks", "chunk_size",
+     "simulated", "git_commit", "summary", "warmup_metrics",
      "columns": ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"],
      "conversations": [[index, turns, kv, "d12c5g8", idle_s, next_s, partial], ...]}
 
-One row per conversation the cut finds live or holding chunks, those in flight first (in
-the engine's order), then by index: `index` in the repeated sample (`nth`), `turns` done,
-`kv` positions whose KV its chunks stand for (a turn's end leaves its last sampled token
-uncomputed), its residency run-length encoded (`d` dropped, `k` disk, `c` cpu, `g` gpu,
-`b` both), seconds since its last activity, seconds to its next turn (0: in flight at the
-cut; null: ended, its chunks held until evicted), and for a turn in flight that had
-computed some of its tokens `[p, g]`: its history holds the first `p` tokens of that
-turn's prompt and `g` of its reply (null: none). `next_index`: the first conversation of
-the repeated sample that had not arrived. A chunk shared by several conversations (a
-common first prompt) is written in the first of them and as dropped in the others: a seed
-holds no shared chunk (`residency`). The history of a turn done is its prompt and
-`output_len` tokens of 0, as the simulator samples them.
+`index` in the repeated sample (`nth`); `turns` done; `kv` positions its chunks stand for;
+residency run-length encoded (`d` dropped, `k` disk, `c` cpu, `g` gpu, `b` both); seconds
+since its last activity and to its next turn (0: in flight; null: ended, held until
+evicted); `partial` `[p, g]`: a turn in flight had computed `p` prompt and `g` reply
+tokens. A chunk shared by several conversations is held by the first only. A reply's
+tokens in a seeded history are 0s, as the simulator samples them.
 """
 
 from __future__ import annotations
@@ -81,8 +67,8 @@ def decode(text: str) -> list[str]:
 
 
 def nth(convs: list[wl.Conversation], k: int) -> wl.Conversation:
-    """Conversation k of the sample cycled (`bench.sim.repeat`): a copy's first token
-    differs from the original's, so that no copy finds another's KV by prefix sharing."""
+    """Conversation k of the sample cycled: a copy's first token differs from the
+    original's, so that no copy finds another's KV by prefix sharing."""
     c = convs[k % len(convs)]
     copy = k // len(convs)
     if not copy:
@@ -197,12 +183,9 @@ RANK = {"dropped": 0, "disk": 0, "cpu": 1, "gpu": 2, "both": 2}
 
 def residency(engine, table, kv: int, tally: dict[str, Any], going_on: bool = False) -> str:
     """The tier of each chunk of the table's first `kv` positions, laid out as a seed takes
-    them ([dropped or disk | cpu | gpu or both]). A chunk shared by several conversations
-    keeps its tier in the first of them written (`tally["claimed"]`) and is dropped in the
-    others (a seed holds no shared chunk); a shared run on the GPU before private CPU chunks
-    (a layout only shared chunks have) goes to the CPU where it has a copy there, else is
-    dropped. Both are counted in `tally`. A stateless engine holds chunks only for a turn
-    in flight that goes on from where it was (`going_on`)."""
+    them ([dropped or disk | cpu | gpu or both]): a shared chunk is kept in the first
+    conversation written only, a faster chunk before a slower one demoted (both counted in
+    `tally`). A stateless engine holds chunks only for a turn going on (`going_on`)."""
     cs = engine.cache.chunk_size
     on_disk = engine.disk.keys() if engine.disk is not None else set()
     state = engine.streams.get(table.id)
@@ -364,11 +347,9 @@ def seeds(state: State, convs: list[wl.Conversation], tag: str, now: float, chun
 def resume(
     state: State, convs: list[wl.Conversation], stop_s: float, rate: float | None = None
 ) -> list[wl.Plan]:
-    """The continuation of the state: each live conversation from its next turn after
-    `next_s` (a turn in flight: at once, in the rows' order, from where it was; its later
-    think times as the warm-up planned them), and new conversations
-    from `next_index` on arriving at the state's rate (a new Poisson draw from the cut) up
-    to `stop_s`."""
+    """The state's continuation up to `stop_s`: each live conversation from its next turn
+    (one in flight at once, from where it was), and new ones from `next_index` arriving at
+    the state's rate (a new Poisson draw)."""
     rate = state.rate if rate is None else rate
     plans = []
     for r in state.live():
@@ -402,14 +383,10 @@ def going_on(state: State, convs: list[wl.Conversation]) -> set[tuple[str, int]]
 def window(
     records: list[wl.TurnRecord], start: float, end: float, resumed: set = frozenset()
 ) -> dict[str, Any]:
-    """The run's figures: the turns sent in [start, end) (after the part's short warm-up),
-    cancelled ones at their lower bound (`window_metrics`). Throughput is those turns over
-    the window's length, cut or not, as `steady_metrics` counts the simulator's steady
-    state (where every turn sent in the window is served, however late): under the bound
-    it is what was served; over it, what was offered (a run far over the bound completes
-    few of its turns before its drain ends: `completed_rps`). `first_second`: what the
-    turns sent in the first second of the replay found (the seeded state), less those in
-    flight at the cut that went on from where they were (`resumed`, apart as `went_on`)."""
+    """The run's figures: the turns sent in [start, end), cut ones at their lower bound
+    (`window_metrics`); throughput is those turns over the window, served or not, as
+    `steady_metrics` counts it (`completed_rps`: those served). `first_second`: what the
+    turns sent first found (the seeded state), those that went on from the cut apart."""
     inside = [r for r in records if start <= r.sent_s < end]
     m = window_metrics(inside, end - start)
     sent = [r for r in inside if r.error is None and r.output_tokens > 0]

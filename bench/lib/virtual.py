@@ -1,21 +1,12 @@
 """The workload replayed against an engine on a simulated device, in its virtual time.
 
-The same conversations, arrivals and think times as the real replay (`workload.script`),
-driven by events instead of tasks: a conversation's next action is due at a virtual time;
-the engine steps while it has work, each step moving the clock on by what the device model
-says it took; when it is idle the clock jumps to the next event. A turn is sent at its own
-due time (within a step: it waits for the step to end, as a real one does). To replay a
-real run as its driver did (a GPU report's twin): with `queue_limit` a turn is refused when
-the engine's queue is full (`Engine.accept`, the rule the AsyncEngine applies; the refusal
-ends its conversation), and with a deadline the turns still running then are cancelled and
-counted at their latency so far (`drivers.censored`). The preset sweeps apply neither:
-their queue is unbounded, as the paper's capacity measure assumes.
-
-Besides the replay's records it measures the real host time of the engine's steps: the
-project's scheduler and cache, which the simulation runs for real.
-
-On a real engine (a wall clock, which cannot jump) the same replay runs in real time: an
-idle engine sleeps until the next event instead (`bench.agents --device cpu`).
+The real replay's conversations, arrivals and think times (`workload.script`) driven by
+events: the engine steps while it has work, each step moving the clock by what the device
+model says it took; idle, the clock jumps to the next event. A twin replays a real run as
+its driver did: `queue_limit` refuses a turn at a full queue (as the AsyncEngine does), a
+deadline cancels what still runs and counts it at its latency so far (`drivers.censored`).
+The host time of the engine's own steps (scheduler and cache, run for real) is measured.
+On a wall clock (which cannot jump) an idle engine sleeps to the next event instead.
 """
 
 from __future__ import annotations
@@ -75,17 +66,10 @@ def replay(
     at_cut: Callable[[dict[int, str], list[tuple[float, str]], list], None] | None = None,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
-    `deadline_s` (seconds of replay, past `stop_s`): the turns still in flight then are
-    cancelled and recorded as censored at that time, as the real run's driver does
-    (`EngineDriver`'s deadline: a window, then a drain). `queue_limit`: a turn sent while
-    the engine's `max_waiting` turns are queued is refused, as the AsyncEngine refuses it.
-    A client's side, where a workload has one (`bench.agents`): `retention(conversation,
-    turn)` gives the turn's `Retention`, `on_end(conversation, turn, request)` runs as a turn
-    ends (before the next is due: a client that reports its tool calls), and `on_step()`
-    after every engine step (sampling what the cache holds). `cut_s` (a steady state's
-    warm-up, `bench.lib.steady.warm_up`): at that many seconds nothing more is sent, and
-    `at_cut(turns in flight by id of request, pending events, records)` sees the replay
-    there, before the turns in flight run to their end."""
+    `deadline_s` (past `stop_s`): what is in flight then is cancelled, counted as censored.
+    `retention`, `on_end`, `on_step`: a client's side where a workload has one
+    (`bench.agents`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
+    id of request, pending events, records)` sees the replay there (`steady.warm_up`)."""
     from engine import EngineOverloaded, SamplingParams, Turn
 
     clock = engine.now
