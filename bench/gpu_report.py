@@ -34,7 +34,9 @@ from bench.lib.metrics import capacity_text
 from bench.parts.device import decode_line, part_decode, part_mfu, part_profile, profile_line
 from bench.parts.serving import part_extra, part_serve, part_steady
 
-PARTS = ("mfu", "decode", "profile", "serve", "extra", "steady")
+# Each part: (settings, its deadline on time.monotonic(), the report so far) -> its result
+PARTS = {"mfu": part_mfu, "decode": part_decode, "profile": part_profile,
+         "serve": part_serve, "extra": part_extra, "steady": part_steady}  # fmt: skip
 
 
 def _log(*a) -> None:
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.gpu_report", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--part", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    ap.add_argument("--part", default=",".join(PARTS), help=f"comma-separated, of {tuple(PARTS)}")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", help="default: dummy:llama-2-13b-gqa10 (dummy:tiny on the CPU)")
     ap.add_argument("--budget", type=float, help="seconds per part")
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     parts = [p for p in args.part.split(",") if p]
     if bad := [p for p in parts if p not in PARTS]:
-        ap.error(f"unknown parts {bad}; choose from {PARTS}")
+        ap.error(f"unknown parts {bad}; choose from {tuple(PARTS)}")
     if args.device == "cpu":
         s = dry_settings(args.model or "dummy:tiny")
     else:
@@ -217,18 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             part_budget = min(part_budget, s.profile_budget_s)
         budget = t0 + part_budget
         _log(f"== {part} (budget {part_budget:.0f} s)")
-        if part == "mfu":
-            res = part_mfu(s, budget)
-        elif part == "decode":
-            res = part_decode(s, budget)
-        elif part == "profile":
-            res = part_profile(s, budget)
-        elif part == "serve":
-            res = asyncio.run(part_serve(s, budget, report))
-        elif part == "extra":
-            res = asyncio.run(part_extra(s, budget, report))
-        else:
-            res = asyncio.run(part_steady(s, budget, report))
+        res = PARTS[part](s, budget, report)
+        res = asyncio.run(res) if asyncio.iscoroutine(res) else res
         res["elapsed_s"] = time.monotonic() - t0
         res["git_commit"] = env["git_commit"]
         report[part] = res

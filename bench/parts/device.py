@@ -26,7 +26,7 @@ def _log(*a) -> None:
     print(*a, flush=True)
 
 
-def part_mfu(s: Settings, budget: float) -> dict[str, Any]:
+def part_mfu(s: Settings, budget: float, previous: dict | None = None) -> dict[str, Any]:
     args = argparse.Namespace(
         model=s.model,
         device=s.device,
@@ -170,7 +170,7 @@ def decode_rows(engine, s, contexts, batches, bw, budget, moe: bool) -> list[dic
     return rows
 
 
-def part_decode(s: Settings, budget: float) -> dict[str, Any]:
+def part_decode(s: Settings, budget: float, previous: dict | None = None) -> dict[str, Any]:
     engine = _decode_engine(s, s.model, s.batches)
     try:
         chunk = engine.config.chunk_size
@@ -233,7 +233,7 @@ def decode_line(r: dict[str, Any]) -> str:
     return line
 
 
-def part_profile(s: Settings, budget: float) -> dict[str, Any]:
+def part_profile(s: Settings, budget: float, previous: dict | None = None) -> dict[str, Any]:
     """Where a step's time goes, per mode at one load (`bench/lib/step_profile.py`): waves of
     one turn per conversation, the first untimed, over a GPU tier about half their context
     (pensieve swaps, gpu-only recomputes what it dropped, stateless recomputes everything);
