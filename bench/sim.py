@@ -49,6 +49,7 @@ from bench.lib.virtual import HostTime, replay
 from bench.sim_serve import SIM, gpu_main
 from bench.window_memory import held
 from engine import Engine
+from engine.calibrate import fitted
 from engine.sim.devices import DEVICES
 from engine.types import KV_DTYPES
 
@@ -291,7 +292,6 @@ def speed(reals: list[dict], sim: dict) -> dict:
 
 def calibration(preset, mode: str) -> dict:
     """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
-    from engine.calibrate import fitted
 
     sim = replace(preset, device="sim:cpu")  # the config its engines had (their token budget)
     fit = fitted(engine_config(sim, MODES[mode]), Engine)

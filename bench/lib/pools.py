@@ -6,9 +6,15 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 
+import torch
+
 from bench.lib import workload as wl
 from bench.lib.common import host_memory_gb
 from bench.lib.presets import Mode, Preset
+from engine import EngineConfig
+from engine.kv_pool import KVPool
+from engine.model.loader import model_args  # the shape, no weights loaded
+from engine.sim import is_simulated
 
 # A benchmark measures capacity, not the queue: past the server's usual limit (256 turns) a
 # turn waits, and its latency says so, instead of being refused and ending its conversation
@@ -18,9 +24,6 @@ PINNED_SHARE = 0.6  # of the host's RAM: the most a pinned CPU tier takes
 
 
 def engine_config(preset: Preset, mode: Mode):
-    from engine import EngineConfig
-    from engine.sim import is_simulated
-
     disk: dict = {}
     if mode.disk:  # a simulated disk tier has no files: its directory is only a switch
         sim = is_simulated(preset.device)
@@ -72,19 +75,8 @@ def holds_all(convs: list[wl.Conversation]) -> int:
     return int(history_chunks(convs) * 1.1) + 64
 
 
-def model_args(model: str):
-    """The model's shape without loading its weights."""
-    from engine.model.loader import model_args as shape
-
-    return shape(model)
-
-
 def kv_bytes_per_chunk(model: str, dtype: str, kv_dtype: str = "auto", chunk_size: int = 32) -> int:
     """K and V bytes of one chunk across all layers (8-bit: with its scales), from the shape."""
-    import torch
-
-    from engine.kv_pool import KVPool
-
     return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype), kv_dtype)
 
 

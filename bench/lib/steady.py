@@ -39,6 +39,7 @@ from typing import Any
 from bench.lib import workload as wl
 from bench.lib.metrics import cache_use, steady_metrics, turn_table, window_metrics
 from bench.lib.virtual import replay
+from engine import Seed
 
 FORMAT = "pensieve-steady/1"
 COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"]
@@ -328,8 +329,6 @@ def seeds(state: State, convs: list[wl.Conversation], tag: str, now: float, chun
     """The engine's seeds of every row that has a history (`Engine.seed`): conversation ids
     `<tag>/<id>` as the replay's drivers name them, last activity on the engine's clock
     `now`. Returns (seeds, rows left out: a history that does not match its residency)."""
-    from engine import Seed
-
     out, bad = [], []
     for r in state.rows:
         conv = nth(convs, r.index)

@@ -20,6 +20,7 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.drivers import censored, turn_stats
+from engine import EngineOverloaded, SamplingParams, Turn
 
 STALLS = 1000  # futile waits for a history read (50 ms each) before a replay gives up
 
@@ -70,8 +71,6 @@ def replay(
     `retention`, `on_end`, `on_step`: a client's side where a workload has one
     (`bench.agents`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
     id of request, pending events, records)` sees the replay there (`steady.warm_up`)."""
-    from engine import EngineOverloaded, SamplingParams, Turn
-
     clock = engine.now
     start = clock()
     due = [start]  # the time of the event being handled: a turn is sent at its own time
