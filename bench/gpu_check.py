@@ -25,8 +25,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_report import device_slug
-from bench.lib.common import RESULTS, ROOT, environment
+from bench.lib.common import RESULTS, ROOT, device_slug, environment
 
 TOTAL_S = 540.0  # the whole command, on an H100 from a bare machine
 TESTS_S = 300.0  # the GPU tests' share; the report's parts get what is left

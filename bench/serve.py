@@ -42,6 +42,8 @@ from bench.lib.pools import (
 from bench.lib.presets import MODES, PRESETS, Preset, dry_run, floats, with_changes
 from bench.lib.samples import load_workload, save_sample
 from bench.lib.sweep import ladder, measure, plan, replay, then
+from engine import AsyncEngine
+from engine.calibrate import speed_probe
 
 
 def _log(*a) -> None:
@@ -51,9 +53,6 @@ def _log(*a) -> None:
 async def bench_engine(
     preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
 ) -> dict[str, Any]:
-    from engine import AsyncEngine
-    from engine.calibrate import speed_probe
-
     preset = size_pools(preset)
     convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)
     log(wl.format_summary(workload["summary"]))

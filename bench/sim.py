@@ -22,52 +22,43 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from bench.lib import steady as st
 from bench.lib import workload as wl
-from bench.lib.common import RESULTS, ROOT, SAMPLES, environment
+from bench.lib.common import ROOT, environment
+from bench.lib.gpu_settings import (
+    label,
+)
 from bench.lib.metrics import (
     claims,
-    crossing,
     merge_runs,
     run_line,
     run_record,
     steady_metrics,
-    turn_table,
-    window_metrics,
 )
 from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
 from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder, over, plan, then
 from bench.lib.virtual import HostTime, replay
+from bench.sim_serve import SIM, gpu_main
+from bench.window_memory import held
+from engine import Engine
+from engine.calibrate import fitted
+from engine.sim.devices import DEVICES
 from engine.types import KV_DTYPES
 
-SIM = RESULTS / "sim"
 REFINE = 2  # bisections of the crossing per mode
 SWEEP = ("rates", "max_rate", "modes")  # what --append may change between invocations
-# The queue limit of a report whose runs do not record theirs: the server's default then
-# (`EngineConfig.max_waiting`), which the H100 and H200 reports ran with.
-REPORT_QUEUE = 256
-# A real driver's sends land within a few ms of their plan; near saturation that alone moves
-# a run's mean latency by tens of percent (which turns queue, which are cut at the drain), so
-# a twin's spread reruns it with every send moved by up to this much (`jittered`).
-JITTER_S = 0.002
 
 
 def _log(*a) -> None:
     print(*a, flush=True)
-
-
-def label(device: str) -> str:
-    from engine.sim.devices import VERSIONS
-
-    return f"SIMULATED {device} (cost model v{VERSIONS[device]})"
 
 
 def sim_preset(preset: Preset, device: str) -> Preset:
@@ -101,8 +92,6 @@ def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
     """The byte saving the workload's contexts allow a model with sliding layers: every
     layer's KV over only what each layer can still read, summed over each turn's end (the
     contexts held over the conversations' lives); None without a window."""
-    from bench.window_memory import held
-
     args = model_args(model)
     if not any(args.window(i) for i in range(args.n_layers)):
         return None
@@ -115,26 +104,13 @@ def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
 
 
 def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:
-    """The sample cycled to n conversations. A copy's first token differs from the
-    original's, so that no copy finds another's KV by prefix sharing."""
-    out = []
-    for k in range(n):
-        c = convs[k % len(convs)]
-        copy = k // len(convs)
-        if copy:
-            first = replace(
-                c.turns[0], prompt=[c.turns[0].prompt[0] + copy, *c.turns[0].prompt[1:]]
-            )
-            c = wl.Conversation(f"{c.id}#{copy}", [first, *c.turns[1:]])
-        out.append(c)
-    return out
+    """The sample cycled to n conversations (`steady.nth`: no copy shares another's KV)."""
+    return [st.nth(convs, k) for k in range(n)]
 
 
 def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> dict[str, Any]:
     """One run in virtual time, on an engine of its own. With `preset.arrival_s`, the sample
     repeated arrives for that long and the steady state after the warm-up is measured."""
-    from engine import Engine
-
     mode = MODES[mode_name]
     stop = None
     if preset.arrival_s is not None:
@@ -220,8 +196,6 @@ def scale(preset: Preset, device: str, counts: list[int], rate: float, window_s:
     """Host time of the scheduler and cache per step against the simulated step: n idle
     conversations held in the tiers (`seed_idle`), and the sample arriving at `rate` for
     `window_s` virtual seconds (pensieve mode)."""
-    from engine import Engine
-
     preset = sim_preset(preset, device)
     preset, convs, workload = workload_of(preset, sample_file, log)
     out = []
@@ -316,257 +290,8 @@ def speed(reals: list[dict], sim: dict) -> dict:
     }
 
 
-def jittered(plans: list[wl.Plan], seed: int) -> list[wl.Plan]:
-    """The same plans with each arrival and think time moved by up to `JITTER_S` (seeded)."""
-    rng = random.Random(seed)
-
-    def move(t: float) -> float:
-        return max(0.0, t + rng.uniform(-JITTER_S, JITTER_S))
-
-    return [replace(p, arrival_s=move(p.arrival_s), think_s=[move(t) for t in p.think_s])
-            for p in plans]  # fmt: skip
-
-
-def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
-             oracle: int | None = None, queue: int | None = None,
-             jitter: int | None = None) -> dict:  # fmt: skip
-    """One serving run of a GPU report (`bench.gpu_report.Runner.run`) in virtual time, as
-    the real one runs: turns sent for the window, refused at a full queue of `queue` turns
-    (None: the benchmarks' own, `BENCH_QUEUE`), and those still running at the drain's end
-    cancelled and counted at their lower bound (`window_metrics`). `jitter`: the seed of
-    sends moved by a few ms (`jittered`), None: sent as planned."""
-    from bench.gpu_report import preset_for, window_of
-    from engine import Engine
-
-    window, drain = window_of(s, k)
-    preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
-    config = engine_config(preset, MODES[engine_mode])
-    if queue is not None:
-        config = replace(config, max_waiting=queue)
-    engine = Engine(config)
-    try:
-        plans = wl.plan(convs, rate, s.think_s / k, 0)
-        if jitter is not None:
-            plans = jittered(plans, jitter)
-        records, span = replay(
-            engine, plans, mode, 1.0, window, deadline_s=window + drain, queue_limit=True
-        )
-        counters = asdict(engine.snapshot().counters)
-    finally:
-        engine.close()
-    return {"mode": mode, "engine_mode": engine_mode, "rate": rate, "scale": k,
-            "think_s": s.think_s, "window_s": window, "wall_s": span,
-            "metrics": window_metrics(records, span), "counters": counters,
-            "turns": turn_table(records)}  # fmt: skip
-
-
-def report_settings(settings: dict):
-    """A report's `Settings`, replaying the committed sample of the same name (the report
-    records the path it had on the GPU machine)."""
-    from bench.gpu_report import Settings
-
-    known = Settings.__dataclass_fields__
-    s = replace(Settings(), **{k: v for k, v in settings.items() if k in known})
-    return replace(s, sample=str(SAMPLES / Path(s.sample).name))
-
-
-def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
-    """The serve part of a GPU report (`bench.gpu_report`) run again on a simulated device:
-    each run with the same sample, rate, replayed think time, tiers and window, and the
-    error of the simulation against it (throughput, mean normalized latency, capacity).
-    Each simulated run is cut as its real one was (`twin_run`): the same queue limit, the
-    same drain. A mode's capacity is compared as `crossing` gives it, for real and simulated
-    runs alike: where the bound was crossed, or the lower bound where it was not
-    (`capacity_of`). `spread`: each run simulated that many times more with its sends moved
-    by a few ms (`jittered`); each point then has the range and median of its mean latency
-    over them all, and the median's error (a single run near saturation is one draw)."""
-    from bench.gpu_report import load_sample
-
-    s = report_settings(report["settings"])
-    convs, _ = load_sample(s)
-    host = host_model(s, device)
-    runs, points = [], []
-    for real in report["serve"]["runs"]:
-        oracle = real["cpu_cache_chunks"] if real["mode"] == "oracle" else None
-        queue = real.get("max_waiting", REPORT_QUEUE)
-
-        def again(jitter: int | None = None, real=real, oracle=oracle, queue=queue) -> dict:
-            return twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                            real["scale"], device, oracle, queue, jitter)  # fmt: skip
-
-        run = again()
-        runs.append(run)
-        point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
-        for key in ("throughput_rps", "norm_latency_mean"):
-            r, v = real["metrics"][key], run["metrics"][key]
-            point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
-        if ms := step_ms(real, run, host):
-            point["step_ms"] = ms
-        if spread:
-            draws = [run] + [again(seed) for seed in range(1, spread + 1)]
-            point["norm_latency_mean"].update(
-                latency_spread(draws, real["metrics"]["norm_latency_mean"])
-            )
-        points.append(point)
-        ms = point.get("step_ms")
-        steps = f", {ms['real']:.1f} ms/step, simulated {ms['sim']:.1f}" if ms else ""
-        log(
-            run_line(run)
-            + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok{steps})"
-        )
-    bound = s.bound
-    caps = {}
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-        real = capacity_of(
-            crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
-        )
-        sim = capacity_of(crossing([x for x in runs if x["mode"] == mode], bound))
-        r, v = real["rps"], sim["rps"]
-        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None,
-                      "real_at_least": real["at_least"], "sim_at_least": sim["at_least"]}  # fmt: skip
-    timed = [p for p in points if "step_ms" in p]
-    fit = host_fit(timed) if len(timed) > 1 else None
-    return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps,
-            "step_host": {"model_ms": [host[0] * 1e3, host[1] * 1e3],
-                          "fit_ms": fit and [fit[0] * 1e3, fit[1] * 1e3]}}  # fmt: skip
-
-
-def latency_spread(runs: list[dict], real: float) -> dict:
-    """The mean normalized latency over a run's twins: range, median, the median's error."""
-    got = sorted(r["metrics"]["norm_latency_mean"] for r in runs)
-    median = statistics.median(got)
-    return {"spread": [got[0], median, got[-1]], "runs": len(got),
-            "median_error": (median - real) / real if real else None}  # fmt: skip
-
-
-def capacity_of(c: dict) -> dict:
-    """A mode's capacity from its `crossing`: where its latency crossed the bound, or, where
-    its runs never passed it, its best throughput (`at_least`: a lower bound). Either shape
-    of the crossing: a lower bound as `capacity_rps` of a run not `crossed`, or as
-    `at_least_rps` beside a `capacity_rps` of None."""
-    if c.get("capacity_rps") is not None:
-        return {"rps": c["capacity_rps"], "at_least": not c.get("crossed", True)}
-    return {"rps": c.get("at_least_rps"), "at_least": c.get("at_least_rps") is not None}
-
-
-def host_model(s, device: str) -> tuple[float, float]:
-    """The device model's host time (`StepCost.host_s`) for the report's model: seconds per
-    step, and per sampled row."""
-    from engine.model.loader import model_args
-    from engine.sim.cost import Shape, Work
-    from engine.sim.devices import gpu_device
-
-    cost = gpu_device(device, Shape.of(model_args(s.model), s.dtype)).cost
-    step = cost.host_s([Work(1, 0, False)])
-    return step, cost.host_s([Work(1, 0, True)]) - step
-
-
-def step_ms(real: dict, sim: dict, host: tuple[float, float]) -> dict | None:
-    """Milliseconds per step, real (its wall time over its steps) and simulated; sampled rows
-    per step (generated tokens over steps) of each; and the host time per step that the
-    real run implies: its time per step less the model's own (the simulated step less the
-    model's host time at the simulated rows). `host_fit` fits the device's host figures to
-    these."""
-    rc, sc = real.get("counters", {}), sim["counters"]
-    if not rc.get("steps") or not sc["steps"]:
-        return None
-    r, v = real["wall_s"] / rc["steps"], sim["wall_s"] / sc["steps"]
-    rows = {
-        "real": rc["generated_tokens"] / rc["steps"],
-        "sim": sc["generated_tokens"] / sc["steps"],
-    }
-    model = host[0] + host[1] * rows["sim"]
-    return {"real": r * 1e3, "sim": v * 1e3, "error": (v - r) / r, "rows": rows,
-            "host_model": model * 1e3, "host_implied": (r - (v - model)) * 1e3}  # fmt: skip
-
-
-def host_fit(points: list[dict]) -> tuple[float, float]:
-    """Host seconds per step and per sampled row that fit the host times the twins' runs
-    imply (`step_ms`) against their real rows per step: least squares, neither negative
-    (a negative intercept: a line through the origin; a negative slope: a constant)."""
-    if not points:
-        raise ValueError("no run to fit")
-    xs = [p["step_ms"]["rows"]["real"] for p in points]
-    ys = [p["step_ms"]["host_implied"] * 1e-3 for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
-    a = my - b * mx
-    if a < 0:
-        a, b = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
-    if b < 0:
-        a, b = max(0.0, my), 0.0
-    return a, b
-
-
-# What a real serve part spends besides its runs' windows and drains (the H200's, ba0cc72:
-# 394 s in all for 7 runs of 370 s): starting each mode's engine, and per run the settling
-# sleep and freeing its conversations.
-ENGINE_START_S = 7.0
-RUN_OVERHEAD_S = 1.0
-
-
-def serve_part(s, device: str = "h100", log=_log) -> dict:
-    """The GPU report's serve part rehearsed in virtual time: the same sweeps (`walk`, each
-    mode from where the previous was last under) and the same budget rule, each run's wall
-    time estimated as its simulated span, cut at window + drain as the real run cuts it.
-    Says which runs the budget would skip and whether every mode crosses the bound."""
-    from bench.gpu_report import (
-        SERVE_MODES,
-        _start_index,
-        load_sample,
-        next_index,
-        next_start,
-        walk,
-    )
-
-    convs, info = load_sample(s)
-    log(wl.format_summary(info["summary"]))
-    t, runs, skipped = 0.0, [], []
-    start = _start_index(s.rates, s.start_rate)
-    for mode in SERVE_MODES:
-        t += ENGINE_START_S
-        got: list[dict] = []
-        steps = walk(len(s.rates), start)
-        i = next(steps, None)
-        while i is not None:
-            rate = s.rates[i]
-            if t + s.window_s + s.drain_s + 15 >= s.budget_s:  # Runner.fits
-                skipped.append(f"{mode} at {rate:g}/s")
-                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
-                break
-            run = twin_run(s, convs, mode, mode, rate, s.scale, device)
-            run["estimated_wall_s"] = min(run["wall_s"], s.window_s + s.drain_s)
-            t += run["estimated_wall_s"] + RUN_OVERHEAD_S
-            run["ends_at_s"] = t
-            got.append(run)
-            log(run_line(run) + f"  [ends at ~{t:.0f} s]")
-            i = next_index(steps, over(run, s.bound))
-        runs += got
-        start = next_start(s.rates, got, s.bound, start)
-    out = rehearsal(device, s, info, runs, skipped, SERVE_MODES)
-    out["estimated_s"] = t
-    out["all_crossed"] = all(c["crossed"] for c in out["capacity"].values())
-    return out
-
-
-def rehearsal(device: str, s, info: dict, runs: list, skipped: list, modes) -> dict[str, Any]:
-    """A part rehearsed on a simulated device: its settings, workload, runs and each mode's
-    capacity (`crossing`)."""
-    return {
-        "simulated": label(device),
-        "settings": asdict(s),
-        "workload": {k: v for k, v in info.items() if k != "parse"},
-        "runs": runs,
-        "skipped": skipped,
-        "capacity": {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes},
-    }
-
-
 def calibration(preset, mode: str) -> dict:
     """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
-    from engine.calibrate import fitted
-    from engine.engine import Engine
 
     sim = replace(preset, device="sim:cpu")  # the config its engines had (their token budget)
     fit = fitted(engine_config(sim, MODES[mode]), Engine)
@@ -611,8 +336,6 @@ def table(cmp: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.sim.devices import DEVICES
-
     ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="paper-gqa", choices=sorted(PRESETS))
     ap.add_argument("--device", default="a100-80gb", choices=DEVICES)
@@ -679,39 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    if args.gpu_steady or args.steady_states:  # before --gpu-report: with it, its twin
-        return steady_main(args)
-
-    if args.gpu_serve:
-        s = report_settings_of(args)
-        if args.rates:
-            s = replace(s, rates=floats(args.rates))
-        if args.conversations:
-            s = replace(s, conversations=args.conversations)
-        result = serve_part(s, args.device)
-        result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
-        out = args.out or SIM / f"gpu-serve_{args.device}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-        print(f"about {result['estimated_s']:.0f} s of the {s.budget_s:.0f} s budget; "
-              f"skipped {result['skipped'] or 'nothing'}; every mode crossed: {result['all_crossed']}")  # fmt: skip
-        print(f"wrote {out}")
-        return 0
-
-    if args.gpu_report:
-        report = json.loads(args.gpu_report.read_text())
-        if not report.get("serve", {}).get("runs"):
-            print(f"{args.gpu_report} has no serve runs to simulate")
-            return 0
-        result = twin(report, args.device, spread=args.spread)
-        result["environment"] = {**environment(), "device": label(args.device), "simulated": True}
-        out = args.out or args.gpu_report.with_name(
-            f"{args.gpu_report.stem}-sim-{args.device}.json"
-        )
-        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-        print(json.dumps({k: result[k] for k in ("capacity", "step_host")}, indent=1))
-        print(f"wrote {out}")
-        return 0
+    if args.gpu_serve or args.gpu_report or args.gpu_steady or args.steady_states:
+        return gpu_main(args)
 
     preset = with_changes(
         PRESETS[args.preset],
@@ -779,54 +471,6 @@ def main(argv: list[str] | None = None) -> int:
         from bench.lib.plots import plot_serve
 
         print(f"wrote {plot_serve(result, out.with_suffix('.png'))}")
-    return 0
-
-
-def report_settings_of(args):
-    """The GPU report's settings, with the command line's latency bound."""
-    from bench.gpu_report import Settings
-
-    s = Settings()
-    return replace(s, bound=args.bound) if args.bound else s
-
-
-def steady_main(args) -> int:
-    """`--steady-states`, `--gpu-steady` and `--gpu-steady --gpu-report` (bench/sim_steady.py)."""
-    from bench.gpu_report import STEADY_MODES
-    from bench.sim_steady import choose, rehearse
-
-    s = report_settings_of(args)
-    env = {**environment(), "device": label(args.device), "simulated": True}
-    if args.gpu_report:
-        from bench.sim_steady import twin
-
-        report = json.loads(args.gpu_report.read_text())
-        if not report.get("steady", {}).get("runs"):
-            print(f"{args.gpu_report} has no steady runs to simulate")
-            return 0
-        result = twin(report, args.device)
-        out = args.out or args.gpu_report.with_name(
-            f"{args.gpu_report.stem}-steady-sim-{args.device}.json"
-        )
-        print(json.dumps(result["capacity"], indent=1))
-    elif args.steady_states:
-        modes = args.modes.split(",") if args.modes else list(STEADY_MODES)
-        start = floats(args.rates)[0] if args.rates else None  # where each walk starts
-        result = choose(s, args.device, modes, ROOT / s.steady_states, start)
-        out = args.out or SIM / f"steady-states_{args.device}_{'-'.join(modes)}.json"
-        print(f"rates chosen: {result['rates']}; skipped {result['skipped'] or 'nothing'}")
-    else:
-        result = rehearse(s, args.device)
-        out = args.out or SIM / f"gpu-steady_{args.device}.json"
-        print(f"about {result['estimated_s']:.0f} s of the {s.steady_budget_s:.0f} s budget "
-              f"(fits: {result['fits']}); skipped {result['skipped'] or 'nothing'}; every mode "
-              f"crossed: {result['all_crossed']}")  # fmt: skip
-        for mode, c in result["capacity"].items():
-            print(f"  {mode}: {c}")
-    result["environment"] = env
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    print(f"wrote {out}")
     return 0
 
 

@@ -4,47 +4,51 @@ choice of its rates, its rehearsal and its twin. Every figure here is SIMULATED.
     python -m bench.sim --steady-states --device h100 [--modes pensieve]   # states and rates
     python -m bench.sim --gpu-steady --device h100        # the part rehearsed: time, crossings
 
-- `choose` (`--steady-states`): per mode, warm-ups (`bench/lib/steady.py`: the committed
-  sample repeated, arriving for `steady_cut_s` virtual seconds at a rate, the part's
-  unscaled tiers and think time) along a ladder of rates 2^(1/4) apart, up while the
-  warm-up's own steady window (the turns sent in its last 70%) is under the bound and down
-  while over, until an adjacent pair brackets it; the states at the cut of those two are
-  written to `steady_states` (`<mode>-<rate>.json`). The rates go into `Settings.
-  steady_rates` by hand, with the command. A mode whose tiers do not fit the lent machine
-  (the oracle) is left out, and listed.
-- `rehearse` (`--gpu-steady`): the part as `bench.gpu_report.part_steady` runs it, from
-  the same files, on a simulated engine per mode: each run cleared, seeded and replayed
-  for the short warm-up and the window; its wall time estimated as the seeding's host time
-  here plus its simulated span cut at warm-up + window + drain, plus each engine's start.
-- `twin`: a real report's steady runs again on a simulated device, from the same states.
+`choose` walks a ladder of rates 2^(1/4) apart per mode, a warm-up at each
+(`bench/lib/steady.py`) and the part's run from its state, until an adjacent pair brackets
+the bound; their states are written to `steady_states` (the rates go into
+`Settings.steady_rates` by hand). `rehearse` runs the part as the GPU runs it, from the same
+files, with its budget; `twin` runs a real report's steady runs again from their states.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from bench.lib import steady as st
-from bench.lib.common import git_commit
+from bench.lib import workload as wl
+from bench.lib.common import ROOT, git_commit
+from bench.lib.gpu_settings import (
+    ENGINE_START_S,
+    RUN_OVERHEAD_S,
+    STEADY_MODES,
+    label,
+    lent_room,
+    load_sample,
+    rehearsal,
+    report_settings,
+    state_mismatch,
+    steady_config,
+    steady_modes,
+    steady_preset,
+)
 from bench.lib.metrics import crossing, run_line
 from bench.lib.pools import kv_bytes_per_chunk
+from bench.lib.replay import Virtual, steady_run
 from bench.lib.sweep import over
-from bench.lib.virtual import replay
+from engine import Engine
 
 # Rungs 2^(1/4) apart (x1.19): a bracket this narrow is 9% either side of the crossing.
 LADDER = [round(2 ** (i / 4), 2) for i in range(0, 25)]  # 1 ... 64
 # Where each mode's walk starts (on the h100 model v3 the part's pairs are 2.83-3.36/s
 # stateless and gpu-only, 3.36-4/s pensieve)
 START = {"stateless": 2.83, "gpu": 2.83, "pensieve": 3.36, "oracle": 4.0}
-# The lent machines (bench/README.md, "With a GPU for 15 minutes"): GPU memory as torch
-# reports it, and the host's RAM
-LENT_GPU_BYTES = {"h100": 85.0e9, "h200": 150.0e9, "a100-80gb": 85.0e9, "cpu": math.inf}
-LENT_HOST_GIB = 128.0
-# A real part's time besides its runs (`bench.sim.ENGINE_START_S`, `RUN_OVERHEAD_S`: the
-# H200's serve part), and the page-locking of a CPU tier at the engine's start, assumed
+# The page-locking of a CPU tier at the engine's start, assumed
 # (the serve part's 12.5 GiB tier started within those 7 s; not measured apart)
 PIN_S_PER_GIB = 0.25
 
@@ -53,34 +57,7 @@ def _log(*a) -> None:
     print(*a, flush=True)
 
 
-def lent_room(s, device: str, gpu_chunks: int, cpu_chunks: int) -> str | None:
-    """Why these tiers would not fit the lent machine of `device` (None: they would), by
-    `bench.gpu_report.no_room`'s rule: the first tier beside the weights in 90% of the
-    GPU's memory, the second (pinned) in 60% of the host's RAM."""
-    import torch
-
-    from bench.gpu_report import weight_bytes
-    from engine.model.loader import model_args
-
-    per = kv_bytes_per_chunk(s.model, s.dtype)
-    weights = weight_bytes(model_args(s.model), getattr(torch, s.dtype).itemsize)
-    gpu = LENT_GPU_BYTES.get(device, math.inf)
-    if gpu_chunks * per + weights > 0.9 * gpu:
-        return (
-            f"a first tier of {gpu_chunks * per / 1e9:.0f} GB does not fit beside "
-            f"{weights / 1e9:.0f} GB of weights in {gpu / 1e9:.0f} GB of GPU memory"
-        )
-    if cpu_chunks * per > 0.6 * LENT_HOST_GIB * 2**30:
-        return (
-            f"a second tier of {cpu_chunks * per / 1e9:.0f} GB (pinned) is over 60% of "
-            f"{LENT_HOST_GIB * 2**30 / 1e9:.0f} GB of RAM"
-        )
-    return None
-
-
 def _engine(s, mode: str, device: str, convs, rate: float):
-    from bench.gpu_report import steady_config, steady_preset
-    from engine import Engine
 
     preset = replace(steady_preset(s, mode, convs, rate), device=f"sim:{device}")
     return Engine(steady_config(s, mode, preset)), preset
@@ -88,8 +65,6 @@ def _engine(s, mode: str, device: str, convs, rate: float):
 
 def warm_up(s, mode: str, rate: float, device: str, convs, log=_log) -> st.State:
     """The warm-up at `rate` on a simulated engine of its own, cut at `steady_cut_s`."""
-    from bench.sim import label
-
     engine, preset = _engine(s, mode, device, convs, rate)
     n = st.warmup_plans_needed(rate, s.steady_cut_s)
     t = time.perf_counter()
@@ -124,6 +99,16 @@ def warm_up(s, mode: str, rate: float, device: str, convs, log=_log) -> st.State
     return state
 
 
+def steady_folder(s, convs: list[wl.Conversation]) -> Path:
+    """Where the part's states are: committed (`steady_states`), or, for a dry run, made
+    now by the simulator in a temporary folder (seconds on dummy:tiny)."""
+    if s.steady_states:
+        return ROOT / s.steady_states
+    folder = Path(tempfile.mkdtemp(prefix="pensieve-steady-"))
+    make_states(s, "h100", STEADY_MODES, folder, convs, log=lambda *a: None)
+    return folder
+
+
 def make_states(s, device: str, modes, folder: Path, convs, log=_log) -> dict[str, Any]:
     """The states at `steady_rates` as they are (no walk): the dry run's."""
     out = {}
@@ -137,8 +122,6 @@ def make_states(s, device: str, modes, folder: Path, convs, log=_log) -> dict[st
 def _reusable(path: Path, s, mode: str, rate: float, device: str) -> st.State | None:
     """A state written earlier for the same mode, rate, think time, cut, tiers and cost
     model (an interrupted walk goes on from there)."""
-    from bench.sim import label
-
     if not path.exists():
         return None
     state = st.State.read(path)
@@ -152,8 +135,6 @@ def choose(s, device: str, modes, folder: Path, start: float | None = None, log=
     (each warm-up's state resumed as the part resumes it, `run_from`), walking from `start`
     (else `START`); each warm-up's state written to `folder` as it ends (a walk cut short
     goes on from them), those outside the pair removed at the end."""
-    from bench.gpu_report import load_sample, state_mismatch, steady_preset
-
     convs, _ = load_sample(s)
     chosen, runs, skipped = {}, [], []
     for mode in modes:
@@ -207,7 +188,7 @@ def run_from(
     the oracle's tiers are sized for)."""
     engine, _ = _engine(s, mode, device, convs, top or state.rate)
     try:
-        return steady_run(engine, s, mode, state, path, convs)
+        return asyncio.run(steady_run(Virtual(engine), s, mode, state, path, convs))
     finally:
         engine.close()
 
@@ -215,62 +196,16 @@ def run_from(
 # ---- the part rehearsed, and the twin of a real one -------------------------------------
 
 
-def clear(engine) -> None:
-    for cid in set(engine.streams) | {t.id for t in engine.cache.held()}:
-        engine.free(cid)
-
-
-def steady_run(engine, s, mode: str, state: st.State, path: Path, convs) -> dict[str, Any]:
-    """`bench.gpu_report.steady_run` in virtual time, cut as the real one is: what still
-    runs at the drain's end is cancelled and counted at its lower bound, a turn refused at
-    a full queue as the AsyncEngine refuses it (`virtual.replay`)."""
-    tag = f"steady-{mode}-{state.rate:g}"
-    t = time.perf_counter()
-    clear(engine)
-    seeds, bad = st.seeds(state, convs, tag, engine.now(), engine.cache.chunk_size)
-    engine.seed(seeds)
-    seed_s = time.perf_counter() - t
-    stop = s.steady_warmup_s + s.steady_window_s
-    plans = st.resume(state, convs, stop)
-    records, span = replay(engine, plans, tag, 1.0, stop, deadline_s=stop + s.steady_drain_s,
-                           queue_limit=True)  # fmt: skip
-    return st.run_row(s, mode, state, path, (len(seeds), bad), seed_s, span, records, convs)
-
-
 def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
     """The steady part in virtual time, with its budget rule: its runs, crossings and
     estimated wall time (engine starts, seeding, warm-up, window, drain)."""
-    from bench.gpu_report import (
-        STEADY_MODES,
-        load_sample,
-        state_mismatch,
-        steady_folder,
-        steady_preset,
-        steady_states,
-    )
-    from bench.sim import ENGINE_START_S, RUN_OVERHEAD_S, rehearsal
-
     convs, info = load_sample(s)
     folder = steady_folder(s, convs)
-    t, runs, skipped, starts = 0.0, [], [], {}
+    t, runs, starts = 0.0, [], {}
     run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
-    for mode in STEADY_MODES:
-        if mode in s.steady_skipped and not s.steady_rates.get(mode):
-            skipped.append(f"{mode}: {s.steady_skipped[mode]}")
-            continue
-        states, missing = steady_states(s, folder, mode)
-        if missing:
-            skipped.append(f"{mode}: no state {', '.join(missing)}")
-        if not states:
-            continue
-        preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
-        cpu = preset.cpu_cache_chunks if mode not in ("stateless", "gpu") else 0
-        why = lent_room(s, device, preset.gpu_cache_chunks, cpu)
-        why = why or state_mismatch(states[0][2], preset)
-        if why:
-            skipped.append(f"{mode}: {why}")
-            log(f"skip {mode}: {why}")
-            continue
+    todo, skipped = steady_modes(s, convs, folder, lambda *a: lent_room(a[0], device, *a[1:]), log)
+    for mode, preset, states in todo:
+        cpu = preset.cpu_cache_chunks if mode != "gpu" and mode != "stateless" else 0
         starts[mode] = (
             ENGINE_START_S + PIN_S_PER_GIB * cpu * kv_bytes_per_chunk(s.model, s.dtype) / 2**30
         )
@@ -304,9 +239,6 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict[str, Any]:
     """The steady runs of a GPU report again on a simulated device, each from the same
     state file (the committed one of the report's name), rate, warm-up and window; the
     error of the simulation against each run and each capacity."""
-    from bench.gpu_report import load_sample, steady_folder
-    from bench.sim import label, report_settings
-
     s = report_settings(report["settings"])
     if report["settings"].get("steady_states"):
         s = replace(s, steady_states=report["settings"]["steady_states"])

@@ -6,20 +6,24 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 
+import torch
+
 from bench.lib import workload as wl
 from bench.lib.common import host_memory_gb
 from bench.lib.presets import Mode, Preset
+from engine import EngineConfig
+from engine.kv_pool import KVPool
+from engine.model.loader import model_args  # the shape, no weights loaded
+from engine.sim import is_simulated
 
 # A benchmark measures capacity, not the queue: past the server's usual limit (256 turns) a
 # turn waits, and its latency says so, instead of being refused and ending its conversation
 # (on an H100 at 16/s every mode refused ~180 turns, and those runs measured nothing).
 BENCH_QUEUE = 1 << 20
+PINNED_SHARE = 0.6  # of the host's RAM: the most a pinned CPU tier takes
 
 
 def engine_config(preset: Preset, mode: Mode):
-    from engine import EngineConfig
-    from engine.sim import is_simulated
-
     disk: dict = {}
     if mode.disk:  # a simulated disk tier has no files: its directory is only a switch
         sim = is_simulated(preset.device)
@@ -51,29 +55,28 @@ def size_pools(preset: Preset, host: bool = True) -> Preset:
     `host`: the CPU tier is capped by this machine's memory (not in a simulation)."""
     if preset.gpu_cache_gb is None and preset.cpu_cache_gb is None:
         return preset
-    per = kv_bytes_per_chunk(preset.model, preset.dtype or "bfloat16", preset.kv_dtype)
+    dtype = preset.dtype or "bfloat16"
     gpu, cpu = preset.gpu_cache_chunks, preset.cpu_cache_chunks
     if preset.gpu_cache_gb is not None:
-        gpu = int(preset.gpu_cache_gb * 2**30 // per)
+        gpu = chunks_in(preset.gpu_cache_gb, preset.model, dtype, preset.kv_dtype)
     if preset.cpu_cache_gb is not None:
         gb = _cpu_pool_gb(preset.cpu_cache_gb) if host else preset.cpu_cache_gb
-        cpu = int(gb * 2**30 // per)
+        cpu = chunks_in(gb, preset.model, dtype, preset.kv_dtype)
     return replace(preset, gpu_cache_chunks=gpu, cpu_cache_chunks=cpu)
 
 
-def model_args(model: str):
-    """The model's shape without loading its weights."""
-    from engine.model.loader import model_args as shape
+def chunks_in(gib: float, model: str, dtype: str, kv_dtype: str = "auto") -> int:
+    """Chunks of the model's KV in `gib` GiB."""
+    return int(gib * 2**30 // kv_bytes_per_chunk(model, dtype, kv_dtype))
 
-    return shape(model)
+
+def holds_all(convs: list[wl.Conversation]) -> int:
+    """A tier that never evicts these conversations: their whole history, +10% and 64 chunks."""
+    return int(history_chunks(convs) * 1.1) + 64
 
 
 def kv_bytes_per_chunk(model: str, dtype: str, kv_dtype: str = "auto", chunk_size: int = 32) -> int:
     """K and V bytes of one chunk across all layers (8-bit: with its scales), from the shape."""
-    import torch
-
-    from engine.kv_pool import KVPool
-
     return KVPool.bytes_per_block(model_args(model), chunk_size, getattr(torch, dtype), kv_dtype)
 
 
@@ -113,7 +116,7 @@ def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset
     every conversation of the sample."""
     if not mode.holds_all:
         return preset
-    every = int(history_chunks(convs) * 1.1) + 64
+    every = holds_all(convs)
     gpu = preset.gpu_cache_chunks or 0
     return replace(
         preset,
@@ -125,4 +128,4 @@ def for_mode(preset: Preset, mode: Mode, convs: list[wl.Conversation]) -> Preset
 def _cpu_pool_gb(wanted: float) -> float:
     """The paper's CPU pool when the host has the memory, else 60% of the host's RAM."""
     host = host_memory_gb()
-    return wanted if host is None else min(wanted, 0.6 * host)
+    return wanted if host is None else min(wanted, PINNED_SHARE * host)

@@ -1,48 +1,33 @@
-"""The serving benchmark's steady state, computed once by the simulator and resumed on any
-engine: the GPU report's steady part (`bench/gpu_report.py`), its rehearsal and its twin
-(`bench/sim_steady.py`, `python -m bench.sim --gpu-steady`).
+"""A steady state of the serving replay, computed once by the simulator and resumed on any
+engine (the GPU report's steady part, its rehearsal and its twin start from the same file).
 
-A warm-up in virtual time (`warm_up`: the sample, repeated, arriving at a rate for at least
-20 virtual minutes with the part's mode, tiers and think time) is cut, and its state
-written as a small JSON file (`State`). A run seeds an engine with it (`seeds`, through
-`Engine.seed`: each conversation's history, the tier of each of its chunks, its last
-activity) and replays its continuation (`resume`): each live conversation at its next turn
-after what is left of its think time, the turns in flight at the cut sent again at once,
-in the engine's order (running, then waiting), each going on from where it was (its
-history seeded up to what it had computed: a turn that was decoding sends its last token
-and asks for the rest of its reply, one in its prompt sends the rest of the prompt), and
-new conversations arriving at the same rate from where the warm-up's arrivals stopped in
-the repeated sample. Sending the running batch again from the start of each turn instead
-was tried first: near the bound the redone work (on average half of every running
-turn's reply) left a backlog that a 53 s run did not clear (the simulated stateless mode
-at 4/s went from 47 ms/token in the warm-up to 188 after the cut). A real run and its
-simulated twin start from the same file, so they differ only by the cost model.
+A warm-up in virtual time (`warm_up`: the sample repeated, arriving at a rate for
+`steady_cut_s`) is cut and written (`State`). A run seeds an engine with it (`seeds`,
+`Engine.seed`: each conversation's history, the tier of each chunk, its last activity) and
+replays its continuation (`resume`): live conversations at their next turn, the turns in
+flight at the cut going on from where they were (sending them again from their start left
+a backlog near the bound that a 53 s run did not clear), new conversations arriving from
+where the warm-up's stopped.
 
-The file (`bench/samples/steady/<mode>-<rate>.json`, `State.to_json`):
+The file, `<mode>-<rate>.json` (`State.to_json`), one row a conversation live or holding
+chunks at the cut (those in flight first, in the engine's order):
 
-    {"format": "pensieve-steady/1", "mode", "rate", "think_s", "cut_s", "seed",
-     "sample", "sample_size", "next_index", "gpu_cache_chunks", "cpu_cache_chunks",
-     "chunk_size", "simulated", "git_commit", "summary", "warmup_metrics",
+    {"format": "pensieve-steady/1", "mode", "rate", "think_s", "cut_s", "seed", "sample",
+     "sample_size", "next_index", "gpu_cache_chunks", "cpu_cache_chunks", "chunk_size",
+     "simulated", "git_commit", "summary", "warmup_metrics",
      "columns": ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"],
      "conversations": [[index, turns, kv, "d12c5g8", idle_s, next_s, partial], ...]}
 
-One row per conversation the cut finds live or holding chunks, those in flight first (in
-the engine's order), then by index: `index` in the repeated sample (`nth`), `turns` done,
-`kv` positions whose KV its chunks stand for (a turn's end leaves its last sampled token
-uncomputed), its residency run-length encoded (`d` dropped, `k` disk, `c` cpu, `g` gpu,
-`b` both), seconds since its last activity, seconds to its next turn (0: in flight at the
-cut; null: ended, its chunks held until evicted), and for a turn in flight that had
-computed some of its tokens `[p, g]`: its history holds the first `p` tokens of that
-turn's prompt and `g` of its reply (null: none). `next_index`: the first conversation of
-the repeated sample that had not arrived. A chunk shared by several conversations (a
-common first prompt) is written in the first of them and as dropped in the others: a seed
-holds no shared chunk (`residency`). The history of a turn done is its prompt and
-`output_len` tokens of 0, as the simulator samples them.
+`index` in the repeated sample (`nth`); `turns` done; `kv` positions its chunks stand for;
+residency run-length encoded (`d` dropped, `k` disk, `c` cpu, `g` gpu, `b` both); seconds
+since its last activity and to its next turn (0: in flight; null: ended, held until
+evicted); `partial` `[p, g]`: a turn in flight had computed `p` prompt and `g` reply
+tokens. A chunk shared by several conversations is held by the first only. A reply's
+tokens in a seeded history are 0s, as the simulator samples them.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import json
 import math
@@ -52,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import workload as wl
-from bench.lib.drivers import turn_stats
 from bench.lib.metrics import cache_use, steady_metrics, turn_table, window_metrics
-from bench.lib.virtual import wait_next
+from bench.lib.virtual import replay
+from engine import Seed
 
 FORMAT = "pensieve-steady/1"
 COLUMNS = ["index", "turns", "kv", "residency", "idle_s", "next_s", "partial"]
@@ -83,8 +68,8 @@ def decode(text: str) -> list[str]:
 
 
 def nth(convs: list[wl.Conversation], k: int) -> wl.Conversation:
-    """Conversation k of the sample cycled (`bench.sim.repeat`): a copy's first token
-    differs from the original's, so that no copy finds another's KV by prefix sharing."""
+    """Conversation k of the sample cycled: a copy's first token differs from the
+    original's, so that no copy finds another's KV by prefix sharing."""
     c = convs[k % len(convs)]
     copy = k // len(convs)
     if not copy:
@@ -199,12 +184,9 @@ RANK = {"dropped": 0, "disk": 0, "cpu": 1, "gpu": 2, "both": 2}
 
 def residency(engine, table, kv: int, tally: dict[str, Any], going_on: bool = False) -> str:
     """The tier of each chunk of the table's first `kv` positions, laid out as a seed takes
-    them ([dropped or disk | cpu | gpu or both]). A chunk shared by several conversations
-    keeps its tier in the first of them written (`tally["claimed"]`) and is dropped in the
-    others (a seed holds no shared chunk); a shared run on the GPU before private CPU chunks
-    (a layout only shared chunks have) goes to the CPU where it has a copy there, else is
-    dropped. Both are counted in `tally`. A stateless engine holds chunks only for a turn
-    in flight that goes on from where it was (`going_on`)."""
+    them ([dropped or disk | cpu | gpu or both]): a shared chunk is kept in the first
+    conversation written only, a faster chunk before a slower one demoted (both counted in
+    `tally`). A stateless engine holds chunks only for a turn going on (`going_on`)."""
     cs = engine.cache.chunk_size
     on_disk = engine.disk.keys() if engine.disk is not None else set()
     state = engine.streams.get(table.id)
@@ -245,135 +227,61 @@ def warm_up(
     engine, convs: list[wl.Conversation], rate: float, think: float, seed: int, cut_s: float,
     tag: str = "warm",
 ) -> tuple[list[Row], int, float, dict[str, Any], dict[str, Any]]:  # fmt: skip
-    """The replay of `convs` (the repeated sample) at `rate` on a simulated engine until
-    `cut_s` virtual seconds: the state there (rows, the next index, the cut's time), then
-    the turns in flight run to their end with no new turn sent, for the warm-up's own
-    metrics (turns sent in its last 70%, as `bench.sim` measures a steady state) and a
-    summary. The same loop as `bench.lib.virtual.replay`, cut."""
-    from engine import SamplingParams, Turn
-
-    clock = engine.now
-    start = clock()
+    """The replay of `convs` (the repeated sample) at `rate` on a simulated engine, cut at
+    `cut_s` virtual seconds (`virtual.replay`): the state there (rows, the next index, the
+    cut's time), then the turns in flight run to their end with no new turn sent, for the
+    warm-up's own metrics (turns sent in its last 70%, as `bench.sim` measures a steady
+    state) and a summary."""
+    start = engine.now()
     plans = wl.plan(convs, rate, think, seed)
     index = {p.conversation.id: k for k, p in enumerate(plans)}
-    due = [start]
-    records: list[wl.TurnRecord] = []
-    done = [0] * len(plans)  # turns recorded per conversation
-    events: list[tuple[float, int, int, Any]] = []  # (due, order, conversation, its script)
-    order = itertools.count()
-    waiting: dict[int, tuple[Any, int, Any]] = {}  # id(request) -> (request, k, script)
-    ended: set[int] = set()
-    cut = [False]
-
-    def record(rec: wl.TurnRecord) -> None:
-        records.append(rec)
-        done[index[rec.conversation]] += 1
-
-    def advance(k: int, steps, reply: wl.Reply | None) -> None:
-        try:
-            step = steps.send(reply)
-        except StopIteration:
-            ended.add(k)
-            return
-        if cut[0]:  # past the cut: nothing more is sent
-            return
-        if isinstance(step, wl.Wait):
-            heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), k, steps))
-            return
-        sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
-        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
-        try:
-            req = engine.submit(turn)
-        except ValueError as e:  # refused (too long for the tiers): a result, not a crash
-            now = due[0]
-            advance(k, steps, wl.Reply(now, now, 0, error=f"{type(e).__name__}: {e}"))
-            return
-        waiting[id(req)] = (req, k, steps)
-
-    def step_once() -> bool:
-        before = clock()
-        ended_reqs = engine.step()
-        due[0] = clock()
-        for req in ended_reqs:
-            s = req.stats
-            error = None if req.finish_reason == "length" else str(req.finish_reason)
-            reply = wl.Reply(
-                s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
-            )
-            _, k, steps = waiting.pop(id(req))
-            advance(k, steps, reply)
-        return clock() > before or bool(ended_reqs)
-
-    for k, p in enumerate(plans):
-        advance(k, wl.script(p, lambda: due[0] - start, 1.0, None, record), None)
-    stalls = 0
-    while True:
-        while events and events[0][0] <= clock():
-            due[0], _, k, steps = heapq.heappop(events)
-            advance(k, steps, None)
-        if clock() - start >= cut_s:
-            break
-        if not engine.has_work():
-            if not events or events[0][0] - start > cut_s:
-                clock.advance_to(start + cut_s)
-                break
-            clock.advance_to(events[0][0])
-            continue
-        if step_once():
-            stalls = 0
-            continue
-        if wait_next(engine, clock, events):
-            stalls += 1
-            if stalls > 1000:
-                raise RuntimeError(f"{tag}: the engine made no progress")
-    cut[0] = True
-    t_cut = clock()
     counts: dict[str, Any] = {}
     rows: dict[int, Row] = {}
-    cs = engine.cache.chunk_size
-    flying = []  # in flight, in the engine's order: sent again at once, going on from there
-    for req in engine.scheduler.turns():
-        if id(req) not in waiting:
-            continue  # a prefetch
-        k = waiting[id(req)][1]
-        rows[k] = in_flight(engine, req, k, plans[k].conversation, done[k], t_cut, counts)
-        flying.append(k)
-    arrived = len(plans)
-    for at, _, k, _ in events:
-        if not done[k]:  # its arrival: not yet
-            arrived = min(arrived, k)
-            continue
-        state = engine.streams[f"{tag}/{plans[k].conversation.id}"]
-        table = engine.cache.table(state.id)
-        idle = t_cut - (engine.clock.last_active(state.id) or t_cut)
-        res = residency(engine, table, state.kv_len, counts)
-        rows[k] = Row(k, done[k], state.kv_len, res, idle, max(0.0, at - t_cut))
-    for table in engine.cache.held():  # ended, holding chunks until they are evicted
-        k = index[table.id.split("/", 1)[1]]
-        if k in rows or k not in ended or table.n_dropped == len(table.chunks):
-            continue
-        state = engine.streams[table.id]
-        idle = t_cut - (engine.clock.last_active(table.id) or t_cut)
-        rows[k] = Row(k, done[k], state.kv_len, residency(engine, table, state.kv_len, counts),
-                      idle, None)  # fmt: skip
-    n_flying = len(waiting)
-    # The turns in flight run to their end (nothing more is sent): the warm-up's metrics.
-    while engine.has_work():
-        if not step_once():
-            wake = engine.next_read_s()
-            if wake is not None:
-                clock.advance_to(wake)
-            else:
-                engine.wait_for_io()
+    cut: dict[str, Any] = {}
+
+    def at_cut(waiting: dict[int, str], pending: list[tuple[float, str]], records) -> None:
+        t_cut = engine.now()
+        done = [0] * len(plans)  # turns recorded per conversation
+        for rec in records:
+            done[index[rec.conversation]] += 1
+        flying = []  # in flight, in the engine's order: sent again at once, going on from there
+        for req in engine.scheduler.turns():
+            if id(req) not in waiting:
+                continue  # a prefetch
+            k = index[waiting[id(req)]]
+            rows[k] = in_flight(engine, req, k, plans[k].conversation, done[k], t_cut, counts)
+            flying.append(k)
+        arrived = len(plans)
+        for at, cid in pending:
+            k = index[cid]
+            if not done[k]:  # its arrival: not yet
+                arrived = min(arrived, k)
+                continue
+            state = engine.streams[f"{tag}/{cid}"]
+            idle = t_cut - (engine.clock.last_active(state.id) or t_cut)
+            res = residency(engine, engine.cache.table(state.id), state.kv_len, counts)
+            rows[k] = Row(k, done[k], state.kv_len, res, idle, max(0.0, at - t_cut))
+        live = {index[cid] for cid in waiting.values()} | {index[cid] for _, cid in pending}
+        for table in engine.cache.held():  # ended, holding chunks until they are evicted
+            k = index[table.id.split("/", 1)[1]]
+            if k in rows or k in live or table.n_dropped == len(table.chunks):
+                continue
+            state = engine.streams[table.id]
+            idle = t_cut - (engine.clock.last_active(table.id) or t_cut)
+            rows[k] = Row(k, done[k], state.kv_len, residency(engine, table, state.kv_len, counts),
+                          idle, None)  # fmt: skip
+        cut.update(t=t_cut, arrived=arrived, flying=flying, n_flying=len(waiting))
+
+    records, _ = replay(engine, plans, tag, cut_s=cut_s, at_cut=at_cut)
     metrics = steady_metrics(records, WARMUP_MEASURED * cut_s, cut_s)
     tiers: dict[str, int] = {}
     for r in rows.values():
         for t in decode(r.residency):
             tiers[t] = tiers.get(t, 0) + 1
     summary = {
-        "arrived": arrived,
+        "arrived": cut["arrived"],
         "live": sum(1 for r in rows.values() if r.next_s is not None),
-        "in_flight": n_flying,
+        "in_flight": cut["n_flying"],
         "in_flight_partial": counts.get("partial", 0),  # going on from where they were
         "ended_holding": sum(1 for r in rows.values() if r.next_s is None),
         "chunks": tiers,
@@ -382,12 +290,12 @@ def warm_up(
         # shared run before private CPU chunks goes to the CPU or is dropped (`residency`)
         "shared_chunks_dropped": counts.get("shared_dropped", 0),
         "chunks_demoted": counts.get("demoted", 0),
-        "chunk_size": cs,
+        "chunk_size": engine.cache.chunk_size,
     }
-    first = set(flying)
-    order = [rows[k] for k in flying]
+    first = set(cut["flying"])
+    order = [rows[k] for k in cut["flying"]]
     order += sorted((r for k, r in rows.items() if k not in first), key=lambda r: r.index)
-    return order, arrived, t_cut - start, metrics, summary
+    return order, cut["arrived"], cut["t"] - start, metrics, summary
 
 
 def in_flight(engine, req, k: int, conv: wl.Conversation, turns: int, t_cut: float, counts) -> Row:
@@ -421,8 +329,6 @@ def seeds(state: State, convs: list[wl.Conversation], tag: str, now: float, chun
     """The engine's seeds of every row that has a history (`Engine.seed`): conversation ids
     `<tag>/<id>` as the replay's drivers name them, last activity on the engine's clock
     `now`. Returns (seeds, rows left out: a history that does not match its residency)."""
-    from engine import Seed
-
     out, bad = [], []
     for r in state.rows:
         conv = nth(convs, r.index)
@@ -440,11 +346,9 @@ def seeds(state: State, convs: list[wl.Conversation], tag: str, now: float, chun
 def resume(
     state: State, convs: list[wl.Conversation], stop_s: float, rate: float | None = None
 ) -> list[wl.Plan]:
-    """The continuation of the state: each live conversation from its next turn after
-    `next_s` (a turn in flight: at once, in the rows' order, from where it was; its later
-    think times as the warm-up planned them), and new conversations
-    from `next_index` on arriving at the state's rate (a new Poisson draw from the cut) up
-    to `stop_s`."""
+    """The state's continuation up to `stop_s`: each live conversation from its next turn
+    (one in flight at once, from where it was), and new ones from `next_index` arriving at
+    the state's rate (a new Poisson draw)."""
     rate = state.rate if rate is None else rate
     plans = []
     for r in state.live():
@@ -478,14 +382,10 @@ def going_on(state: State, convs: list[wl.Conversation]) -> set[tuple[str, int]]
 def window(
     records: list[wl.TurnRecord], start: float, end: float, resumed: set = frozenset()
 ) -> dict[str, Any]:
-    """The run's figures: the turns sent in [start, end) (after the part's short warm-up),
-    cancelled ones at their lower bound (`window_metrics`). Throughput is those turns over
-    the window's length, cut or not, as `steady_metrics` counts the simulator's steady
-    state (where every turn sent in the window is served, however late): under the bound
-    it is what was served; over it, what was offered (a run far over the bound completes
-    few of its turns before its drain ends: `completed_rps`). `first_second`: what the
-    turns sent in the first second of the replay found (the seeded state), less those in
-    flight at the cut that went on from where they were (`resumed`, apart as `went_on`)."""
+    """The run's figures: the turns sent in [start, end), cut ones at their lower bound
+    (`window_metrics`); throughput is those turns over the window, served or not, as
+    `steady_metrics` counts it (`completed_rps`: those served). `first_second`: what the
+    turns sent first found (the seeded state), those that went on from the cut apart."""
     inside = [r for r in records if start <= r.sent_s < end]
     m = window_metrics(inside, end - start)
     sent = [r for r in inside if r.error is None and r.output_tokens > 0]

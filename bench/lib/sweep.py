@@ -100,3 +100,36 @@ def over(run: dict[str, Any], bound: float) -> bool:
     under the bound)."""
     m = run["metrics"]
     return bool(m["errors"]) or not m["norm_latency_mean"] <= bound
+
+
+def walk(n: int, start: int) -> Generator[int, bool, None]:
+    """The ladder indices of one sweep: from `start`, up while under the bound, down while
+    over, until an adjacent pair under/over is known (or the ladder ends). Send each run's
+    `over` back to get the next index (`bench.sim.serve_part` walks it in virtual time)."""
+    seen: dict[int, bool] = {}
+    i = start
+    while 0 <= i < n:
+        seen[i] = yield i
+        step = -1 if seen[i] else 1
+        if i + step in seen:
+            return
+        i += step
+
+
+def next_start(ladder: list[float], runs: list[dict[str, Any]], bound: float, start: int) -> int:
+    """Where the next mode's sweep starts: the rate where this one was last under (each
+    next mode should serve more), else where this one started."""
+    under = [x["rate"] for x in runs if not over(x, bound)]
+    return start_index(ladder, max(under)) if under else start
+
+
+def next_index(steps: Generator[int, bool, None], was_over: bool) -> int | None:
+    """The walk's next index after a run (None: the sweep is done)."""
+    try:
+        return steps.send(was_over)
+    except StopIteration:
+        return None
+
+
+def start_index(ladder: list[float], rate: float) -> int:
+    return max([i for i, x in enumerate(ladder) if x <= rate], default=0)

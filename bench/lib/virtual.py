@@ -1,21 +1,12 @@
 """The workload replayed against an engine on a simulated device, in its virtual time.
 
-The same conversations, arrivals and think times as the real replay (`workload.script`),
-driven by events instead of tasks: a conversation's next action is due at a virtual time;
-the engine steps while it has work, each step moving the clock on by what the device model
-says it took; when it is idle the clock jumps to the next event. A turn is sent at its own
-due time (within a step: it waits for the step to end, as a real one does). To replay a
-real run as its driver did (a GPU report's twin): with `queue_limit` a turn is refused when
-the engine's queue is full (`Engine.accept`, the rule the AsyncEngine applies; the refusal
-ends its conversation), and with a deadline the turns still running then are cancelled and
-counted at their latency so far (`drivers.censored`). The preset sweeps apply neither:
-their queue is unbounded, as the paper's capacity measure assumes.
-
-Besides the replay's records it measures the real host time of the engine's steps: the
-project's scheduler and cache, which the simulation runs for real.
-
-On a real engine (a wall clock, which cannot jump) the same replay runs in real time: an
-idle engine sleeps until the next event instead (`bench.agents --device cpu`).
+The real replay's conversations, arrivals and think times (`workload.script`) driven by
+events: the engine steps while it has work, each step moving the clock by what the device
+model says it took; idle, the clock jumps to the next event. A twin replays a real run as
+its driver did: `queue_limit` refuses a turn at a full queue (as the AsyncEngine does), a
+deadline cancels what still runs and counts it at its latency so far (`drivers.censored`).
+The host time of the engine's own steps (scheduler and cache, run for real) is measured.
+On a wall clock (which cannot jump) an idle engine sleeps to the next event instead.
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.drivers import censored, turn_stats
+from engine import EngineOverloaded, SamplingParams, Turn
 
 STALLS = 1000  # futile waits for a history read (50 ms each) before a replay gives up
 
@@ -71,18 +63,14 @@ def replay(
     retention: Callable[[str, int], Any] | None = None,
     on_end: Callable[[str, int, Any], None] | None = None,
     on_step: Callable[[], None] | None = None,
+    cut_s: float | None = None,
+    at_cut: Callable[[dict[int, str], list[tuple[float, str]], list], None] | None = None,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
-    `deadline_s` (seconds of replay, past `stop_s`): the turns still in flight then are
-    cancelled and recorded as censored at that time, as the real run's driver does
-    (`EngineDriver`'s deadline: a window, then a drain). `queue_limit`: a turn sent while
-    the engine's `max_waiting` turns are queued is refused, as the AsyncEngine refuses it.
-    A client's side, where a workload has one (`bench.agents`): `retention(conversation,
-    turn)` gives the turn's `Retention`, `on_end(conversation, turn, request)` runs as a turn
-    ends (before the next is due: a client that reports its tool calls), and `on_step()`
-    after every engine step (sampling what the cache holds)."""
-    from engine import EngineOverloaded, SamplingParams, Turn
-
+    `deadline_s` (past `stop_s`): what is in flight then is cancelled, counted as censored.
+    `retention`, `on_end`, `on_step`: a client's side where a workload has one
+    (`bench.agents`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
+    id of request, pending events, records)` sees the replay there (`steady.warm_up`)."""
     clock = engine.now
     start = clock()
     due = [start]  # the time of the event being handled: a turn is sent at its own time
@@ -92,11 +80,15 @@ def replay(
     # id of the request in flight -> (its conversation's script, the request, its turn)
     waiting: dict[int, tuple[Any, Any, wl.TurnSpec, wl.Send]] = {}
     cut_at = None if deadline_s is None else start + deadline_s
+    names: dict[int, str] = {}  # id of a conversation's script -> its id
+    sending = [True]  # False past `cut_s`
 
     def advance(steps, reply: wl.Reply | None) -> None:
         try:
             step = steps.send(reply)
         except StopIteration:
+            return
+        if not sending[0]:
             return
         if isinstance(step, wl.Wait):
             heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), steps))
@@ -124,17 +116,32 @@ def replay(
             first = min(first, cut_at) - start  # a first token after the deadline: not seen
             advance(steps, censored(spec, first, cut_at - start, len(req.output)))
 
+    def stop_sending() -> None:
+        sending[0] = False
+        if at_cut is not None:
+            flying = {key: w[3].conversation for key, w in waiting.items()}
+            at_cut(flying, [(at, names[id(steps)]) for at, _, steps in events], records)
+        events.clear()
+
     stalls = 0  # steps in a row that ran nothing, with no event to wait for
     for p in plans:
-        advance(wl.script(p, lambda: due[0] - start, time_scale, stop_s, records.append), None)
-    while events or engine.has_work():
+        steps = wl.script(p, lambda: due[0] - start, time_scale, stop_s, records.append)
+        names[id(steps)] = p.conversation.id
+        advance(steps, None)
+    while events or engine.has_work() or (cut_s is not None and sending[0]):
         while events and events[0][0] <= clock():
             due[0], _, steps = heapq.heappop(events)
             advance(steps, None)
+        if cut_s is not None and sending[0] and clock() - start >= cut_s:
+            stop_sending()
+            continue
         if waiting and cut_at is not None and clock() > cut_at:
             cut()
         if not engine.has_work():
-            if events:
+            if cut_s is not None and sending[0] and (not events or events[0][0] - start > cut_s):
+                advance_to(clock, start + cut_s)
+                stop_sending()
+            elif events:
                 advance_to(clock, events[0][0])
             continue
         before = clock()

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from bench import gpu_report
+from bench.lib import gpu_settings
 from bench.lib.pools import BENCH_QUEUE
+from bench.parts import serving
 
 
 @pytest.mark.slow
@@ -100,13 +102,13 @@ def test_the_oracle_holds_what_arrives_in_its_window_not_the_whole_sample() -> N
 
     from bench.lib.pools import history_chunks
 
-    s = gpu_report.Settings(device="cpu")
-    convs, _ = gpu_report.load_sample(s)
+    s = gpu_settings.Settings(device="cpu")
+    convs, _ = gpu_settings.load_sample(s)
     whole = int(history_chunks(convs) * 1.1) + 64
-    low, high = (gpu_report.oracle_chunks(s, convs, r) for r in (4.0, 16.0))
+    low, high = (gpu_settings.oracle_chunks(s, convs, r) for r in (4.0, 16.0))
     assert 64 < low < high < whole  # at 16/s, 720 of 1,600 conversations arrive in 45 s
-    assert gpu_report.oracle_chunks(replace(s, window_s=1e6), convs, 4.0) == whole
-    assert gpu_report.no_room(s, whole, whole) is None  # checked on a GPU machine only
+    assert gpu_settings.oracle_chunks(replace(s, window_s=1e6), convs, 4.0) == whole
+    assert gpu_settings.no_room(s, whole, whole) is None  # checked on a GPU machine only
 
 
 def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:
@@ -119,7 +121,7 @@ def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:
         engine = AsyncEngine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=256))
         await engine.start()
         try:
-            await gpu_report.warm_up(engine)
+            await serving.warm_up(engine)
             e = engine.engine
             counters = e.snapshot().counters
             return counters.prompt_tokens, e.context_limit // 2, len(e.streams), len(e.cache.held())
@@ -127,5 +129,5 @@ def test_a_serving_engine_is_warmed_up_and_left_empty() -> None:
             await engine.stop()
 
     prompt_tokens, longest, streams, held = asyncio.run(main())
-    assert prompt_tokens == sum(min(n, longest) for n in gpu_report.WARM_PROMPTS)
+    assert prompt_tokens == sum(min(n, longest) for n in serving.WARM_PROMPTS)
     assert streams == held == 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu_report import Settings
 from bench.lib import workload as wl
 from bench.lib.common import SAMPLES
+from bench.lib.gpu_settings import Settings
 from bench.lib.pools import model_args
 from bench.lib.presets import PRESETS
 from bench.lib.samples import load_tokenizer, read_sample

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from bench import sim
+from bench import sim, sim_serve
+from bench.lib import gpu_settings
 
 
 def run(tmp_path, *args: str) -> dict:
@@ -148,7 +149,7 @@ def test_compare_tells_how_far_the_machine_drifted_from_its_calibration() -> Non
 def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
     from dataclasses import asdict
 
-    from bench.gpu_report import dry_settings
+    from bench.lib.gpu_settings import dry_settings
 
     def real(mode: str, rate: float, tput: float, lat: float) -> dict:
         m = {"throughput_rps": tput, "norm_latency_mean": lat, "norm_latency_p90": lat,
@@ -177,7 +178,8 @@ def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
 def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
     from dataclasses import replace
 
-    from bench.gpu_report import SERVE_MODES, dry_settings, walk
+    from bench.lib.gpu_settings import SERVE_MODES, dry_settings
+    from bench.lib.sweep import walk
 
     steps = walk(5, 2)  # over at 2, under at 1: done
     assert next(steps) == 2 and steps.send(True) == 1
@@ -185,48 +187,50 @@ def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
         steps.send(False)
 
     s = replace(dry_settings("dummy:tiny"), budget_s=1000.0)
-    out = sim.serve_part(s, "h100", log=lambda *a: None)
+    out = sim_serve.serve_part(s, "h100", log=lambda *a: None)
     assert [m for m in dict.fromkeys(r["mode"] for r in out["runs"])] == list(SERVE_MODES)
     assert out["runs"][0]["rate"] == s.start_rate and not out["skipped"]
     for r in out["runs"]:
         assert 0 < r["estimated_wall_s"] <= s.window_s + s.drain_s
     assert out["estimated_s"] == pytest.approx(out["runs"][-1]["ends_at_s"])
     # A budget that fits no run: every mode's first run is skipped.
-    tight = sim.serve_part(replace(s, budget_s=20.0), "h100", log=lambda *a: None)
+    tight = sim_serve.serve_part(replace(s, budget_s=20.0), "h100", log=lambda *a: None)
     assert not tight["runs"] and len(tight["skipped"]) == len(SERVE_MODES)
 
 
 def test_a_capacity_is_read_from_either_shape_of_a_crossing() -> None:
     crossed = {"crossed": True, "capacity_rps": 9.5}
-    assert sim.capacity_of(crossed) == {"rps": 9.5, "at_least": False}
+    assert sim_serve.capacity_of(crossed) == {"rps": 9.5, "at_least": False}
     # Never over the bound: its best throughput, a lower bound, in either field
-    assert sim.capacity_of({"crossed": False, "capacity_rps": 11.0}) == {
+    assert sim_serve.capacity_of({"crossed": False, "capacity_rps": 11.0}) == {
         "rps": 11.0,
         "at_least": True,
     }
     shape = {"crossed": False, "capacity_rps": None, "at_least_rps": 11.0}
-    assert sim.capacity_of(shape) == {"rps": 11.0, "at_least": True}
-    assert sim.capacity_of({"crossed": True, "capacity_rps": None})["rps"] is None
+    assert sim_serve.capacity_of(shape) == {"rps": 11.0, "at_least": True}
+    assert sim_serve.capacity_of({"crossed": True, "capacity_rps": None})["rps"] is None
 
 
 def test_the_host_time_a_real_run_implies_and_its_fit() -> None:
     real = {"wall_s": 10.0, "counters": {"steps": 400, "generated_tokens": 20000}}  # 25 ms
     twin = {"wall_s": 12.0, "counters": {"steps": 600, "generated_tokens": 24000}}  # 20 ms
-    ms = sim.step_ms(real, twin, (0.001, 0.0001))  # the model's host: 1 + 0.1 x 40 rows
+    ms = sim_serve.step_ms(real, twin, (0.001, 0.0001))  # the model's host: 1 + 0.1 x 40 rows
     assert ms["rows"] == {"real": 50.0, "sim": 40.0}
     assert ms["host_model"] == pytest.approx(5.0)
     assert ms["host_implied"] == pytest.approx(25.0 - (20.0 - 5.0))
-    assert sim.step_ms({"wall_s": 1.0, "metrics": {}}, twin, (0.0, 0.0)) is None  # no counters
+    assert (
+        sim_serve.step_ms({"wall_s": 1.0, "metrics": {}}, twin, (0.0, 0.0)) is None
+    )  # no counters
 
     def point(rows: float, ms: float) -> dict:
         return {"step_ms": {"rows": {"real": rows}, "host_implied": ms}}
 
     line = [point(x, 0.5 + 0.08 * x) for x in (5, 20, 33, 75, 80)]
-    assert sim.host_fit(line) == pytest.approx((0.5e-3, 0.08e-3))
+    assert sim_serve.host_fit(line) == pytest.approx((0.5e-3, 0.08e-3))
     # A negative intercept: through the origin instead; a negative slope: a constant
-    a, b = sim.host_fit([point(x, -1.0 + 0.1 * x) for x in (10, 20, 80)])
+    a, b = sim_serve.host_fit([point(x, -1.0 + 0.1 * x) for x in (10, 20, 80)])
     assert a == 0.0 and b > 0
-    assert sim.host_fit([point(10, 3.0), point(50, 1.0)]) == pytest.approx((2.0e-3, 0.0))
+    assert sim_serve.host_fit([point(10, 3.0), point(50, 1.0)]) == pytest.approx((2.0e-3, 0.0))
 
 
 def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
@@ -239,13 +243,13 @@ def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
     h200 = devices.RESULTS / "gpu-report-nvidia-h200-sim-h200-v2.json"
     twins = [json.loads(p.read_text()) for p in (h100, h200)]
     for t in twins:  # made with the figures in force
-        assert t["simulated"] == sim.label(t["simulated"].split()[1])
+        assert t["simulated"] == gpu_settings.label(t["simulated"].split()[1])
         assert t["step_host"]["model_ms"] == pytest.approx(
             [devices.H100_STEP_HOST_S * 1e3, devices.H100_ROW_HOST_S * 1e3]
         )
     points = twins[0]["points"] + [p for p in twins[1]["points"] if p["mode"] != "pensieve"]
     assert len(points) == 12
-    a, b = sim.host_fit(points)
+    a, b = sim_serve.host_fit(points)
     assert a == pytest.approx(devices.H100_STEP_HOST_S, abs=0.1e-3)
     assert b == pytest.approx(devices.H100_ROW_HOST_S, rel=0.03)
 
@@ -253,7 +257,7 @@ def test_the_devices_host_time_is_the_fit_of_the_committed_twins() -> None:
 def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
     """The H100 report's stateless run at 16/s refused 178 turns at the server's 256-turn
     queue; its twin replays that limit (the benchmarks' own queue never refuses)."""
-    from bench.gpu_report import load_sample
+    from bench.lib.gpu_settings import load_sample
     from engine.sim import devices
 
     report = json.loads(
@@ -261,15 +265,15 @@ def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
     )
     real = next(r for r in report["serve"]["runs"] if r["mode"] == "stateless" and r["rate"] == 16)
     assert "max_waiting" not in real  # made before runs recorded their queue limit
-    s = sim.report_settings(report["settings"])
+    s = gpu_settings.report_settings(report["settings"])
     convs, _ = load_sample(s)
 
     def refused(queue: int | None) -> int:
-        run = sim.twin_run(s, convs, "stateless", "stateless", 16.0, real["scale"], "h100",
+        run = sim_serve.twin_run(s, convs, "stateless", "stateless", 16.0, real["scale"], "h100",
                            queue=queue)  # fmt: skip
         return run["metrics"]["errors"]
 
-    assert refused(sim.REPORT_QUEUE) == pytest.approx(real["metrics"]["errors"], rel=0.15)
+    assert refused(sim_serve.REPORT_QUEUE) == pytest.approx(real["metrics"]["errors"], rel=0.15)
     assert refused(None) == 0
 
 
@@ -278,13 +282,15 @@ def test_a_twins_spread_moves_each_send_a_little_and_reads_the_median() -> None:
 
     convs = [wl.Conversation(f"c{i}", [wl.TurnSpec([1] * 10, 4)] * 3) for i in range(20)]
     plans = wl.plan(convs, 4.0, 5.0, 0)
-    a, b = sim.jittered(plans, 1), sim.jittered(plans, 2)
-    assert a == sim.jittered(plans, 1) and a != b  # seeded
+    a, b = sim_serve.jittered(plans, 1), sim_serve.jittered(plans, 2)
+    assert a == sim_serve.jittered(plans, 1) and a != b  # seeded
     for p, q in zip(plans, a, strict=True):
-        assert abs(q.arrival_s - p.arrival_s) <= sim.JITTER_S
-        assert all(abs(x - y) <= sim.JITTER_S for x, y in zip(p.think_s, q.think_s, strict=True))
+        assert abs(q.arrival_s - p.arrival_s) <= sim_serve.JITTER_S
+        assert all(
+            abs(x - y) <= sim_serve.JITTER_S for x, y in zip(p.think_s, q.think_s, strict=True)
+        )
         assert q.conversation is p.conversation
     runs = [{"metrics": {"norm_latency_mean": x}} for x in (0.2, 0.1, 0.4)]
-    got = sim.latency_spread(runs, 0.25)
+    got = sim_serve.latency_spread(runs, 0.25)
     assert got["spread"] == [0.1, 0.2, 0.4] and got["runs"] == 3
     assert got["median_error"] == pytest.approx(-0.2)

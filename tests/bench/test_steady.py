@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from bench import sim, sim_steady
-from bench.gpu_report import STEADY_MODES, dry_settings, load_sample
 from bench.lib import steady as st
+from bench.lib.gpu_settings import STEADY_MODES, dry_settings, load_sample
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(big, warm)
 
 
 def test_a_seeded_engine_holds_the_state_and_the_replay_resumes_it(big, warm):
-    from bench.gpu_report import steady_config, steady_preset
+    from bench.lib.gpu_settings import steady_config, steady_preset
     from engine import Engine
 
     s, convs = big
@@ -166,7 +166,8 @@ def test_a_reports_steady_runs_are_simulated_from_the_same_states(dry, tmp_path)
 def test_the_committed_states_are_those_the_part_runs() -> None:
     """Each rate of `Settings.steady_rates` has its state in `steady_states`, made for the
     part's tiers, think time and sample by a warm-up of at least `steady_cut_s`."""
-    from bench.gpu_report import Settings, state_mismatch, steady_folder, steady_preset
+    from bench.lib.gpu_settings import Settings, state_mismatch, steady_preset
+    from bench.sim_steady import steady_folder
 
     s = Settings(device="cpu")
     folder = steady_folder(s, [])
