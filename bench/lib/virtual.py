@@ -69,7 +69,7 @@ def replay(
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
     `deadline_s` (past `stop_s`): what is in flight then is cancelled, counted as censored.
     `retention`, `on_end`, `on_step`: a client's side where a workload has one
-    (`bench.agents`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
+    (`bench.retention`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
     id of request, pending events, records)` sees the replay there (`steady.warm_up`)."""
     clock = engine.now
     start = clock()
