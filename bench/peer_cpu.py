@@ -257,16 +257,17 @@ class Bench:
         for attempt in range(args.retries + 1):
             waited = wait_quiet(args.quiet, timeout=args.quiet_wait)
             tag = f"{n}-{rep}-{attempt}-{system.name.replace(' ', '_')}"
-            profile = None
+            profile = memory = None
             if system.kind == "llama":
-                done = run_llama(args, self.binary, convs, self.tmp, tag)
+                done, memory = run_llama(args, self.binary, convs, self.tmp, tag)
             elif system.kind == "server":
                 spy = self.tmp / f"{tag}.spy" if args.profile else None
-                done, profile = self.servers[label].run(convs, tag, spy)
+                done, profile, memory = self.servers[label].run(convs, tag, spy)
             else:
                 done = run_api(*self.engines[label], convs, tag)
             run = measure(system.name, n, rep, done, args.output)
             run.attempt, run.profile = attempt, profile and profile.to_dict()
+            run.memory = memory
             print(f"{n:>3} convs rep {rep} {system.name:<34} {run.tokens_per_s:7.1f} tok/s "
                   f"{run.wall_s:6.1f} s, {run.generated} tokens, cached {run.cached_tokens}/"
                   f"{run.prompt_tokens}, short {run.short_replies}, others' CPU "
