@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, spec in enumerate(specs):
             servers[spec.label] = Pensieve.start(spec, args.threads, tmp, i)
             stack.callback(servers[spec.label].server.stop)
-            if any(s.kind == "api" and s.spec == spec for s in todo):
+            if any(s.kind == "api" and s.spec.label == spec.label for s in todo):
                 engines[spec.label] = (Engine(spec.engine_config()), spec.engine_config())
                 stack.callback(engines[spec.label][0].close)
         print(f"servers and engines up in {time.monotonic() - t0:.0f} s", flush=True)
