@@ -13,6 +13,7 @@ import torch
 from bench.lib import steady as st
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, SAMPLES, host_memory_gb
+from bench.lib.flops import linear_flops_per_token
 from bench.lib.metrics import crossing
 from bench.lib.pools import (
     PINNED_SHARE,
@@ -24,7 +25,6 @@ from bench.lib.pools import (
 )
 from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
-from bench.mfu import linear_flops_per_token
 from engine.sim.devices import VERSIONS
 
 SERVE_MODES = ("stateless", "gpu", "pensieve")  # in this order: each next should serve more
