@@ -239,12 +239,18 @@ def test_the_transformers_peer_runs_tiny(tmp_path) -> None:
 
 
 def test_resident_memory_of_a_process_reads_its_peak():
-    import os
+    """A fresh process that has written 64 MiB (this one may reuse memory it freed)."""
+    import subprocess
+    import sys
 
     from bench.peer_cpu import resident_mib
 
-    before = resident_mib(os.getpid())
-    block = b"\x01" * (64 << 20)  # written, so resident (a zeroed buffer may not be)
-    after = resident_mib(os.getpid())
-    assert after["peak_mib"] >= after["rss_mib"] >= before["rss_mib"] + 60 > 60
-    del block
+    code = "import sys, time; b = b'\\x01' * (64 << 20); print(1, flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"1"
+        got = resident_mib(child.pid)
+        assert got["peak_mib"] >= got["rss_mib"] >= 64
+    finally:
+        child.kill()
+        child.wait()
