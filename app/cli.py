@@ -132,16 +132,27 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _with_serving_dtype(settings: Settings) -> Settings:
-    """A dtype left unset is picked for the device, in one log line saying which and why."""
-    from engine.backends.local import serving_dtype
+    """A dtype left unset is picked for the device, in one log line saying which and why;
+    with it, where weights are "auto", the weights (float16 linears where the CPU serves
+    float32)."""
+    from engine.backends.local import serving_dtype, serving_weights
 
     if settings.dtype is not None:
         return settings
     if settings.weights in ("bfloat16", "float32"):  # dequantized weights name their dtype
         return settings.model_copy(update={"dtype": settings.weights})
+    if settings.weights == "float16":  # float16 linears compute in float32
+        return settings.model_copy(update={"dtype": "float32"})
+    log = logging.getLogger(__name__)
     dtype, why = serving_dtype(settings.device)
-    logging.getLogger(__name__).info("dtype %s: %s", dtype, why)
-    return settings.model_copy(update={"dtype": dtype})
+    log.info("dtype %s: %s", dtype, why)
+    update = {"dtype": dtype}
+    if settings.weights == "auto":
+        weights, why = serving_weights(settings.device, dtype)
+        if weights != "auto":
+            log.info("weights %s: %s", weights, why)
+            update["weights"] = weights
+    return settings.model_copy(update=update)
 
 
 async def _create_user(settings: Settings, name: str) -> str:

@@ -26,8 +26,9 @@ ENGINE_HELP: dict[str, str] = {
     "bfloat16 when served, else float32)",
     "kv_dtype": "KV cache: auto (the model dtype), fp8 (e4m3) or int8 (8-bit: ~2x the chunks)",
     "weights": "auto | gguf (a bundled GGUF's own 4-bit weights, CPU) | bfloat16 | float32 "
-    "(dequantized; dtype must agree). auto: dequantized (4-bit is opt-in: it halves the "
-    "weights' memory but is no faster at 8 rows, slower at 16)",
+    "(dequantized; dtype must agree) | float16 (CPU: float16 linear weights, float32 math). "
+    "auto: dequantized; served on a CPU without native bfloat16, float16 (4-bit is opt-in: it "
+    "halves the weights' memory but is no faster at 8 rows, slower at 16)",
     "chunk_size": "tokens per KV chunk (a power of two)",
     "gpu_cache_chunks": "GPU KV cache size in chunks (default: from free memory)",
     "cpu_cache_chunks": "CPU KV cache size in chunks (default: from host memory)",

@@ -26,8 +26,9 @@ class Eviction(StrEnum):
 CACHE_MODES = tuple(m.value for m in CacheMode)
 EVICTION_POLICIES = tuple(m.value for m in Eviction)
 KV_DTYPES = ("auto", "fp8", "int8")  # auto: the model's dtype
-# gguf: a GGUF's own 4-bit linears (engine/model/int4.py); bfloat16 / float32: dequantized
-WEIGHTS = ("auto", "gguf", "bfloat16", "float32")
+# gguf: a GGUF's own 4-bit linears (engine/model/int4.py); bfloat16 / float32: dequantized;
+# float16: float16 linear weights, float32 math (CPU, engine/model/fp16.py)
+WEIGHTS = ("auto", "gguf", "bfloat16", "float32", "float16")
 DENSE = ("bfloat16", "float32")
 
 
@@ -38,8 +39,9 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kv_dtype: str = "auto"  # "fp8" (e4m3) or "int8": 8-bit KV, ~2x the chunks per byte
     # "gguf": a bundled GGUF's 4-bit linears as stored, on the CPU (engine/model/int4.py);
-    # "bfloat16" / "float32": dequantized, in that dtype (dtype must agree); "auto": the
-    # 4-bit ones only where they are faster (engine/backends/local.py, `use_gguf`)
+    # "bfloat16" / "float32": dequantized, in that dtype (dtype must agree); "float16": the
+    # linears' weights in float16, their math and the rest float32 (CPU; dtype float32);
+    # "auto": the 4-bit ones only where they are faster (engine/backends/local.py, `use_gguf`)
     weights: str = "auto"
     kv_events: bool = False  # record where chunks live for a fleet's routers (`kv_events()`)
     chunk_size: int = 32
@@ -136,8 +138,16 @@ class EngineConfig:
                 f"weights={self.weights!r} (dequantized) needs dtype {self.weights!r} or none, "
                 f"got dtype={self.dtype!r}"
             )
-        if self.weights == "gguf" and (self.tensor_parallel > 1 or self.force_tensor_parallel):
-            raise ValueError("weights='gguf' serves one process: not with tensor parallelism")
+        if self.weights == "float16" and self.dtype not in (None, "float32"):
+            raise ValueError(
+                f"weights='float16' computes in float32: dtype float32 or none, not {self.dtype!r}"
+            )
+        if self.weights in ("gguf", "float16") and (
+            self.tensor_parallel > 1 or self.force_tensor_parallel
+        ):
+            raise ValueError(
+                f"weights={self.weights!r} serves one process: not with tensor parallelism"
+            )
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         self.eviction = Eviction(self.eviction)

@@ -14,6 +14,7 @@ from engine.disk.files import ChunkFiles, namespace
 from engine.graphs import StepGraphs, buckets
 from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
+from engine.model import fp16
 from engine.model.compiled import CompiledForward, usable
 from engine.model.gguf_weights import read_q4
 from engine.model.int4 import swap_int4
@@ -48,6 +49,16 @@ def serving_dtype(device: str | None) -> tuple[str, str]:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "bfloat16", "this CPU computes bfloat16 natively; --dtype float32 for float32"
     return "float32", "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
+
+
+def serving_weights(device: str | None, dtype: str) -> tuple[str, str]:
+    """The weights a server picks when it picked the dtype too, and why: where the CPU serves
+    float32, float16 linear weights with float32 math (engine/model/fp16.py: a decode step
+    reads half the bytes); else the model's own ("auto")."""
+    on_cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
+    if on_cpu and dtype == "float32" and fp16.available():
+        return "float16", "float32 math; --weights float32 for float32 weights"
+    return "auto", ""
 
 
 # Whether "auto" weights take the GGUF's 4-bit linears where they can: no. On this kind of
@@ -109,11 +120,23 @@ class Local(Backend):
             n = swap_int4(self.model, read_q4(gguf, self.args), self.dtype)
             log.info("weights: %d linears with %s's own 4-bit weights", n, gguf.name)
             self.profile_name = f"{config.model}+int4"
+        if config.weights == "float16":
+            self.use_fp16()
         if config.pack_cpu_weights:
             pack_linears(self.model)  # CPU layers only; a no-op elsewhere
         self.attention = pick_backend(self.device, config.attention_backend)
         check_kv_dtype(config.kv_dtype, self.attention, self.device)
         self.gpu = self.device.type == "cuda"
+
+    def use_fp16(self) -> None:
+        if self.device.type != "cpu" or not fp16.available():
+            raise ValueError(
+                "weights='float16' runs on the CPU where FBGEMM's float16 linear does "
+                f"(device {self.device.type}): on CUDA use dtype='float16'"
+            )
+        n = fp16.swap_fp16(self.model)
+        log.info("weights: %d linears in float16, float32 math", n)
+        self.profile_name = f"{self.config.model}+fp16"
 
     def setup(self) -> None:
         """Before the model loads (tensor parallelism starts its ranks here)."""

@@ -24,8 +24,16 @@ BATCH_HINT = 16  # the row count oneDNN picks its weight layout for: a decode ba
 
 
 # Every live packed linear by its key: how the compiled forward's opaque op finds its weight
-_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+# (a PackedLinear, or another module whose weight cannot be traced: engine/model/fp16.py)
+_PACKED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+
+
+def register(linear: nn.Module) -> int:
+    """A key for the compiled forward's opaque op to find `linear` (its `apply_to`) by."""
+    key = next(_KEYS)
+    _PACKED[key] = linear
+    return key
 
 
 class PackedLinear(nn.Module):
@@ -36,8 +44,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.key = next(_KEYS)
-        _PACKED[self.key] = self
+        self.key = register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a packed weight cannot be traced: one opaque op
