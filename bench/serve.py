@@ -28,22 +28,18 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
-from bench.lib.drivers import EngineDriver, OpenAIDriver, UrlDriver
-from bench.lib.metrics import claims, merge_runs, run_line, run_record
+from bench.lib.metrics import claims, merge_runs
 from bench.lib.pools import (
-    engine_config,
     fit_pools,
-    for_mode,
     history_chunks,
     kv_bytes_per_chunk,
     model_args,
     size_pools,
 )
 from bench.lib.presets import MODES, PRESETS, Preset, dry_run, floats, with_changes
+from bench.lib.replay import at_url, in_process
 from bench.lib.samples import load_workload, save_sample
-from bench.lib.sweep import ladder, measure, plan, replay, then
-from engine import AsyncEngine
-from engine.calibrate import speed_probe
+from bench.lib.sweep import ladder
 
 
 def _log(*a) -> None:
@@ -53,6 +49,7 @@ def _log(*a) -> None:
 async def bench_engine(
     preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
 ) -> dict[str, Any]:
+    """Each mode's sweep on an AsyncEngine in this process (`replay.in_process`)."""
     preset = size_pools(preset)
     convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)
     log(wl.format_summary(workload["summary"]))
@@ -69,58 +66,24 @@ async def bench_engine(
     }
     log(f"pools: {workload['pools']}")
     runs: list[dict[str, Any]] = []
-    for mode_name in modes:
-        mode = MODES[mode_name]
-        engine = AsyncEngine(engine_config(for_mode(preset, mode, convs), mode))
-        await engine.start()
-        try:
-            for think in preset.think_s:
-                rates = ladder(preset, mode_name, log)
-                rate = next(rates)
-                while rate is not None:  # grows while the mode has not crossed the bound
-                    if engine.engine.disk is not None:  # no run finds another's chunks
-                        engine.engine.disk.clear()
-                    driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
-                    plans = plan(convs, rate, think, preset.time_scale, preset.seed)
-                    desc = f"{mode_name} rate {rate:g}"
-                    before = speed_probe() if preset.device == "cpu" else None
-                    records, wall, counters = await measure(
-                        engine, driver, plans, desc, time_scale=preset.time_scale
-                    )
-                    extra: dict[str, Any] = {"counters": counters}
-                    if before is not None:  # the machine's speed before and after: drifting?
-                        extra["probe_s"] = [before, speed_probe()]
-                    run = run_record(mode_name, think, rate, records, wall, extra)
-                    runs.append(run)
-                    log(run_line(run))
-                    if on_run is not None:
-                        on_run({"workload": workload, "runs": runs})
-                    rate = then(rates, run)
-        finally:
-            await engine.stop()
+
+    def done(run: dict[str, Any]) -> None:
+        runs.append(run)
+        if on_run is not None:
+            on_run({"workload": workload, "runs": runs})
+
+    await ladder(in_process(preset, convs, log, done), modes, preset, log=log)
     return {"workload": workload, "runs": runs}
 
 
 async def bench_url(
     preset: Preset, url: str, token: str, log=_log, sample_file=None, api: str = "ws"
 ) -> dict[str, Any]:
+    """The sweep against a running server (`replay.at_url`)."""
     convs, workload = load_workload(preset, preset.context_cap, sample_file)
     log(wl.format_summary(workload["summary"]))
-    runs = []
-    for think in preset.think_s:
-        for rate in preset.rates:
-            driver = OpenAIDriver(url, token) if api == "openai" else UrlDriver(url, token)
-            mode = "server-openai" if api == "openai" else "server"
-            plans = plan(convs, rate, think, preset.time_scale, preset.seed)
-            try:
-                records, wall = await replay(
-                    driver.send, plans, f"{mode} rate {rate:g}", preset.time_scale
-                )
-            finally:
-                await driver.close()
-            run = run_record(mode, think, rate, records, wall, {"url": url, "api": api})
-            runs.append(run)
-            log(run_line(run))
+    mode = "server-openai" if api == "openai" else "server"
+    runs = await ladder(at_url(preset, convs, url, token, api, log), [mode], preset, log=log)
     return {"workload": workload, "runs": runs}
 
 
