@@ -211,6 +211,30 @@ def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
     assert result["environment"]["git_commit"] and "claims" in result
 
 
+@pytest.mark.timeout(300)
+def test_typing_hints_are_an_option_of_the_serving_replay(tmp_path) -> None:
+    """`--typing` (typing-aware prefetch): the same schedule on a fresh engine per run of
+    `--order`, the engine told of each user typing in the runs that are on."""
+    sample = tmp_path / "sample.json"
+    convs = _sample_file(sample, n=3)
+    out = tmp_path / "prefetch.json"
+    argv = ["--preset", "tiny", "--sample-file", str(sample), "--out", str(out), "--no-plot",
+            "--typing", "0.2,0.3", "--typing-think", "0.4,0.5", "--rates", "4",
+            "--order", "off,on"]  # fmt: skip
+    assert serve.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [r["typing"] for r in result["runs"]] == [False, True]
+    assert result["preset"]["typing_lead_s"] == [0.2, 0.3] and result["preset"]["rate"] == 4
+    later = sum(len(c.turns) - 1 for c in convs)
+    for r in result["runs"]:
+        assert r["metrics"]["errors"] == 0 and r["returning"]["turns"] == later
+        assert r["first"]["turns"] == len(convs)
+    plain, typing = result["summary"]["plain"], result["summary"]["typing"]
+    assert plain["ttft_mean_s"] > 0 and typing["ttft_mean_s"] > 0
+    assert "ttft_mean_change" in result["summary"]
+    assert result["environment"]["git_commit"]
+
+
 def test_merge_runs_replaces_the_same_point() -> None:
     earlier = [_run("pensieve", 1, 0.9, 0.1), _run("stateless", 1, 0.5, 0.3)]
     new = [_run("stateless", 1, 0.6, 0.2), _run("stateless", 2, 0.7, 0.4)]
