@@ -212,9 +212,19 @@ def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_typing_hints_are_an_option_of_the_serving_replay(tmp_path) -> None:
+def test_typing_hints_are_an_option_of_the_serving_replay(tmp_path, monkeypatch) -> None:
     """`--typing` (typing-aware prefetch): the same schedule on a fresh engine per run of
     `--order`, the engine told of each user typing in the runs that are on."""
+    from engine import AsyncEngine
+
+    told: list[str] = []
+    prefetch = AsyncEngine.prefetch
+
+    def hint(self, conversation_id: str) -> None:
+        told.append(conversation_id)
+        prefetch(self, conversation_id)
+
+    monkeypatch.setattr(AsyncEngine, "prefetch", hint)
     sample = tmp_path / "sample.json"
     convs = _sample_file(sample, n=3)
     out = tmp_path / "prefetch.json"
@@ -226,6 +236,8 @@ def test_typing_hints_are_an_option_of_the_serving_replay(tmp_path) -> None:
     assert [r["typing"] for r in result["runs"]] == [False, True]
     assert result["preset"]["typing_lead_s"] == [0.2, 0.3] and result["preset"]["rate"] == 4
     later = sum(len(c.turns) - 1 for c in convs)
+    # told before each later turn, in the run with hints only (its conversations' ids)
+    assert len(told) == later and all(t.startswith("typing/") for t in told)
     for r in result["runs"]:
         assert r["metrics"]["errors"] == 0 and r["returning"]["turns"] == later
         assert r["first"]["turns"] == len(convs)
