@@ -92,8 +92,8 @@ async def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float,
 
 def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
     """The serve runs of a GPU report again on a simulated device, each cut as its real one
-    was (`twin_run`), and the error of each run and each capacity (`capacity_of`: where it
-    crossed the bound, else a lower bound). `spread`: each run that many times more with its
+    was (`twin_run`), and the error of each run and each capacity (`versus.capacities`:
+    where it crossed the bound, else a lower bound). `spread`: each run that many times more with its
     sends moved by a few ms (`jittered`): the range and median of its mean latency."""
     s = report_settings(report["settings"])
     convs, _ = load_sample(s)
