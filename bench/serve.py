@@ -5,12 +5,20 @@
     python -m bench.serve --preset gpu --dry-run       # its plumbing on the CPU in seconds
     python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --modes server
     python -m bench.serve --url http://127.0.0.1:8000 --token=T --preset cpu --api openai
+    python -m bench.serve --typing 2,10               # typing-aware prefetch, ~14 minutes
+    python -m bench.serve --typing 1,2 --typing-think 3,5 --conversations 4 --order off,on
 
 In process, each mode (pensieve / gpu / stateless, lru, separate prefill and decode) gets
 its own AsyncEngine; every conversation is an asyncio task that arrives, sends a turn,
 waits for the whole reply, thinks, and sends the next. With --url the same replay goes to
 a running server over its WebSocket protocol (conversations created through REST), or with
 --api openai through its OpenAI API (each turn resends the whole chat).
+
+With --typing the replay is typing-aware prefetch's (`bench/lib/typing_hints.py`): the
+preset's conversations (8) arrive at its first rate (0.05/s) on tight tiers, users think
+12-20 s (--typing-think) before a later turn and start typing LO-HI s before sending; the
+same schedule runs on fresh pensieve engines in --order (off, on, on, off: drift cancels),
+hints told to the engine in the runs that are on. TTFT of returning and first turns.
 """
 
 from __future__ import annotations
@@ -26,24 +34,23 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from bench.lib import typing_hints as th
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
-from bench.lib.drivers import EngineDriver, OpenAIDriver, UrlDriver
-from bench.lib.metrics import claims, merge_runs, run_line, run_record
+from bench.lib.metrics import claims, merge_runs, metrics
 from bench.lib.pools import (
     engine_config,
     fit_pools,
-    for_mode,
     history_chunks,
     kv_bytes_per_chunk,
     model_args,
     size_pools,
 )
 from bench.lib.presets import MODES, PRESETS, Preset, dry_run, floats, with_changes
+from bench.lib.replay import Real, at_url, in_process
 from bench.lib.samples import load_workload, save_sample
-from bench.lib.sweep import ladder, measure, plan, replay, then
+from bench.lib.sweep import ladder
 from engine import AsyncEngine
-from engine.calibrate import speed_probe
 
 
 def _log(*a) -> None:
@@ -53,6 +60,7 @@ def _log(*a) -> None:
 async def bench_engine(
     preset: Preset, modes: list[str], log=_log, sample_file=None, on_run=None
 ) -> dict[str, Any]:
+    """Each mode's sweep on an AsyncEngine in this process (`replay.in_process`)."""
     preset = size_pools(preset)
     convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)
     log(wl.format_summary(workload["summary"]))
@@ -69,59 +77,60 @@ async def bench_engine(
     }
     log(f"pools: {workload['pools']}")
     runs: list[dict[str, Any]] = []
-    for mode_name in modes:
-        mode = MODES[mode_name]
-        engine = AsyncEngine(engine_config(for_mode(preset, mode, convs), mode))
-        await engine.start()
-        try:
-            for think in preset.think_s:
-                rates = ladder(preset, mode_name, log)
-                rate = next(rates)
-                while rate is not None:  # grows while the mode has not crossed the bound
-                    if engine.engine.disk is not None:  # no run finds another's chunks
-                        engine.engine.disk.clear()
-                    driver = EngineDriver(engine, f"{mode_name}-{think:g}-{rate:g}")
-                    plans = plan(convs, rate, think, preset.time_scale, preset.seed)
-                    desc = f"{mode_name} rate {rate:g}"
-                    before = speed_probe() if preset.device == "cpu" else None
-                    records, wall, counters = await measure(
-                        engine, driver, plans, desc, time_scale=preset.time_scale
-                    )
-                    extra: dict[str, Any] = {"counters": counters}
-                    if before is not None:  # the machine's speed before and after: drifting?
-                        extra["probe_s"] = [before, speed_probe()]
-                    run = run_record(mode_name, think, rate, records, wall, extra)
-                    runs.append(run)
-                    log(run_line(run))
-                    if on_run is not None:
-                        on_run({"workload": workload, "runs": runs})
-                    rate = then(rates, run)
-        finally:
-            await engine.stop()
+
+    def done(run: dict[str, Any]) -> None:
+        runs.append(run)
+        if on_run is not None:
+            on_run({"workload": workload, "runs": runs})
+
+    await ladder(in_process(preset, convs, log, done), modes, preset, log=log)
     return {"workload": workload, "runs": runs}
 
 
 async def bench_url(
     preset: Preset, url: str, token: str, log=_log, sample_file=None, api: str = "ws"
 ) -> dict[str, Any]:
+    """The sweep against a running server (`replay.at_url`)."""
     convs, workload = load_workload(preset, preset.context_cap, sample_file)
     log(wl.format_summary(workload["summary"]))
-    runs = []
-    for think in preset.think_s:
-        for rate in preset.rates:
-            driver = OpenAIDriver(url, token) if api == "openai" else UrlDriver(url, token)
-            mode = "server-openai" if api == "openai" else "server"
-            plans = plan(convs, rate, think, preset.time_scale, preset.seed)
-            try:
-                records, wall = await replay(
-                    driver.send, plans, f"{mode} rate {rate:g}", preset.time_scale
-                )
-            finally:
-                await driver.close()
-            run = run_record(mode, think, rate, records, wall, {"url": url, "api": api})
-            runs.append(run)
-            log(run_line(run))
+    mode = "server-openai" if api == "openai" else "server"
+    runs = await ladder(at_url(preset, convs, url, token, api, log), [mode], preset, log=log)
     return {"workload": workload, "runs": runs}
+
+
+async def bench_typing(preset: Preset, think: tuple[float, float], lead: tuple[float, float],
+                       order: list[bool], log=_log, sample_file=None) -> dict[str, Any]:  # fmt: skip
+    """Typing-aware prefetch: the same schedule (`typing_hints.plans`) on a fresh pensieve
+    engine per run, typing hints told in the runs of `order` that are on."""
+    convs, workload = load_workload(preset, model_args(preset.model).max_context, sample_file)
+    log(wl.format_summary(workload["summary"]))
+    preset = fit_pools(replace(preset, gpu_fraction=th.GPU_FRACTION), convs)
+    total = history_chunks(convs)
+    preset = replace(preset, cpu_cache_chunks=max(1, int(total * th.CPU_FRACTION)))
+    workload["pools"] = {"gpu_cache_chunks": preset.gpu_cache_chunks,
+                         "cpu_cache_chunks": preset.cpu_cache_chunks, "history_chunks": total}  # fmt: skip
+    log(f"pools: {workload['pools']}")
+    plans = th.plans(convs, preset.rates[0], think, lead, preset.seed)
+    runs = []
+    for typing in order:
+        engine = AsyncEngine(engine_config(preset, MODES["pensieve"]))
+        await engine.start()
+        try:
+            tag = "typing" if typing else "plain"
+            records, wall, counters = await Real(engine).run(plans, tag, typing=typing)
+        finally:
+            await engine.stop()
+        run = {"typing": typing, "wall_s": wall, "metrics": metrics(records, wall),
+               "returning": th.returning(records), "first": th.first(records),
+               "counters": counters, "turns": th.turns(records)}  # fmt: skip
+        runs.append(run)
+        log(th.line(run))
+    settings = {"name": preset.name, "model": preset.model, "conversations": len(convs),
+                "rate": preset.rates[0], "think_s": list(think), "typing_lead_s": list(lead),
+                "gpu_fraction": th.GPU_FRACTION, "cpu_fraction": th.CPU_FRACTION,
+                "max_batch_tokens": preset.max_batch_tokens, "threads": preset.threads}  # fmt: skip
+    return {"benchmark": "prefetch", "preset": settings, "workload": workload, "runs": runs,
+            "summary": th.summarize(runs)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--from-json", type=Path, help="recompute claims and the plot of an earlier result"
     )
+    pair = lambda s: tuple(float(x) for x in s.split(","))  # noqa: E731
+    ap.add_argument(
+        "--typing",
+        type=pair,
+        metavar="LO,HI",
+        help="typing-aware prefetch: users start typing LO-HI s before a turn; runs --order",
+    )
+    ap.add_argument(
+        "--typing-think", type=pair, default=(12.0, 20.0), help="--typing: min,max think (s)"
+    )
+    ap.add_argument(
+        "--order", default="off,on,on,off", help="--typing: runs without (off) and with hints"
+    )
     args = ap.parse_args(argv)
 
     if args.from_json:
@@ -202,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     if args.dry_run:
         preset = dry_run(preset)
+    if args.typing:  # prefetch's own defaults: 8 conversations arriving at 0.05/s
+        preset = replace(preset, conversations=8, rates=[0.05])
     preset = with_changes(
         preset,
         rates=floats(args.rates) if args.rates else None,
@@ -237,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sample_file = args.sample_file or (preset.sample_file and ROOT / preset.sample_file)
     results = Path(tempfile.gettempdir()) / "pensieve-dry-run" if preset.dry else RESULTS
-    out = args.out or results / f"serve_{preset.name}{'_url' if args.url else ''}.json"
+    kind = "prefetch" if args.typing else "serve"
+    out = args.out or results / f"{kind}_{preset.name}{'_url' if args.url else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if preset.threads and not args.url:
@@ -245,6 +270,21 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(preset.threads)  # before `environment` records the count
     env = environment()  # the commit and machine the run started on
+    if args.typing:
+        order = [x.strip() == "on" for x in args.order.split(",")]
+        result = asyncio.run(
+            bench_typing(preset, args.typing_think, args.typing, order, sample_file=sample_file)
+        )
+        result["environment"] = env
+        out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        s = result["summary"]
+        print(f"wrote {out}: returning TTFT {s.get('ttft_mean_change', float('nan')):+.1%}, "
+              f"throughput {s.get('throughput_tps_change', float('nan')):+.1%}")  # fmt: skip
+        if not args.no_plot and "typing" in s and "plain" in s:
+            from bench.lib.plots import plot_prefetch
+
+            print(f"wrote {plot_prefetch(result, out.with_suffix('.png'))}")
+        return 0
 
     previous: list[dict[str, Any]] = []
     if args.append and out.exists():

@@ -19,32 +19,25 @@ The paper presets measure a steady state: conversations (the sample repeated) ar
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import math
 import random
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 from bench.lib import steady as st
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, environment
-from bench.lib.gpu_settings import (
-    label,
-)
-from bench.lib.metrics import (
-    claims,
-    merge_runs,
-    run_line,
-    run_record,
-    steady_metrics,
-)
-from bench.lib.pools import engine_config, fit_pools, for_mode, model_args, size_pools
+from bench.lib.gpu_settings import label
+from bench.lib.metrics import claims, merge_runs
+from bench.lib.pools import engine_config, fit_pools, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
+from bench.lib.replay import plan, simulated
 from bench.lib.samples import load_workload
-from bench.lib.sweep import ladder, over, plan, then
+from bench.lib.sweep import ladder
+from bench.lib.versus import compare, table
 from bench.lib.virtual import HostTime, replay
 from bench.sim_serve import SIM, gpu_main
 from bench.window_memory import held
@@ -108,68 +101,13 @@ def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:
     return [st.nth(convs, k) for k in range(n)]
 
 
-def run_at(preset: Preset, mode_name: str, convs, rate: float, think: float) -> dict[str, Any]:
-    """One run in virtual time, on an engine of its own. With `preset.arrival_s`, the sample
-    repeated arrives for that long and the steady state after the warm-up is measured."""
-    mode = MODES[mode_name]
-    stop = None
-    if preset.arrival_s is not None:
-        convs = repeat(convs, max(len(convs), math.ceil(rate * preset.arrival_s)))
-    plans = plan(convs, rate, think, preset.time_scale, preset.seed)
-    if preset.arrival_s is not None:
-        stop = max(p.arrival_s for p in plans) * preset.time_scale
-    engine = Engine(engine_config(for_mode(preset, mode, convs), mode))
-    host = HostTime()
-    t = time.perf_counter()
-    try:
-        records, span = replay(engine, plans, mode_name, preset.time_scale, stop, host)
-        counters = asdict(engine.snapshot().counters)
-    finally:
-        engine.close()
-    extra = {"counters": counters, "host": host.summary(), "real_s": time.perf_counter() - t,
-             "conversations": len(convs)}  # fmt: skip
-    if engine.disk is not None:  # its writes, reads, dropped writes and evictions
-        extra["disk"] = engine.disk.stats()
-    run = run_record(mode_name, think, rate, records, span, extra)
-    if stop is not None:
-        run["metrics_whole"] = run["metrics"]
-        run["metrics"] = steady_metrics(records, preset.warmup * stop, stop)
-    return run
-
-
-def run_mode(preset: Preset, mode_name: str, convs, log=_log, refine: int = REFINE) -> list[dict]:
-    """One mode's sweep over rates at each think time, in virtual time; after the sweep
-    crosses the bound, the rates either side are bisected (geometric mean) `refine` times."""
-    runs: list[dict[str, Any]] = []
-    for think in preset.think_s:
-
-        def run(rate: float, think: float = think) -> dict[str, Any]:
-            r = run_at(preset, mode_name, convs, rate, think)
-            runs.append(r)
-            log(run_line(r) + f"  [{r['conversations']} conversations, {r['real_s']:.0f}s real]")
-            return r
-
-        rates = ladder(preset, mode_name, log)
-        rate = next(rates)
-        while rate is not None:
-            rate = then(rates, run(rate))
-        for _ in range(refine):
-            these = [r for r in runs if r["think_s"] == think]
-            under = [r["rate"] for r in these if not over(r, preset.latency_bound)]
-            past = [r["rate"] for r in these if over(r, preset.latency_bound)]
-            if not under or not past or max(under) > min(past):
-                break
-            run(math.sqrt(max(under) * min(past)))
-    return runs
-
-
 def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, log=_log,
              refine: int = REFINE) -> dict:  # fmt: skip
+    """Each mode's sweep in virtual time (`replay.simulated`, an engine of its own per run);
+    after a sweep crosses the bound, the rates either side bisected `refine` times."""
     preset = sim_preset(preset, device)
     preset, convs, workload = workload_of(preset, sample_file, log)
-    runs = []
-    for mode in modes:
-        runs += run_mode(preset, mode, convs, log, refine)
+    runs = asyncio.run(ladder(simulated(preset, convs, log), modes, preset, refine, log))
     return {"preset": asdict(preset), "workload": workload, "runs": runs}
 
 
@@ -228,108 +166,12 @@ def scale(preset: Preset, device: str, counts: list[int], rate: float, window_s:
     return {"preset": asdict(preset), "workload": workload, "scale": out}
 
 
-# ---- simulated vs real -------------------------------------------------------------------------
-
-KEYS = ("throughput_rps", "norm_latency_mean", "cached_tokens", "swapped_in_tokens",
-        "recomputed_tokens")  # fmt: skip
-
-
-def compare(reals: list[dict], sim: dict) -> dict:
-    """Per mode and rate the real runs' mean (and their own spread) against the simulation:
-    relative errors of throughput, mean normalized latency and the cache's token counts,
-    and of each mode's capacity."""
-    rows = []
-    for s in sim["runs"]:
-        same = [r for real in reals for r in real["runs"]
-                if (r["mode"], r["rate"], r["think_s"]) == (s["mode"], s["rate"], s["think_s"])]  # fmt: skip
-        if not same:
-            continue
-        row: dict[str, Any] = {"mode": s["mode"], "rate": s["rate"], "real_runs": len(same)}
-        for key in KEYS:
-            vals = [r["metrics"][key] for r in same]
-            mean = sum(vals) / len(vals)
-            row[key] = {
-                "real": vals,
-                "sim": s["metrics"][key],
-                "error": (s["metrics"][key] - mean) / mean if mean else None,
-                "real_spread": (max(vals) - min(vals)) / mean if mean else None,
-            }
-        row["saturated"] = any(over(r, sim["preset"]["latency_bound"]) for r in same)
-        rows.append(row)
-    bound = sim["preset"]["latency_bound"]
-    sim_cap = claims(sim["runs"], bound)
-    caps = {}
-    for think, c in sim_cap.items():
-        for mode, cap in c["capacity_rps"].items():
-            real = [claims(r["runs"], bound).get(think, {}).get("capacity_rps", {}).get(mode)
-                    for r in reals]  # fmt: skip
-            real = [x for x in real if x]
-            mean = sum(real) / len(real) if real else None
-            caps[mode] = {
-                "real": real,
-                "sim": cap,
-                "error": (cap - mean) / mean if cap and mean else None,
-            }
-    return {"points": rows, "capacity": caps, "speed": speed(reals, sim)}
-
-
-def speed(reals: list[dict], sim: dict) -> dict:
-    """The machine's speed probe during the real runs against the calibration's (a `cpu`
-    model's): a ratio over 1 is a machine slower than when it was calibrated."""
-    cal = sim.get("environment", {}).get("calibration", {}).get("probe_s")
-    if not cal:
-        return {}
-    base = sum(cal) / len(cal)
-    runs = [[r["mode"], r["rate"], [p / base for p in r["probe_s"]]]
-            for real in reals for r in real["runs"] if r.get("probe_s")]  # fmt: skip
-    ratios = [x for *_, ps in runs for x in ps]
-    return {
-        "calibration_probe_s": cal,
-        "runs": runs,  # mode, rate, [before, after] over the calibration's
-        "ratio_range": [min(ratios), max(ratios)] if ratios else None,
-    }
-
-
 def calibration(preset, mode: str) -> dict:
     """This machine's `cpu` calibration of the preset's model: which, its fit, its speed."""
-
     sim = replace(preset, device="sim:cpu")  # the config its engines had (their token budget)
     fit = fitted(engine_config(sim, MODES[mode]), Engine)
     keys = ("file", "created", "steps", "median_abs_error", "p90_abs_error", "probe_s")
     return {k: fit[k] for k in keys if k in fit}
-
-
-def table(cmp: dict) -> str:
-    """The error table as markdown (bench/README.md)."""
-    lines = [
-        "| mode | rate | throughput | mean norm. latency | cached | swapped in | recomputed |",
-        "|---|---|---|---|---|---|---|",
-    ]
-
-    def cell(v: dict) -> str:
-        if v["error"] is None:
-            return "-"
-        return f"{v['error'] * 100:+.0f}% (real spread {v['real_spread'] * 100:.0f}%)"
-
-    for r in cmp["points"]:
-        sat = " (past bound)" if r["saturated"] else ""
-        lines.append(
-            f"| {r['mode']} | {r['rate']:g}{sat} | " + " | ".join(cell(r[k]) for k in KEYS) + " |"
-        )
-    lines.append("")
-    lines.append("| mode | capacity real (runs) | simulated | error |")
-    lines.append("|---|---|---|---|")
-    for mode, c in cmp["capacity"].items():
-        real = ", ".join(f"{x:.3f}" for x in c["real"]) or "-"
-        err = "-" if c["error"] is None else f"{c['error'] * 100:+.0f}%"
-        sim = "-" if c["sim"] is None else f"{c['sim']:.3f}"
-        lines.append(f"| {mode} | {real} | {sim} | {err} |")
-    if cmp.get("speed", {}).get("ratio_range"):
-        lo, hi = cmp["speed"]["ratio_range"]
-        lines.append("")
-        lines.append(f"The machine's speed probe in the real runs: x{lo:.2f} to x{hi:.2f} the time "
-                     "it took at calibration (over 1: slower).")  # fmt: skip
-    return "\n".join(lines)
 
 
 # ---- command line ------------------------------------------------------------------------------

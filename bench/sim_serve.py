@@ -6,11 +6,13 @@ the command's GPU flags (`gpu_main`). Every figure here is SIMULATED."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 from dataclasses import replace
 
+from bench.lib import versus
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
 from bench.lib.gpu_settings import (
@@ -26,11 +28,11 @@ from bench.lib.gpu_settings import (
     report_settings,
     window_of,
 )
-from bench.lib.metrics import crossing, run_line
+from bench.lib.metrics import run_line
 from bench.lib.pools import engine_config, model_args
 from bench.lib.presets import MODES, floats
 from bench.lib.replay import Virtual, serve_run
-from bench.lib.sweep import next_index, next_start, over, start_index, walk
+from bench.lib.sweep import start_index, sweep_modes
 from bench.sim_steady import choose, rehearse
 from bench.sim_steady import twin as steady_twin
 from engine import Engine
@@ -66,9 +68,9 @@ def jittered(plans: list[wl.Plan], seed: int) -> list[wl.Plan]:
             for p in plans]  # fmt: skip
 
 
-def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
-             oracle: int | None = None, queue: int | None = None,
-             jitter: int | None = None) -> dict:  # fmt: skip
+async def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, device: str,
+                   oracle: int | None = None, queue: int | None = None,
+                   jitter: int | None = None) -> dict:  # fmt: skip
     """One serving run of a GPU report in virtual time, as the real one ran: refused at a
     full queue of `queue` turns (None: `BENCH_QUEUE`), cut at the drain's end; `jitter`:
     the seed of sends moved by a few ms (`jittered`)."""
@@ -82,17 +84,16 @@ def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float, devic
         plans = wl.plan(convs, rate, s.think_s / k, 0)
         if jitter is not None:
             plans = jittered(plans, jitter)
-        run = serve_run(Virtual(engine), plans, mode, mode, engine_mode, rate, k, s.think_s,
-                        (window, drain))  # fmt: skip
-        return asyncio.run(run)
+        return await serve_run(Virtual(engine), plans, mode, mode, engine_mode, rate, k,
+                               s.think_s, (window, drain))  # fmt: skip
     finally:
         engine.close()
 
 
 def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
     """The serve runs of a GPU report again on a simulated device, each cut as its real one
-    was (`twin_run`), and the error of each run and each capacity (`capacity_of`: where it
-    crossed the bound, else a lower bound). `spread`: each run that many times more with its
+    was (`twin_run`), and the error of each run and each capacity (`versus.capacities`:
+    where it crossed the bound, else a lower bound). `spread`: each run that many times more with its
     sends moved by a few ms (`jittered`): the range and median of its mean latency."""
     s = report_settings(report["settings"])
     convs, _ = load_sample(s)
@@ -103,15 +104,13 @@ def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
         queue = real.get("max_waiting", REPORT_QUEUE)
 
         def again(jitter: int | None = None, real=real, oracle=oracle, queue=queue) -> dict:
-            return twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
-                            real["scale"], device, oracle, queue, jitter)  # fmt: skip
+            return asyncio.run(twin_run(s, convs, real["mode"], real["engine_mode"], real["rate"],
+                                        real["scale"], device, oracle, queue, jitter))  # fmt: skip
 
         run = again()
         runs.append(run)
-        point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"]}
-        for key in ("throughput_rps", "norm_latency_mean"):
-            r, v = real["metrics"][key], run["metrics"][key]
-            point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
+        point = {"mode": real["mode"], "rate": real["rate"], "scale": real["scale"],
+                 **versus.points(real, run)}  # fmt: skip
         if ms := step_ms(real, run, host):
             point["step_ms"] = ms
         if spread:
@@ -126,16 +125,7 @@ def twin(report: dict, device: str = "h100", log=_log, spread: int = 0) -> dict:
             run_line(run)
             + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} ms/tok{steps})"
         )
-    bound = s.bound
-    caps = {}
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-        real = capacity_of(
-            crossing([x for x in report["serve"]["runs"] if x["mode"] == mode], bound)
-        )
-        sim = capacity_of(crossing([x for x in runs if x["mode"] == mode], bound))
-        r, v = real["rps"], sim["rps"]
-        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None,
-                      "real_at_least": real["at_least"], "sim_at_least": sim["at_least"]}  # fmt: skip
+    caps = versus.capacities(report["serve"]["runs"], runs, s.bound)
     timed = [p for p in points if "step_ms" in p]
     fit = host_fit(timed) if len(timed) > 1 else None
     return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps,
@@ -149,16 +139,6 @@ def latency_spread(runs: list[dict], real: float) -> dict:
     median = statistics.median(got)
     return {"spread": [got[0], median, got[-1]], "runs": len(got),
             "median_error": (median - real) / real if real else None}  # fmt: skip
-
-
-def capacity_of(c: dict) -> dict:
-    """A mode's capacity from its `crossing`: where its latency crossed the bound, or, where
-    its runs never passed it, its best throughput (`at_least`: a lower bound). Either shape
-    of the crossing: a lower bound as `capacity_rps` of a run not `crossed`, or as
-    `at_least_rps` beside a `capacity_rps` of None."""
-    if c.get("capacity_rps") is not None:
-        return {"rps": c["capacity_rps"], "at_least": not c.get("crossed", True)}
-    return {"rps": c.get("at_least_rps"), "at_least": c.get("at_least_rps") is not None}
 
 
 def host_model(s, device: str) -> tuple[float, float]:
@@ -209,36 +189,37 @@ def host_fit(points: list[dict]) -> tuple[float, float]:
 
 
 def serve_part(s, device: str = "h100", log=_log) -> dict:
-    """The GPU report's serve part rehearsed in virtual time: the same sweeps (`walk`, each
-    mode from where the previous was last under) and the same budget rule, each run's wall
-    time estimated as its simulated span, cut at window + drain as the real run cuts it.
+    """The GPU report's serve part rehearsed in virtual time: the same sweeps (each mode from
+    where the previous was last under) and the same budget rule, each run's wall time
+    estimated as its simulated span, cut at window + drain as the real run cuts it.
     Says which runs the budget would skip and whether every mode crosses the bound."""
     convs, info = load_sample(s)
     log(wl.format_summary(info["summary"]))
-    t, runs, skipped = 0.0, [], []
-    start = start_index(s.rates, s.start_rate)
-    for mode in SERVE_MODES:
-        t += ENGINE_START_S
-        got: list[dict] = []
-        steps = walk(len(s.rates), start)
-        i = next(steps, None)
-        while i is not None:
-            rate = s.rates[i]
-            if t + s.window_s + s.drain_s + 15 >= s.budget_s:  # Runner.fits
+    t, skipped = [0.0], []
+
+    @contextlib.asynccontextmanager
+    async def clock(mode: str):
+        t[0] += ENGINE_START_S
+
+        async def measure(think: float, rate: float) -> dict | None:
+            if t[0] + s.window_s + s.drain_s + 15 >= s.budget_s:  # Runner.fits
                 skipped.append(f"{mode} at {rate:g}/s")
-                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
-                break
-            run = twin_run(s, convs, mode, mode, rate, s.scale, device)
+                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t[0]:.0f} s")
+                return None
+            run = await twin_run(s, convs, mode, mode, rate, s.scale, device)
             run["estimated_wall_s"] = min(run["wall_s"], s.window_s + s.drain_s)
-            t += run["estimated_wall_s"] + RUN_OVERHEAD_S
-            run["ends_at_s"] = t
-            got.append(run)
-            log(run_line(run) + f"  [ends at ~{t:.0f} s]")
-            i = next_index(steps, over(run, s.bound))
-        runs += got
-        start = next_start(s.rates, got, s.bound, start)
+            t[0] += run["estimated_wall_s"] + RUN_OVERHEAD_S
+            run["ends_at_s"] = t[0]
+            log(run_line(run) + f"  [ends at ~{t[0]:.0f} s]")
+            return run
+
+        yield measure
+
+    walk = sweep_modes(clock, list(SERVE_MODES), [s.think_s], s.rates, s.bound, carry=True,
+                       start=start_index(s.rates, s.start_rate))  # fmt: skip
+    runs = asyncio.run(walk)
     out = rehearsal(device, s, info, runs, skipped, SERVE_MODES)
-    out["estimated_s"] = t
+    out["estimated_s"] = t[0]
     out["all_crossed"] = all(c["crossed"] for c in out["capacity"].values())
     return out
 

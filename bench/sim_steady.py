@@ -4,7 +4,7 @@ choice of its rates, its rehearsal and its twin. Every figure here is SIMULATED.
     python -m bench.sim --steady-states --device h100 [--modes pensieve]   # states and rates
     python -m bench.sim --gpu-steady --device h100        # the part rehearsed: time, crossings
 
-`choose` walks a ladder of rates 2^(1/4) apart per mode, a warm-up at each
+`choose` walks a ladder of rates 2^(1/4) apart per mode (`bench/lib/sweep.py`), a warm-up at each
 (`bench/lib/steady.py`) and the part's run from its state, until an adjacent pair brackets
 the bound; their states are written to `steady_states` (the rates go into
 `Settings.steady_rates` by hand). `rehearse` runs the part as the GPU runs it, from the same
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import steady as st
+from bench.lib import versus
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, git_commit
 from bench.lib.gpu_settings import (
@@ -37,10 +38,10 @@ from bench.lib.gpu_settings import (
     steady_modes,
     steady_preset,
 )
-from bench.lib.metrics import crossing, run_line
+from bench.lib.metrics import run_line
 from bench.lib.pools import kv_bytes_per_chunk
 from bench.lib.replay import Virtual, steady_run
-from bench.lib.sweep import over
+from bench.lib.sweep import over, sweep
 from engine import Engine
 
 # Rungs 2^(1/4) apart (x1.19): a bracket this narrow is 9% either side of the crossing.
@@ -147,9 +148,8 @@ def choose(s, device: str, modes, folder: Path, start: float | None = None, log=
             log(f"skip {mode}: {why}")
             continue
         past: dict[float, bool] = {}  # rate -> its run was over the bound
-        i = min(range(len(LADDER)), key=lambda j: abs(LADDER[j] - rate0))
-        while 0 <= i < len(LADDER):
-            rate = LADDER[i]
+
+        async def at(rate: float, mode: str = mode, past: dict = past) -> dict[str, Any]:
             path = st.state_path(folder, mode, rate)
             state = _reusable(path, s, mode, rate, device)
             if state is None or state_mismatch(state, steady_preset(s, mode, convs, rate)):
@@ -157,22 +157,21 @@ def choose(s, device: str, modes, folder: Path, start: float | None = None, log=
                 state.write(path)
             else:
                 log(f"{mode} at {rate:g}/s: the state in {path.name} (made at {state.git_commit})")
-            run = run_from(s, mode, state, path, convs, device)
+            run = await _run_from(s, mode, state, path, convs, device)
             log(run_line(run) + "  [the part's run from it]")
             past[rate] = over(run, s.bound)
             runs.append({"mode": mode, "rate": rate, "warm_up": state.warmup_metrics,
                          "run": run["metrics"], "summary": state.summary,
                          "git_commit": state.git_commit})  # fmt: skip
-            up = not past[rate]
-            nxt = LADDER[i + 1] if up and i + 1 < len(LADDER) else LADDER[i - 1] if i else None
-            if nxt is None:
-                break
-            if nxt in past and past[nxt] == up:
-                lo, hi = sorted((rate, nxt))
-                chosen[mode] = [lo, hi]
-                log(f"{mode}: {lo:g}/s under, {hi:g}/s over")
-                break
-            i += 1 if up else -1
+            return run
+
+        i = min(range(len(LADDER)), key=lambda j: abs(LADDER[j] - rate0))
+        asyncio.run(sweep(at, LADDER, s.bound, start=i))
+        under = [r for r, was in past.items() if not was]
+        above = [r for r, was in past.items() if was]
+        if under and above and LADDER.index(min(above)) - LADDER.index(max(under)) == 1:
+            chosen[mode] = [max(under), min(above)]
+            log(f"{mode}: {max(under):g}/s under, {min(above):g}/s over")
         else:
             log(f"{mode}: the ladder ended before the bound was bracketed")
         for rate in past:  # only the pair stays
@@ -186,9 +185,14 @@ def run_from(
 ) -> dict[str, Any]:
     """One run of the part from `state` on a simulated engine of its own (`top`: the rate
     the oracle's tiers are sized for)."""
+    return asyncio.run(_run_from(s, mode, state, path, convs, device, top))
+
+
+async def _run_from(s, mode: str, state: st.State, path: Path, convs, device: str,
+                    top: float | None = None) -> dict[str, Any]:  # fmt: skip
     engine, _ = _engine(s, mode, device, convs, top or state.rate)
     try:
-        return asyncio.run(steady_run(Virtual(engine), s, mode, state, path, convs))
+        return await steady_run(Virtual(engine), s, mode, state, path, convs)
     finally:
         engine.close()
 
@@ -255,17 +259,8 @@ def twin(report: dict, device: str = "h100", log=_log) -> dict[str, Any]:
         top = max(x["rate"] for x in report["steady"]["runs"] if x["mode"] == mode)
         run = run_from(s, mode, state, path, convs, device, top)
         runs.append(run)
-        point = {"mode": mode, "rate": real["rate"]}
-        for key in ("throughput_rps", "norm_latency_mean"):
-            r, v = real["metrics"][key], run["metrics"][key]
-            point[key] = {"real": r, "sim": v, "error": (v - r) / r if r else None}
-        points.append(point)
+        points.append({"mode": mode, "rate": real["rate"], **versus.points(real, run)})
         log(run_line(run) + f"  (real {real['metrics']['norm_latency_mean'] * 1e3:.1f} "
             "ms/tok)")  # fmt: skip
-    caps = {}
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-        real = crossing([x for x in report["steady"]["runs"] if x["mode"] == mode], s.bound)
-        sim = crossing([x for x in runs if x["mode"] == mode], s.bound)
-        r, v = real.get("capacity_rps"), sim.get("capacity_rps")
-        caps[mode] = {"real": r, "sim": v, "error": (v - r) / r if r and v else None}
+    caps = versus.capacities(report["steady"]["runs"], runs, s.bound, at_least=False)
     return {"simulated": label(device), "runs": runs, "points": points, "capacity": caps}

@@ -73,6 +73,10 @@ class EngineDriver:
             error=None if res.finish_reason != "cancelled" else "cancelled",
         )
 
+    def typing(self, cid: str) -> None:
+        """The user started typing the conversation's next turn (the chat page's `typing`)."""
+        self.engine.prefetch(f"{self.tag}/{cid}")
+
     async def free(self) -> None:
         for conv in self.ids:
             await self.engine.free(conv)

@@ -121,3 +121,29 @@ def plot_bars(
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     return save_fig(fig, path)
+
+
+def plot_prefetch(result: dict[str, Any], path: Path) -> Path:
+    """Typing-aware prefetch (`bench.serve --typing`): TTFT of returning turns and
+    throughput, with typing hints and without."""
+    s = result["summary"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    keys = [("ttft_mean_s", "mean"), ("ttft_p50_s", "median"), ("ttft_p90_s", "p90")]
+    xs = range(len(keys))
+    lead = "-".join(f"{x:g}" for x in result["preset"]["typing_lead_s"])
+    for off, kind, color in ((-0.2, "plain", "tab:gray"), (0.2, "typing", "tab:red")):
+        label = "no typing hints" if kind == "plain" else f"typing {lead} s before"
+        a.bar([x + off for x in xs], [s[kind][k] for k, _ in keys], 0.4, color=color, label=label)
+        b.bar([off], [s[kind]["throughput_tps"]], 0.4, color=color, label=label)
+    a.set_xticks(list(xs), [n for _, n in keys])
+    a.set_ylabel("TTFT of returning turns (s)")
+    a.legend()
+    b.set_xticks([])
+    b.set_ylabel("output tokens / s")
+    env = result["environment"]
+    fig.suptitle(
+        f"Typing-aware prefetch, CPU preset ({env['device']}, {env['git_commit'][:12]}): "
+        f"TTFT {s['ttft_mean_change']:+.0%}, throughput {s['throughput_tps_change']:+.1%}",
+        fontsize=9,
+    )
+    return save_fig(fig, path, dpi=120)

@@ -65,12 +65,14 @@ def replay(
     on_step: Callable[[], None] | None = None,
     cut_s: float | None = None,
     at_cut: Callable[[dict[int, str], list[tuple[float, str]], list], None] | None = None,
+    typing: bool = False,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
     `deadline_s` (past `stop_s`): what is in flight then is cancelled, counted as censored.
     `retention`, `on_end`, `on_step`: a client's side where a workload has one
     (`bench.retention`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
-    id of request, pending events, records)` sees the replay there (`steady.warm_up`)."""
+    id of request, pending events, records)` sees the replay there (`steady.warm_up`).
+    `typing`: the engine is told the plans' typing hints (`Plan.lead_s`)."""
     clock = engine.now
     start = clock()
     due = [start]  # the time of the event being handled: a turn is sent at its own time
@@ -92,6 +94,11 @@ def replay(
             return
         if isinstance(step, wl.Wait):
             heapq.heappush(events, (due[0] + max(0.0, step.seconds), next(order), steps))
+            return
+        if isinstance(step, wl.Typing):
+            if typing:
+                engine.prefetch(f"{tag}/{step.conversation}")
+            advance(steps, None)
             return
         sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
         keep = None if retention is None else retention(step.conversation, step.index)

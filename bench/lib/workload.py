@@ -403,6 +403,8 @@ class Plan:
     # sent is `start` (at `arrival_s`), after `context` tokens of turns done before
     start: int = 0
     context: int = 0
+    # Typing hints: the user starts typing this long before each later turn (`Typing`)
+    lead_s: list[float] | None = None
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -479,6 +481,13 @@ class Wait:
 
 
 @dataclass
+class Typing:
+    """The conversation's user starts typing its next turn (the chat page's `typing`)."""
+
+    conversation: str
+
+
+@dataclass
 class Send:
     """A replayed conversation sends a turn and waits for the whole reply."""
 
@@ -494,7 +503,7 @@ def script(
     time_scale: float = 1.0,
     stop_s: float | None = None,
     on_record: Callable[[TurnRecord], None] = lambda r: None,
-) -> Generator[Wait | Send, Reply | None, None]:
+) -> Generator[Wait | Typing | Send, Reply | None, None]:
     """One conversation's replay as the steps a replayer carries out, in real time
     (`replay`) or in a simulation's virtual time: it yields a `Wait` (sent back nothing)
     or a `Send` (sent back the `Reply`), and records each turn. `elapsed()` is the time
@@ -512,7 +521,11 @@ def script(
             think = p.think_s[i - 1] * time_scale
             if stop_s is not None and elapsed() + think > stop_s:
                 return  # its next turn would come after the end of the run
-            yield Wait(think)
+            lead = min(p.lead_s[i - 1] * time_scale, think) if p.lead_s else 0.0
+            yield Wait(think - lead)
+            if p.lead_s:
+                yield Typing(conv.id)
+                yield Wait(lead)
         sent = elapsed()
         reply = yield Send(conv.id, i, spec, context)
         assert reply is not None
@@ -543,11 +556,13 @@ async def replay(
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     on_turn: Callable[[TurnRecord], None] | None = None,
     stop_s: float | None = None,
+    typing: Callable[[str], None] | None = None,
 ) -> list[TurnRecord]:
     """Replay the plans in real time: one task per conversation (`script`), each turn sent
     only after the last reply. `send(conversation_id, turn_index, spec, context_len)` must
     return when the reply is complete, with times on `clock`. Planned times are multiplied
-    by `time_scale` (a CPU preset compresses them)."""
+    by `time_scale` (a CPU preset compresses them); `typing(conversation_id)` is told a
+    plan's typing hints (`Plan.lead_s`)."""
     start = clock()
     records: list[TurnRecord] = []
 
@@ -568,6 +583,9 @@ async def replay(
             if isinstance(step, Wait):
                 if step.seconds > 0:
                     await sleep(step.seconds)
+            elif isinstance(step, Typing):
+                if typing is not None:  # hints off: the same schedule, nobody told
+                    typing(step.conversation)
             else:
                 r = await send(step.conversation, step.index, step.spec, step.context)
                 reply = replace(

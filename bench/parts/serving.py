@@ -27,7 +27,7 @@ from bench.lib.metrics import crossing, run_line
 from bench.lib.pools import engine_config, history_chunks, kv_bytes_per_chunk
 from bench.lib.presets import MODES, Preset
 from bench.lib.replay import Real, serve_run, steady_run
-from bench.lib.sweep import next_index, next_start, over, start_index, walk
+from bench.lib.sweep import Clock, nothing_to_start, start_index, sweep, sweep_modes
 from bench.sim_steady import steady_folder
 from engine import AsyncEngine, SamplingParams, Turn
 
@@ -101,6 +101,10 @@ class Runner:
         _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
         return run
 
+    def clock(self, k: float) -> Clock:
+        """Each mode's runs at scale `k` (`bench.lib.sweep`)."""
+        return lambda mode: nothing_to_start(lambda think, rate: self.run(mode, rate, k))
+
     async def _engine(self, mode: str, preset: Preset):
         """The engine of `mode` with these tiers; runs of other labels (a sampled run) reuse
         it: each run frees its own conversations."""
@@ -120,30 +124,12 @@ class Runner:
         self.engines.clear()
 
 
-async def sweep(r: Runner, mode: str, start: int, k: float, label: str = "", oracle=None):
-    """One mode's runs along `walk` (or until the budget ends)."""
-    runs: list[dict[str, Any]] = []
-    steps = walk(len(r.s.rates), start)
-    i = next(steps, None)
-    while i is not None:
-        run = await r.run(mode, r.s.rates[i], k, oracle, label)
-        if run is None:
-            break
-        runs.append(run)
-        i = next_index(steps, over(run, r.s.bound))
-    return runs
-
-
 async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
     convs, info = load_sample(s)
     r = Runner(s, convs, budget)
-    runs: list[dict[str, Any]] = []
-    start = start_index(s.rates, s.start_rate)
     try:
-        for mode in SERVE_MODES:
-            got = await sweep(r, mode, start, s.scale)
-            runs += got
-            start = next_start(s.rates, got, s.bound, start)
+        runs = await sweep_modes(r.clock(s.scale), list(SERVE_MODES), [s.think_s], s.rates,
+                                 s.bound, start=start_index(s.rates, s.start_rate), carry=True)  # fmt: skip
     finally:
         await r.close()
     return _serve_result(s, info, runs, r.skipped, convs)
@@ -195,8 +181,12 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
         runs += [got] if got else []
         got = await r.run("pensieve", rate, 1.0, label="pensieve-unscaled")
         runs += [got] if got else []
-        runs += await sweep(r, "pensieve", s.rates.index(rate) if rate in s.rates else 0,
-                            s.scale, label="oracle", oracle=oracle)  # fmt: skip
+
+        async def oracle_at(x: float) -> dict[str, Any] | None:
+            return await r.run("pensieve", x, s.scale, oracle, "oracle")
+
+        runs += await sweep(oracle_at, s.rates, s.bound,
+                            start=s.rates.index(rate) if rate in s.rates else 0)  # fmt: skip
     finally:
         await r.close()
     out = _serve_result(s, info, runs, r.skipped, convs)

@@ -106,10 +106,46 @@ def test_claims_compare_capacities_only_where_both_crossed() -> None:
 
 
 def test_a_sweep_goes_on_past_its_rates_until_it_crosses() -> None:
-    assert sweep.next_rate([0.5, 1.0], 0.5, 8.0) is None  # not the last listed rate
-    assert sweep.next_rate([0.5, 1.0], 1.0, 8.0) == 2.0
-    assert sweep.next_rate([0.5, 1.0, 2.0, 4.0, 8.0], 8.0, 8.0) is None
-    assert sweep.next_rate([0.5, 1.0], 1.0, None) is None
+    steps = sweep.rungs([0.5, 1.0], max_rate=8.0)
+    assert next(steps) == 0.5 and steps.send(False) == 1.0  # the listed rates first
+    assert [steps.send(False) for _ in range(3)] == [2.0, 4.0, 8.0]  # then doubling
+    with pytest.raises(StopIteration):  # 16 is past max_rate
+        steps.send(False)
+    steps = sweep.rungs([0.5, 1.0])
+    assert next(steps) == 0.5 and steps.send(False) == 1.0
+    with pytest.raises(StopIteration):  # no max_rate: the listed rates only
+        steps.send(False)
+    steps = sweep.rungs([0.5, 1.0, 2.0], max_rate=8.0)
+    assert next(steps) == 0.5
+    with pytest.raises(StopIteration):  # over at the first rate: nothing lower to try
+        steps.send(True)
+
+
+def test_the_one_walk_stops_past_the_bound_bisects_and_ends_at_a_skip() -> None:
+    import asyncio
+
+    asked: list[float] = []
+
+    async def measure(rate: float) -> dict | None:  # mean latency 0.1 s/token per 1/s
+        asked.append(rate)
+        return _run("m", rate, rate, 0.1 * rate) if rate < 100 else None
+
+    def walk(**kw) -> list[float]:
+        asked.clear()
+        asyncio.run(sweep.sweep(measure, [1.0, 2.0, 4.0, 8.0], 0.5, **kw))
+        return list(asked)
+
+    assert walk() == [1.0, 2.0, 4.0, 8.0]  # 8 is past the bound: the walk stops there
+    assert walk(stop_past=3.0) == [1.0, 2.0, 4.0, 8.0]  # the ladder's end
+    assert walk(max_rate=64.0, stop_past=100.0) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+    # between 4 (under) and 8 (over): sqrt(32) is over, then between 4 and it
+    assert walk(refine=2) == [1.0, 2.0, 4.0, 8.0, pytest.approx(32**0.5),
+                              pytest.approx(2 * 32**0.25)]  # fmt: skip
+    assert walk(start=3) == [8.0, 4.0]  # down from an over until a pair under/over is known
+    big = [50.0, 100.0, 200.0]  # 100: skipped (a budget): the walk ends, none after it
+    asked.clear()
+    runs = asyncio.run(sweep.sweep(measure, big, 1e9))
+    assert asked == [50.0, 100.0] and [r["rate"] for r in runs] == [50.0]
 
 
 def test_plot_serve_writes_a_png(tmp_path) -> None:
@@ -173,6 +209,42 @@ def test_serve_smoke_on_the_real_engine(tmp_path) -> None:
     assert by_mode["stateless"]["recomputed_tokens"] == later
     assert by_mode["stateless"]["cached_tokens"] == 0
     assert result["environment"]["git_commit"] and "claims" in result
+
+
+@pytest.mark.timeout(300)
+def test_typing_hints_are_an_option_of_the_serving_replay(tmp_path, monkeypatch) -> None:
+    """`--typing` (typing-aware prefetch): the same schedule on a fresh engine per run of
+    `--order`, the engine told of each user typing in the runs that are on."""
+    from engine import AsyncEngine
+
+    told: list[str] = []
+    prefetch = AsyncEngine.prefetch
+
+    def hint(self, conversation_id: str) -> None:
+        told.append(conversation_id)
+        prefetch(self, conversation_id)
+
+    monkeypatch.setattr(AsyncEngine, "prefetch", hint)
+    sample = tmp_path / "sample.json"
+    convs = _sample_file(sample, n=3)
+    out = tmp_path / "prefetch.json"
+    argv = ["--preset", "tiny", "--sample-file", str(sample), "--out", str(out), "--no-plot",
+            "--typing", "0.2,0.3", "--typing-think", "0.4,0.5", "--rates", "4",
+            "--order", "off,on"]  # fmt: skip
+    assert serve.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [r["typing"] for r in result["runs"]] == [False, True]
+    assert result["preset"]["typing_lead_s"] == [0.2, 0.3] and result["preset"]["rate"] == 4
+    later = sum(len(c.turns) - 1 for c in convs)
+    # told before each later turn, in the run with hints only (its conversations' ids)
+    assert len(told) == later and all(t.startswith("typing/") for t in told)
+    for r in result["runs"]:
+        assert r["metrics"]["errors"] == 0 and r["returning"]["turns"] == later
+        assert r["first"]["turns"] == len(convs)
+    plain, typing = result["summary"]["plain"], result["summary"]["typing"]
+    assert plain["ttft_mean_s"] > 0 and typing["ttft_mean_s"] > 0
+    assert "ttft_mean_change" in result["summary"]
+    assert result["environment"]["git_commit"]
 
 
 def test_merge_runs_replaces_the_same_point() -> None:

@@ -3,12 +3,13 @@ error table against real runs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from bench import sim, sim_serve
-from bench.lib import gpu_settings
+from bench.lib import gpu_settings, versus
 
 
 def run(tmp_path, *args: str) -> dict:
@@ -96,7 +97,7 @@ def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
     ]
     simulated = {"preset": preset, "runs": [point("pensieve", 0.5, 0.45, 0.6, 1000),
                                             point("pensieve", 1.0, 0.85, 1.5, 0)]}  # fmt: skip
-    cmp = sim.compare(reals, simulated)
+    cmp = versus.compare(reals, simulated)
     first = cmp["points"][0]
     assert first["real_runs"] == 2 and not first["saturated"]
     assert first["throughput_rps"]["error"] == pytest.approx(0.0)
@@ -110,7 +111,7 @@ def test_compare_reports_errors_against_the_mean_of_the_real_runs() -> None:
     assert cap["real"] == pytest.approx([0.5 + 0.4 * 0.6 / 1.6, 0.4 + 0.4 * 0.4 / 1.2])
     assert cap["sim"] == pytest.approx(0.45 + 0.4 * 0.4 / 0.9)
     assert cap["error"] == pytest.approx(cap["sim"] / (sum(cap["real"]) / 2) - 1)
-    md = sim.table(cmp)
+    md = versus.table(cmp)
     assert "| pensieve | 0.5 | +0% (real spread 22%) | +20% (real spread 40%) |" in md
     assert "(past bound)" in md
 
@@ -137,13 +138,13 @@ def test_compare_tells_how_far_the_machine_drifted_from_its_calibration() -> Non
     reals = [{"runs": [probed(0.5, [0.10, 0.12])]}, {"runs": [probed(0.5, [0.15, 0.20])]}]
     simulated = {"preset": {"latency_bound": 1.0}, "runs": [point("pensieve", 0.5, 0.5, 0.4, 900)],
                  "environment": {"calibration": {"probe_s": [0.09, 0.11]}}}  # fmt: skip
-    cmp = sim.compare(reals, simulated)
+    cmp = versus.compare(reals, simulated)
     assert cmp["speed"]["ratio_range"] == pytest.approx([1.0, 2.0])
     assert cmp["speed"]["runs"][1] == ["pensieve", 0.5, pytest.approx([1.5, 2.0])]
-    assert "x1.00 to x2.00" in sim.table(cmp)
+    assert "x1.00 to x2.00" in versus.table(cmp)
     # No probe in the calibration (a GPU model, an older file): nothing is claimed
     del simulated["environment"]
-    assert sim.compare(reals, simulated)["speed"] == {}
+    assert versus.compare(reals, simulated)["speed"] == {}
 
 
 def test_a_gpu_reports_serve_runs_are_simulated_beside_it(tmp_path) -> None:
@@ -179,10 +180,10 @@ def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
     from dataclasses import replace
 
     from bench.lib.gpu_settings import SERVE_MODES, dry_settings
-    from bench.lib.sweep import walk
+    from bench.lib.sweep import rungs
 
-    steps = walk(5, 2)  # over at 2, under at 1: done
-    assert next(steps) == 2 and steps.send(True) == 1
+    steps = rungs([1.0, 2.0, 3.0, 4.0, 5.0], 2)  # over at 3, under at 2: done
+    assert next(steps) == 3.0 and steps.send(True) == 2.0
     with pytest.raises(StopIteration):
         steps.send(False)
 
@@ -200,15 +201,15 @@ def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
 
 def test_a_capacity_is_read_from_either_shape_of_a_crossing() -> None:
     crossed = {"crossed": True, "capacity_rps": 9.5}
-    assert sim_serve.capacity_of(crossed) == {"rps": 9.5, "at_least": False}
+    assert versus.capacity_of(crossed) == {"rps": 9.5, "at_least": False}
     # Never over the bound: its best throughput, a lower bound, in either field
-    assert sim_serve.capacity_of({"crossed": False, "capacity_rps": 11.0}) == {
+    assert versus.capacity_of({"crossed": False, "capacity_rps": 11.0}) == {
         "rps": 11.0,
         "at_least": True,
     }
     shape = {"crossed": False, "capacity_rps": None, "at_least_rps": 11.0}
-    assert sim_serve.capacity_of(shape) == {"rps": 11.0, "at_least": True}
-    assert sim_serve.capacity_of({"crossed": True, "capacity_rps": None})["rps"] is None
+    assert versus.capacity_of(shape) == {"rps": 11.0, "at_least": True}
+    assert versus.capacity_of({"crossed": True, "capacity_rps": None})["rps"] is None
 
 
 def test_the_host_time_a_real_run_implies_and_its_fit() -> None:
@@ -269,8 +270,8 @@ def test_a_twin_refuses_turns_at_the_queue_limit_its_report_ran_with() -> None:
     convs, _ = load_sample(s)
 
     def refused(queue: int | None) -> int:
-        run = sim_serve.twin_run(s, convs, "stateless", "stateless", 16.0, real["scale"], "h100",
-                           queue=queue)  # fmt: skip
+        run = asyncio.run(sim_serve.twin_run(s, convs, "stateless", "stateless", 16.0,
+                                             real["scale"], "h100", queue=queue))  # fmt: skip
         return run["metrics"]["errors"]
 
     assert refused(sim_serve.REPORT_QUEUE) == pytest.approx(real["metrics"]["errors"], rel=0.15)

@@ -56,3 +56,18 @@ def test_turns_still_running_at_the_deadline_are_cut_and_counted_at_their_lower_
     assert span > 2.0 and all(
         r.output_tokens == 2000 and not r.stats.get("censored") for r in records
     )
+
+
+def test_typing_hints_prefetch_in_virtual_time_too() -> None:
+    """A plan's typing hints (`Plan.lead_s`) told to a simulated engine: idle contexts the
+    small GPU tier swapped out come back before their turns; not told, none do."""
+
+    def prefetched(typing: bool) -> int:
+        e = engine(cache_mode="pensieve", gpu_cache_chunks=12, cpu_cache_chunks=300)
+        ps = [wl.Plan(p.conversation, 0.5 * i, [20.0] * 2, lead_s=[10.0] * 2)
+              for i, p in enumerate(plans(8, 3, 64))]  # fmt: skip
+        records, _ = replay(e, ps, "t", typing=typing)
+        assert len(records) == 24 and not any(r.error for r in records)
+        return sum(r.stats.get("prefetched_tokens", 0) for r in records)
+
+    assert prefetched(True) > 0 and prefetched(False) == 0

@@ -259,3 +259,34 @@ def test_replay_time_scale_and_stop_on_error() -> None:
     assert slept == pytest.approx([0.1, 0.2])  # the third turn is never sent after an error
     assert [r.index for r in recs] == [0, 1] and recs[1].error == "boom"
     assert recs[1].sent_s == pytest.approx(0.1 + 0.5 + 0.2)
+
+
+def test_typing_hints_come_their_lead_before_each_later_turn() -> None:
+    """`Plan.lead_s` (typing-aware prefetch, `bench.serve --typing`): the user starts typing
+    that long before sending; told only where the replay is given `typing`."""
+    conv = _spec_conv("x", [(2, 2)] * 3)
+    p = w.Plan(conv, arrival_s=1.0, think_s=[2.0, 3.0], lead_s=[0.5, 9.0])
+    now = [0.0]
+    events: list[tuple] = []
+
+    async def sleep(d: float) -> None:
+        events.append(("wait", d))
+        now[0] += d
+
+    async def send(cid, index, spec, context) -> w.Reply:
+        events.append(("send", index))
+        return w.Reply(now[0], now[0], 2)
+
+    def typing(cid: str) -> None:
+        events.append(("typing", cid))
+
+    asyncio.run(w.replay([p], send, clock=lambda: now[0], sleep=sleep, typing=typing))
+    # a lead longer than the think time: typing starts as the reply ends
+    assert events == [("wait", 1.0), ("send", 0), ("wait", 1.5), ("typing", "x"),
+                      ("wait", 0.5), ("send", 1), ("typing", "x"), ("wait", 3.0),
+                      ("send", 2)]  # fmt: skip
+    events.clear()
+    now[0] = 0.0
+    asyncio.run(w.replay([p], send, clock=lambda: now[0], sleep=sleep))  # hints off
+    assert [e for e in events if e[0] != "wait"] == [("send", 0), ("send", 1), ("send", 2)]
+    assert sum(d for kind, d in events if kind == "wait") == pytest.approx(1.0 + 2.0 + 3.0)
