@@ -16,25 +16,18 @@ import logging
 import torch
 from torch import nn
 
-from engine.model.packed import register
+from engine.model.packed import OpaqueLinear
 
 log = logging.getLogger(__name__)
 
 
-class Fp16Linear(nn.Module):
+class Fp16Linear(OpaqueLinear):
     """y = x W^T (+ b) in float32, W held in FBGEMM's packed float16 layout."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear.in_features, linear.out_features)
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
-        self.key = register(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a packed weight cannot be traced: one opaque op
-            return torch.ops.pensieve.packed_linear(x, self.key, self.out_features)
-        return self.apply_to(x)
 
     def apply_to(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -24,32 +24,37 @@ BATCH_HINT = 16  # the row count oneDNN picks its weight layout for: a decode ba
 
 
 # Every live packed linear by its key: how the compiled forward's opaque op finds its weight
-# (a PackedLinear, or another module whose weight cannot be traced: engine/model/fp16.py)
-_PACKED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+# (an OpaqueLinear: a PackedLinear, or engine/model/fp16.py's Fp16Linear)
+_PACKED: weakref.WeakValueDictionary[int, OpaqueLinear] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 
-def register(linear: nn.Module) -> int:
-    """A key for the compiled forward's opaque op to find `linear` (its `apply_to`) by."""
-    key = next(_KEYS)
-    _PACKED[key] = linear
-    return key
+class OpaqueLinear(nn.Module):
+    """A linear whose weight the compiler cannot trace: compiled, it is one opaque op that
+    finds the module by its key and calls its `apply_to`."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.key = next(_KEYS)
+        _PACKED[self.key] = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.pensieve.packed_linear(x, self.key, self.out_features)
+        return self.apply_to(x)
+
+    def apply_to(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(OpaqueLinear):
     """y = x W^T (+ b) with W held only in oneDNN's packed layout."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear.in_features, linear.out_features)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.key = register(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a packed weight cannot be traced: one opaque op
-            return torch.ops.pensieve.packed_linear(x, self.key, self.out_features)
-        return self.apply_to(x)
 
     def apply_to(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(

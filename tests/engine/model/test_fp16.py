@@ -39,6 +39,13 @@ def test_fp16_linear_is_float32_math_over_float16_weights(rows, bias):
     assert (got - lin(x)).abs().max() > 1e-6
 
 
+def test_the_compiler_takes_the_fp16_linear_as_one_opaque_op():
+    lin = Fp16Linear(nn.Linear(64, 32))
+    compiled = torch.compile(lin, dynamic=False, fullgraph=True)  # a graph break fails
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(compiled(x), lin(x), rtol=0, atol=0)
+
+
 def hf_with_fp16_linears(engine: Engine):
     """transformers on the same checkpoint, each linear's weight rounded to float16 (the tied
     output projection untied first: the embedding stays float32, as in the engine)."""
