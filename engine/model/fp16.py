@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from engine.model.packed import OpaqueLinear
+from engine.model.packed import OpaqueLinear, swap_cpu_linears
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,4 @@ def available() -> bool:
 
 def swap_fp16(model: nn.Module) -> int:
     """Each float32 CPU nn.Linear of `model` becomes an Fp16Linear; returns how many."""
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-        and child.weight.device.type == "cpu"
-        and child.weight.dtype == torch.float32
-    ]
-    for parent, name, child in swaps:
-        setattr(parent, name, Fp16Linear(child))
-    return len(swaps)
+    return swap_cpu_linears(model, lambda dtype: dtype == torch.float32, Fp16Linear)

@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -96,17 +97,25 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap each float32 or bfloat16 CPU nn.Linear of `model` for a PackedLinear where this
-    CPU packs its dtype; returns how many."""
+def swap_cpu_linears(
+    model: nn.Module, takes: Callable[[torch.dtype], bool], make: Callable[[nn.Linear], nn.Module]
+) -> int:
+    """Each CPU nn.Linear of `model` whose weight dtype `takes` becomes `make(linear)`;
+    returns how many."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
         and child.weight.device.type == "cpu"
-        and available(child.weight.dtype)
+        and takes(child.weight.dtype)
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, make(child))
     return len(swaps)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap each float32 or bfloat16 CPU nn.Linear of `model` for a PackedLinear where this
+    CPU packs its dtype; returns how many."""
+    return swap_cpu_linears(model, available, PackedLinear)
