@@ -178,6 +178,7 @@ class OpenAIDriver:
         extra: dict[str, Any] | None = None,
         session: str | None = None,
         keepalive: bool = True,
+        fixed: bool = False,
     ) -> None:
         import httpx
 
@@ -191,7 +192,8 @@ class OpenAIDriver:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=idle),
             trust_env=False,
         )
-        self.extra = extra or {}  # more body fields: ignore_eos, ...
+        self.extra = extra or {}  # more body fields
+        self.fixed = fixed  # every reply exactly max_tokens, no stop token in it (fixed_length)
         self.session = session  # set: each chat's prompt_cache_key is "<session>/<cid>"
         self.model: str | None = None
         self.chats: dict[str, list[dict]] = {}
@@ -205,7 +207,8 @@ class OpenAIDriver:
             messages = self.chats.setdefault(cid, [])
             messages.append({"role": "user", "content": spec.text})
             key = f"{self.session}/{cid}" if self.session else None
-            body = request_body(self.model, messages, spec.output_len, key, self.extra)
+            extra = {**self.extra, **fixed_length(spec.output_len)} if self.fixed else self.extra
+            body = request_body(self.model, messages, spec.output_len, key, extra)
             first, pieces, usage = None, [], {}
             async with self.http.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -238,6 +241,15 @@ class OpenAIDriver:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def fixed_length(max_tokens: int) -> dict[str, Any]:
+    """Body fields for a reply of exactly `max_tokens` in which no stop token is ever sampled,
+    on servers that read `ignore_eos` either way: vLLM's (and the engine's) only keeps going
+    past a stop token, llama.cpp's bans them. `min_tokens` (vLLM's extension) bans them below
+    it on the first kind, so both generate the same kind of reply: plain text that renders
+    back into the next turn's prompt as generated (a sampled `<|im_end|>` would not)."""
+    return {"ignore_eos": True, "min_tokens": max_tokens}
 
 
 def request_body(
