@@ -10,7 +10,8 @@
 
 `--peer llama-server`: `pensieve serve` (each `--engine` configuration, float32 first) and
 the engine in process (`--api`) against `llama-server` on the bundled GGUF, the same threads
-each, one OpenAI client (streamed, greedy, `ignore_eos`), every conversation at once, each
+each, one OpenAI client (streamed, greedy, every reply `--output` tokens with no stop token
+sampled: `drivers.fixed_length`), every conversation at once, each
 turn sent when the last reply arrived; every system `--reps` times per count, order reversed
 every other repetition, no run finding another's cache; a run repeated (`--retries`) when
 other processes took more than `--quiet` cores. `--profile`: where each server's time went.
@@ -42,7 +43,8 @@ from bench.lib.engine_specs import EngineSpec, parse_all, server_settings
 from bench.lib.harness import Server
 from bench.lib.plots import plot_bars
 from bench.lib.samples import load_tokenizer, read_sample
-from engine import AsyncEngine, Engine
+from engine import AsyncEngine
+from engine.async_engine import built_apart
 from engine.model.loader import BUNDLES, bundle_gguf, model_args
 
 MODEL = "smollm2-135m-instruct"  # the default --model: any bundled GGUF (engine/model/loader.py)
@@ -142,7 +144,7 @@ async def replay(send, convs: list[wl.Conversation]) -> Replayed:
 
 async def over_http(url: str, token: str | None, convs, session: str):
     """Warm the server up with one short turn, then replay through the OpenAI client."""
-    kw = {"extra": {"ignore_eos": True}, "keepalive": False}
+    kw = {"fixed": True, "keepalive": False}
     warm = OpenAIDriver(url, token, session=f"{session}-warmup", **kw)
     reply = await warm.send("warmup", 0, wl.TurnSpec([], 16, WARMUP), 0)
     await warm.close()
@@ -516,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             servers[spec.label] = Pensieve.start(spec, args.threads, tmp, i)
             stack.callback(servers[spec.label].server.stop)
             if any(s.kind == "api" and s.spec.label == spec.label for s in todo):
-                engines[spec.label] = (Engine(spec.engine_config()), spec.engine_config())
+                config = spec.engine_config()
+                engines[spec.label] = (built_apart(config), config)
                 stack.callback(engines[spec.label][0].close)
         print(f"servers and engines up in {time.monotonic() - t0:.0f} s", flush=True)
         bench = Bench(args, binary, convs, tmp, servers, engines)
@@ -538,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             "gguf": gguf.name,
             "llama_server_flags": llama_server(args, binary, Path("-") / "-").flags(),
             "client": "one OpenAI client: /v1/chat/completions, streamed, temperature 0, "
-            "ignore_eos, a connection per request; one warm-up turn before each run",
+            "ignore_eos and min_tokens = max_tokens (no stop token sampled on either side), "
+            "a connection per request; one warm-up turn before each run",
             "between_runs": "llama-server restarted (an empty prompt cache); the engine's "
             "conversations deleted",
         },

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from engine import warm
@@ -94,12 +95,21 @@ class AsyncEngine:
     # ---- life cycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start the loop thread; it builds the engine (unless one was given), then steps it.
+
+        One thread does both on purpose. On the CPU every thread that runs a parallel torch
+        op keeps an OpenMP team for the life of the thread, and once the process holds more
+        OpenMP threads than cores, libgomp has idle ones sleep almost at once instead of
+        spinning: each of a step's ~500 parallel regions then waits for its workers to be
+        woken. A model loaded on one thread and stepped on another made every decode step
+        about 35% slower on 2 cores (docs/internals.md, "One thread for the model")."""
         self._loop = asyncio.get_running_loop()
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(Engine, self.config, self._history, self._clock)
-        self._capture = self.engine.capture()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        built = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._run, args=(built,), name="engine-loop", daemon=True
+        )
         self._thread.start()
+        await built
 
     async def warm_up(self, prompt: list[int]) -> list[int] | None:
         """One tiny turn on `prompt` before serving, so the first real turn does not pay the
@@ -282,7 +292,16 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(fn, *args)
 
-    def _run(self) -> None:
+    def _run(self, built: asyncio.Future) -> None:
+        try:
+            if self.engine is None:
+                self.engine = Engine(self.config, self._history, self._clock)
+            self._capture = self.engine.capture()
+        except BaseException as e:
+            self._crashed = e
+            self._call(_resolve, built, None, e)
+            return
+        self._call(_resolve, built, None, None)
         try:
             self._loop_steps()
         except BaseException as e:  # the loop is dead: say so, and end what was in flight
@@ -419,6 +438,14 @@ class AsyncEngine:
         if force or now - self._captured_at >= SNAPSHOT_EVERY_S:
             self._capture = self.engine.capture()
             self._captured_at = now
+
+
+def built_apart(config: EngineConfig, *args) -> Engine:
+    """An Engine built on a thread that ends once it is built, for a caller that hands it to
+    an AsyncEngine later: the thread's OpenMP team ends with it, where the caller's own would
+    stay and slow the loop thread's steps (see `AsyncEngine.start`)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:
+        return pool.submit(Engine, config, *args).result()
 
 
 def _resolve(fut: asyncio.Future, value, error) -> None:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from engine import AsyncEngine, ConversationBusy, Engine, EngineConfig, SamplingParams, Turn
+from engine import (
+    AsyncEngine,
+    ConversationBusy,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    Turn,
+    async_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +229,51 @@ def test_async_hands_a_steps_tokens_over_at_once(tiny):
         assert max(len(ids) for ids, _ in front.handed) == 4  # the turns decode side by side
 
     asyncio.run(main())
+
+
+class WhereBuilt(Engine):
+    """An engine that records the thread it was built on."""
+
+    def __init__(self, *args) -> None:
+        self.built_on = threading.current_thread()
+        super().__init__(*args)
+
+
+def test_async_builds_its_engine_on_the_thread_that_steps_it(monkeypatch):
+    """One thread holds the model's OpenMP team: the loop thread builds the engine it steps."""
+    monkeypatch.setattr(async_engine, "Engine", WhereBuilt)
+
+    async def main():
+        front = AsyncEngine(EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=16))
+        await front.start()
+        try:
+            assert front.engine.built_on is front._thread
+            r = await front.generate(Turn("t", [1, 2, 3], SamplingParams(max_tokens=4)))
+            assert len(r.token_ids) == 4
+        finally:
+            await front.stop()
+
+    asyncio.run(main())
+
+
+def test_async_start_raises_what_the_build_raised():
+    async def main():
+        front = AsyncEngine(EngineConfig(model="no-such-model", device="cpu"))
+        with pytest.raises(ValueError, match="unknown model"):
+            await front.start()
+        assert not front.alive
+
+    asyncio.run(main())
+
+
+def test_built_apart_leaves_no_thread_behind(monkeypatch):
+    monkeypatch.setattr(async_engine, "Engine", WhereBuilt)
+    before = set(threading.enumerate())
+    engine = async_engine.built_apart(EngineConfig(model="dummy:tiny", device="cpu"))
+    assert engine.built_on is not threading.current_thread()
+    assert not engine.built_on.is_alive()
+    assert set(threading.enumerate()) <= before
+    engine.close()
 
 
 def test_hugging_face_model_dir_loads_like_the_original(tiny, tmp_path):
