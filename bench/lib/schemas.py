@@ -1,7 +1,8 @@
 """Five JSON schemas for structured output, each with a prompt that asks for it: objects with
-required fields, enums, bounded integers, arrays, nested objects. The grammar benchmark
-(bench/grammar.py) and the API tests generate over them and check every reply against its
-schema. Strings are bounded so that a reply fits a small max_tokens."""
+required fields, enums, bounded integers, arrays, nested objects. The API tests
+(tests/app/openai/test_app_structured.py) generate over them and check every reply against
+its schema, as the grammar benchmark did (bench.grammar at e67cefa, retired since). Strings
+are bounded so that a reply fits a small max_tokens."""
 
 from __future__ import annotations
 

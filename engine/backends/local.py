@@ -64,7 +64,9 @@ def serving_weights(device: str | None, dtype: str) -> tuple[str, str]:
 # Whether "auto" weights take the GGUF's 4-bit linears where they can: no. On this kind of
 # CPU (AVX512-BF16) a whole decode step of the bundled model at 8 rows is a tie with
 # oneDNN's packed bfloat16 (0.97x at 2 threads, 1.01x at 1), slower at 16 rows (1.16-1.23x),
-# faster only at 1 row (0.63-0.77x): bench/int4_weights.py, int4_weights_b0c129d_*.json.
+# faster only at 1 row (0.63-0.77x): bench.int4_weights at b0c129d (retired since), its
+# results bench/results/int4_weights_b0c129d_*.json; bench.peer_cpu --engine
+# "dtype=bfloat16 weights=gguf" measures it in a served run now.
 AUTO_INT4 = False
 
 
