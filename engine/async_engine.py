@@ -440,12 +440,12 @@ class AsyncEngine:
             self._captured_at = now
 
 
-def built_apart(config: EngineConfig, *args) -> Engine:
+def built_apart(config: EngineConfig) -> Engine:
     """An Engine built on a thread that ends once it is built, for a caller that hands it to
     an AsyncEngine later: the thread's OpenMP team ends with it, where the caller's own would
     stay and slow the loop thread's steps (see `AsyncEngine.start`)."""
     with ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:
-        return pool.submit(Engine, config, *args).result()
+        return pool.submit(Engine, config).result()
 
 
 def _resolve(fut: asyncio.Future, value, error) -> None:
