@@ -3,7 +3,6 @@ device's cost model (`engine/sim`). Every figure it writes is SIMULATED.
 
     python -m bench.sim --preset paper-gqa --device a100-80gb          # the paper's setting
     python -m bench.sim --preset paper-opt --device h100 --think 600 --arrival 6000
-    python -m bench.sim --scale 10000,50000,100000 --device h100       # host time per step
     python -m bench.sim --preset cpu --device cpu --compare real_1.json,real_2.json
                                         # against real `bench.serve --preset cpu` runs
     python -m bench.sim --device h100 --modes pensieve,pensieve-disk --cpu-gb 40 --disk-gb 1000
@@ -21,24 +20,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.lib import steady as st
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, environment
 from bench.lib.gpu_settings import label
 from bench.lib.metrics import claims, merge_runs
 from bench.lib.pools import engine_config, fit_pools, model_args, size_pools
 from bench.lib.presets import MODES, PRESETS, Preset, floats, with_changes
-from bench.lib.replay import plan, simulated
+from bench.lib.replay import simulated
 from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder
 from bench.lib.versus import compare, table
-from bench.lib.virtual import HostTime, replay
 from bench.sim_serve import SIM, gpu_main
 from bench.window_memory import held
 from engine import Engine
@@ -96,11 +92,6 @@ def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
     return every / only if only else None
 
 
-def repeat(convs: list[wl.Conversation], n: int) -> list[wl.Conversation]:
-    """The sample cycled to n conversations (`steady.nth`: no copy shares another's KV)."""
-    return [st.nth(convs, k) for k in range(n)]
-
-
 def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, log=_log,
              refine: int = REFINE) -> dict:  # fmt: skip
     """Each mode's sweep in virtual time (`replay.simulated`, an engine of its own per run);
@@ -109,61 +100,6 @@ def simulate(preset: Preset, device: str, modes: list[str], sample_file=None, lo
     preset, convs, workload = workload_of(preset, sample_file, log)
     runs = asyncio.run(ladder(simulated(preset, convs, log), modes, preset, refine, log))
     return {"preset": asdict(preset), "workload": workload, "runs": runs}
-
-
-# ---- host time at scale ----------------------------------------------------------------------
-
-
-def seed_idle(engine, convs: list[wl.Conversation], seed: int) -> None:
-    """Idle conversations held by the engine's cache, as if each had run to its end at some
-    time in the last hour: admitted and released in turn (the cache evicts, swaps out and
-    drops as it would), their activity stamped in the past. They never return."""
-    rng = random.Random(seed)
-    cache, now = engine.cache, engine.now()
-    for c in convs:
-        tokens = min(c.context_lens()[-1], engine.max_context)
-        cache.begin_step()
-        t = cache.table(f"idle/{c.id}")
-        cache.admit(t, 0, tokens)
-        cache.release(t, tokens)
-        engine.clock.touch(t.id, now - rng.uniform(0.0, 3600.0))
-
-
-def scale(preset: Preset, device: str, counts: list[int], rate: float, window_s: float,
-          sample_file=None, log=_log) -> dict:  # fmt: skip
-    """Host time of the scheduler and cache per step against the simulated step: n idle
-    conversations held in the tiers (`seed_idle`), and the sample arriving at `rate` for
-    `window_s` virtual seconds (pensieve mode)."""
-    preset = sim_preset(preset, device)
-    preset, convs, workload = workload_of(preset, sample_file, log)
-    out = []
-    for n in counts:
-        engine = Engine(engine_config(preset, MODES["pensieve"]))
-        t = time.perf_counter()
-        seed_idle(engine, repeat(convs, n), preset.seed)
-        seeded_s = time.perf_counter() - t
-        host = HostTime()
-        t = time.perf_counter()
-        plans = plan(convs, rate, preset.think_s[0], preset.time_scale, preset.seed)
-        records, span = replay(engine, plans, "scale", preset.time_scale, window_s, host)
-        cache = engine.cache
-        (gpu, _, gpu_free), (cpu, _, cpu_free) = cache.usage("gpu"), cache.usage("cpu")
-        row = {
-            "conversations": n,
-            "held": len(cache.held()),
-            "gpu_blocks": [gpu - gpu_free, gpu],
-            "cpu_blocks": [cpu - cpu_free, cpu],
-            "rate": rate,
-            "turns": len(records),
-            "virtual_s": span,
-            "seed_s": seeded_s,
-            "real_s": time.perf_counter() - t,
-            **host.summary(),
-        }
-        engine.close()
-        out.append(row)
-        log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
-    return {"preset": asdict(preset), "workload": workload, "scale": out}
 
 
 def calibration(preset, mode: str) -> dict:
@@ -207,9 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the runs already in --out (a sweep split over several invocations); "
         "a run of the same mode, think time and rate replaces the earlier one",
     )
-    ap.add_argument("--scale", help="comma-separated conversation counts: host time per step")
-    ap.add_argument("--window", type=float, default=600.0, help="--scale: virtual seconds")
-    ap.add_argument("--scale-rate", type=float, default=1.0, help="--scale: new conversations/s")
     ap.add_argument("--compare", help="comma-separated real bench.serve results: error table")
     ap.add_argument(
         "--gpu-report",
@@ -270,36 +203,31 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
     sample_file = args.sample_file or (preset.sample_file and ROOT / preset.sample_file)
-    kind = "scale" if args.scale else "serve"
-    out = args.out or SIM / f"{kind}_{preset.name}_{args.device}.json"
+    out = args.out or SIM / f"serve_{preset.name}_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     env = environment()
     env["device"] = label(args.device)
     env["simulated"] = True
 
-    if args.scale:
-        counts = [int(x) for x in args.scale.split(",")]
-        result = scale(preset, args.device, counts, args.scale_rate, args.window, sample_file)
-    else:
-        # Against real runs: the rates they ran, no bisections in between.
-        refine = 0 if args.compare else args.refine
-        result = simulate(preset, args.device, modes, sample_file, refine=refine)
-        for r in result["runs"]:
-            r["git_commit"] = env["git_commit"]
-        if args.append and out.exists():
-            earlier = json.loads(out.read_text())
-            same = lambda p: {k: v for k, v in p.items() if k not in SWEEP}  # noqa: E731
-            if same(earlier["preset"]) != same(result["preset"]):
-                ap.error(f"--append: {out} holds runs of other settings")
-            for r in earlier["runs"]:
-                r.setdefault("git_commit", earlier["environment"]["git_commit"])
-            result["runs"] = merge_runs(earlier["runs"], result["runs"])
-            t0 -= earlier["elapsed_s"]  # the sweep's time over every invocation
-        result["claims"] = claims(result["runs"], preset.latency_bound)
+    # Against real runs: the rates they ran, no bisections in between.
+    refine = 0 if args.compare else args.refine
+    result = simulate(preset, args.device, modes, sample_file, refine=refine)
+    for r in result["runs"]:
+        r["git_commit"] = env["git_commit"]
+    if args.append and out.exists():
+        earlier = json.loads(out.read_text())
+        same = lambda p: {k: v for k, v in p.items() if k not in SWEEP}  # noqa: E731
+        if same(earlier["preset"]) != same(result["preset"]):
+            ap.error(f"--append: {out} holds runs of other settings")
+        for r in earlier["runs"]:
+            r.setdefault("git_commit", earlier["environment"]["git_commit"])
+        result["runs"] = merge_runs(earlier["runs"], result["runs"])
+        t0 -= earlier["elapsed_s"]  # the sweep's time over every invocation
+    result["claims"] = claims(result["runs"], preset.latency_bound)
     if args.device == "cpu":  # the calibration the runs stood on (made by their engines)
         env["calibration"] = calibration(preset, modes[0])
-    result = {"benchmark": f"sim-{kind}", "simulated": label(args.device), "environment": env,
+    result = {"benchmark": "sim-serve", "simulated": label(args.device), "environment": env,
               "elapsed_s": time.monotonic() - t0, **result}  # fmt: skip
     if args.compare:
         reals = [json.loads(Path(p).read_text()) for p in args.compare.split(",")]
@@ -307,9 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(result["compare"]))
     out.write_text(json.dumps(result, indent=1, default=float) + "\n")
     print(f"wrote {out} in {result['elapsed_s']:.0f}s")
-    if "claims" in result:
-        print(json.dumps(result["claims"], indent=1))
-    if not args.no_plot and not args.scale:
+    print(json.dumps(result["claims"], indent=1))
+    if not args.no_plot:
         from bench.lib.plots import plot_serve
 
         print(f"wrote {plot_serve(result, out.with_suffix('.png'))}")

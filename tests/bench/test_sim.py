@@ -40,17 +40,6 @@ def test_a_tiny_sweep_is_simulated_labelled_and_deterministic(tmp_path) -> None:
     assert by[("stateless", 2.0)]["recomputed_tokens"] > by[("pensieve", 2.0)]["recomputed_tokens"]
 
 
-def test_the_scale_probe_measures_host_time_per_step(tmp_path) -> None:
-    res = run(tmp_path, "--device", "h100", "--scale", "6,12", "--window", "20")
-    rows = res["scale"]
-    assert [r["conversations"] for r in rows] == [6, 12]
-    for r in rows:
-        assert r["steps"] > 0 and r["host_ms_mean"] > 0 and r["step_ms_mean"] > 0
-        # The idle conversations are held beside the sample's (3) that arrive.
-        assert r["conversations"] < r["held"] <= r["conversations"] + 3
-        assert r["gpu_blocks"][0] <= r["gpu_blocks"][1]
-
-
 def test_append_builds_one_sweep_from_several_invocations(tmp_path) -> None:
     run(tmp_path, "--device", "h100", "--modes", "pensieve", "--rates", "2,64")
     both = run(tmp_path, "--device", "h100", "--modes", "stateless", "--rates", "2", "--append")
