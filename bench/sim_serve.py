@@ -1,39 +1,39 @@
-"""The GPU report's serve part in virtual time (`python -m bench.sim`): its rehearsal
-(`--gpu-serve`) and the twin of a real report (`--gpu-report`), the same replay
-(`bench.lib.replay`) on a device's cost model; with the steady part's (`bench/sim_steady.py`)
-the command's GPU flags (`gpu_main`). Every figure here is SIMULATED."""
+"""The GPU report's serving parts in virtual time (`python -m bench.sim`): a part rehearsed
+(`--gpu-serve`, `--gpu-steady`: the part itself, `bench/parts/serving.py`, on engines of a
+device's cost model) and the twin of a real report's serve runs (`--gpu-report`); with the
+steady part's states and twin (`bench/sim_steady.py`) the command's GPU flags (`gpu_main`).
+Every figure here is SIMULATED."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import statistics
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from bench.lib import versus
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
 from bench.lib.gpu_settings import (
     ENGINE_START_S,
+    PIN_S_PER_GIB,
     RUN_OVERHEAD_S,
-    SERVE_MODES,
     STEADY_MODES,
     Settings,
     label,
+    lent_room,
     load_sample,
     preset_for,
-    rehearsal,
     report_settings,
     window_of,
 )
 from bench.lib.metrics import run_line
-from bench.lib.pools import engine_config, model_args
+from bench.lib.pools import engine_config, kv_bytes_per_chunk, model_args
 from bench.lib.presets import MODES, floats
 from bench.lib.replay import Virtual, serve_run
-from bench.lib.sweep import start_index, sweep_modes
-from bench.sim_steady import choose, rehearse
+from bench.parts.serving import part_serve, part_steady
+from bench.sim_steady import choose
 from bench.sim_steady import twin as steady_twin
 from engine import Engine
 from engine.sim.cost import Shape, Work
@@ -188,39 +188,64 @@ def host_fit(points: list[dict]) -> tuple[float, float]:
     return a, b
 
 
-def serve_part(s, device: str = "h100", log=_log) -> dict:
-    """The GPU report's serve part rehearsed in virtual time: the same sweeps (each mode from
-    where the previous was last under) and the same budget rule, each run's wall time
-    estimated as its simulated span, cut at window + drain as the real run cuts it.
-    Says which runs the budget would skip and whether every mode crosses the bound."""
-    convs, info = load_sample(s)
-    log(wl.format_summary(info["summary"]))
-    t, skipped = [0.0], []
+class Rehearsed:
+    """A part's engines on a simulated device, in virtual time: an Engine of its own per run
+    (the same run whatever ran before it), the part's time estimated: each engine's start
+    (`ENGINE_START_S`, measured with the serve part's second tier pinned; `pin`: the steady
+    part's larger one at `PIN_S_PER_GIB` more), each run's span (cut at its window and
+    drain) and its seeding, and `RUN_OVERHEAD_S` after it."""
 
-    @contextlib.asynccontextmanager
-    async def clock(mode: str):
-        t[0] += ENGINE_START_S
+    def __init__(self, s, device: str, budget_s: float, pin: bool = False) -> None:
+        self.s, self.device, self.budget_s, self.pin = s, device, budget_s, pin
+        self.t = 0.0
+        self.key: tuple | None = None
+        self.engine: Engine | None = None
+        self.starts: dict[str, float] = {}
 
-        async def measure(think: float, rate: float) -> dict | None:
-            if t[0] + s.window_s + s.drain_s + 15 >= s.budget_s:  # Runner.fits
-                skipped.append(f"{mode} at {rate:g}/s")
-                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t[0]:.0f} s")
-                return None
-            run = await twin_run(s, convs, mode, mode, rate, s.scale, device)
-            run["estimated_wall_s"] = min(run["wall_s"], s.window_s + s.drain_s)
-            t[0] += run["estimated_wall_s"] + RUN_OVERHEAD_S
-            run["ends_at_s"] = t[0]
-            log(run_line(run) + f"  [ends at ~{t[0]:.0f} s]")
-            return run
+    def left(self) -> float:
+        return self.budget_s - self.t
 
-        yield measure
+    def room(self, gpu_chunks: int, cpu_chunks: int) -> str | None:
+        return lent_room(self.s, self.device, gpu_chunks, cpu_chunks)
 
-    walk = sweep_modes(clock, list(SERVE_MODES), [s.think_s], s.rates, s.bound, carry=True,
-                       start=start_index(s.rates, s.start_rate))  # fmt: skip
-    runs = asyncio.run(walk)
-    out = rehearsal(device, s, info, runs, skipped, SERVE_MODES)
-    out["estimated_s"] = t[0]
-    out["all_crossed"] = all(c["crossed"] for c in out["capacity"].values())
+    async def target(self, mode: str, preset) -> Virtual:
+        key = (mode, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
+        if key != self.key:  # the real part starts an engine here
+            self.key = key
+            cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
+            pinned = cpu * kv_bytes_per_chunk(self.s.model, self.s.dtype) / 2**30
+            self.starts[mode] = ENGINE_START_S + (PIN_S_PER_GIB * pinned if self.pin else 0.0)
+            self.t += self.starts[mode]
+        await self.close()
+        self.engine = Engine(
+            engine_config(replace(preset, device=f"sim:{self.device}"), MODES[mode])
+        )
+        return Virtual(self.engine)
+
+    def ran(self, run: dict, longest_s: float) -> None:
+        run["estimated_wall_s"] = run.get("seed_s", 0.0) + min(run["wall_s"], longest_s)
+        self.t += run["estimated_wall_s"] + RUN_OVERHEAD_S
+        run["ends_at_s"] = self.t
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def rehearse(part: str, s, device: str = "h100") -> dict:
+    """A GPU report's serving part (`serve` or `steady`) rehearsed: the part itself on
+    `Rehearsed` engines, with its budget rule. Its runs and skips, each mode's capacity, its
+    estimated wall time against its budget, and whether every mode crossed the bound between
+    two of its rates."""
+    budget = s.steady_budget_s if part == "steady" else s.budget_s
+    engines = Rehearsed(s, device, budget, pin=part == "steady")
+    run_part = part_steady if part == "steady" else part_serve
+    out = asyncio.run(run_part(s, budget, None, engines))
+    caps = out["capacity"]
+    out.update(simulated=label(device), settings=asdict(s), estimated_s=engines.t,
+               fits=engines.t <= budget,
+               all_crossed=bool(caps) and all(c["capacity_rps"] is not None for c in caps.values()))  # fmt: skip
     return out
 
 
@@ -250,7 +275,7 @@ def gpu_main(args) -> int:
         out = args.out or SIM / f"steady-states_{args.device}_{'-'.join(modes)}.json"
         print(f"rates chosen: {result['rates']}; skipped {result['skipped'] or 'nothing'}")
     elif args.gpu_steady:
-        result = rehearse(s, args.device)
+        result = rehearse("steady", s, args.device)
         out = args.out or SIM / f"gpu-steady_{args.device}.json"
         print(f"about {result['estimated_s']:.0f} s of the {s.steady_budget_s:.0f} s budget "
               f"(fits: {result['fits']}); skipped {result['skipped'] or 'nothing'}; every mode "
@@ -262,7 +287,7 @@ def gpu_main(args) -> int:
             s = replace(s, rates=floats(args.rates))
         if args.conversations:
             s = replace(s, conversations=args.conversations)
-        result = serve_part(s, args.device)
+        result = rehearse("serve", s, args.device)
         out = args.out or SIM / f"gpu-serve_{args.device}.json"
         print(f"about {result['estimated_s']:.0f} s of the {s.budget_s:.0f} s budget; "
               f"skipped {result['skipped'] or 'nothing'}; every mode crossed: {result['all_crossed']}")  # fmt: skip

@@ -7,8 +7,8 @@ choice of its rates, its rehearsal and its twin. Every figure here is SIMULATED.
 `choose` walks a ladder of rates 2^(1/4) apart per mode (`bench/lib/sweep.py`), a warm-up at each
 (`bench/lib/steady.py`) and the part's run from its state, until an adjacent pair brackets
 the bound; their states are written to `steady_states` (the rates go into
-`Settings.steady_rates` by hand). `rehearse` runs the part as the GPU runs it, from the same
-files, with its budget; `twin` runs a real report's steady runs again from their states.
+`Settings.steady_rates` by hand). `twin` runs a real report's steady runs again from their
+states; the part itself is rehearsed from the same files by `sim_serve.rehearse`.
 """
 
 from __future__ import annotations
@@ -25,21 +25,16 @@ from bench.lib import versus
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, git_commit
 from bench.lib.gpu_settings import (
-    ENGINE_START_S,
-    RUN_OVERHEAD_S,
     STEADY_MODES,
     label,
     lent_room,
     load_sample,
-    rehearsal,
     report_settings,
     state_mismatch,
     steady_config,
-    steady_modes,
     steady_preset,
 )
 from bench.lib.metrics import run_line
-from bench.lib.pools import kv_bytes_per_chunk
 from bench.lib.replay import Virtual, steady_run
 from bench.lib.sweep import over, sweep
 from engine import Engine
@@ -49,9 +44,6 @@ LADDER = [round(2 ** (i / 4), 2) for i in range(0, 25)]  # 1 ... 64
 # Where each mode's walk starts (on the h100 model v3 the part's pairs are 2.83-3.36/s
 # stateless and gpu-only, 3.36-4/s pensieve)
 START = {"stateless": 2.83, "gpu": 2.83, "pensieve": 3.36, "oracle": 4.0}
-# The page-locking of a CPU tier at the engine's start, assumed
-# (the serve part's 12.5 GiB tier started within those 7 s; not measured apart)
-PIN_S_PER_GIB = 0.25
 
 
 def _log(*a) -> None:
@@ -197,46 +189,7 @@ async def _run_from(s, mode: str, state: st.State, path: Path, convs, device: st
         engine.close()
 
 
-# ---- the part rehearsed, and the twin of a real one -------------------------------------
-
-
-def rehearse(s, device: str = "h100", log=_log) -> dict[str, Any]:
-    """The steady part in virtual time, with its budget rule: its runs, crossings and
-    estimated wall time (engine starts, seeding, warm-up, window, drain)."""
-    convs, info = load_sample(s)
-    folder = steady_folder(s, convs)
-    t, runs, starts = 0.0, [], {}
-    run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
-    todo, skipped = steady_modes(s, convs, folder, lambda *a: lent_room(a[0], device, *a[1:]), log)
-    for mode, preset, states in todo:
-        cpu = preset.cpu_cache_chunks if mode != "gpu" and mode != "stateless" else 0
-        starts[mode] = (
-            ENGINE_START_S + PIN_S_PER_GIB * cpu * kv_bytes_per_chunk(s.model, s.dtype) / 2**30
-        )
-        t += starts[mode]
-        top = max(r for r, _, _ in states)  # the oracle's tiers: for the highest rate
-        for rate, path, state in states:
-            if t + run_s + 15 >= s.steady_budget_s:  # part_steady's rule
-                skipped.append(f"{mode} at {rate:g}/s: part budget")
-                log(f"skip {mode} at {rate:g}/s: past the part's budget at {t:.0f} s")
-                continue
-            # An engine per run (the real part clears and re-seeds one per mode): the same
-            # run whatever ran before it, as `choose` ran it
-            run = run_from(s, mode, state, path, convs, device, top)
-            run["estimated_wall_s"] = run["seed_s"] + min(run["wall_s"], run_s)
-            t += run["estimated_wall_s"] + RUN_OVERHEAD_S
-            run["ends_at_s"] = t
-            runs.append(run)
-            log(run_line(run) + f"  [seeded {run['seeded']} in {run['seed_s']:.1f} s, "
-                f"ends at ~{t:.0f} s]")  # fmt: skip
-    out = rehearsal(device, s, info, runs, skipped, dict.fromkeys(r["mode"] for r in runs))
-    caps = out["capacity"]
-    out["engine_start_s"] = starts
-    out["estimated_s"] = t
-    out["fits"] = t <= s.steady_budget_s
-    # every mode crossed the bound between its two rates (a capacity, not "at least")
-    out["all_crossed"] = bool(caps) and all(c["capacity_rps"] is not None for c in caps.values())
-    return out
+# ---- the twin of a real part ------------------------------------------------------------
 
 
 def twin(report: dict, device: str = "h100", log=_log) -> dict[str, Any]:

@@ -4,7 +4,7 @@ the tiers of each part, whether they fit a machine, the label of a simulated dev
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,6 @@ from bench.lib import steady as st
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, SAMPLES, host_memory_gb
 from bench.lib.flops import linear_flops_per_token
-from bench.lib.metrics import crossing
 from bench.lib.pools import (
     PINNED_SHARE,
     chunks_in,
@@ -35,6 +34,9 @@ SAMPLE = SAMPLES / "gpu.json"
 # sleep and freeing its conversations.
 ENGINE_START_S = 7.0
 RUN_OVERHEAD_S = 1.0
+# The page-locking of a CPU tier at the engine's start, assumed
+# (the serve part's 12.5 GiB tier started within those 7 s; not measured apart)
+PIN_S_PER_GIB = 0.25
 # The lent machines (bench/README.md, "With a GPU for 15 minutes"): GPU memory as torch
 # reports it, and the host's RAM
 LENT_GPU_BYTES = {"h100": 85.0e9, "h200": 150.0e9, "a100-80gb": 85.0e9, "cpu": math.inf}
@@ -377,16 +379,3 @@ def lent_room(s: Settings, device: str, gpu_chunks: int, cpu_chunks: int) -> str
 
 def label(device: str) -> str:
     return f"SIMULATED {device} (cost model v{VERSIONS[device]})"
-
-
-def rehearsal(device: str, s, info: dict, runs: list, skipped: list, modes) -> dict[str, Any]:
-    """A part rehearsed on a simulated device: its settings, workload, runs and each mode's
-    capacity (`crossing`)."""
-    return {
-        "simulated": label(device),
-        "settings": asdict(s),
-        "workload": {k: v for k, v in info.items() if k != "parse"},
-        "runs": runs,
-        "skipped": skipped,
-        "capacity": {m: crossing([x for x in runs if x["mode"] == m], s.bound) for m in modes},
-    }

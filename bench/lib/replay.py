@@ -57,6 +57,10 @@ class Real:
     def chunk_size(self) -> int:
         return self.engine.engine.cache.chunk_size
 
+    @property
+    def max_waiting(self) -> int | None:
+        return self.engine.engine.config.max_waiting
+
     async def clear(self) -> None:
         e = self.engine.engine
         ids = set(e.streams) | {t.id for t in e.cache.held()}
@@ -98,6 +102,10 @@ class Virtual:
     @property
     def chunk_size(self) -> int:
         return self.engine.cache.chunk_size
+
+    @property
+    def max_waiting(self) -> int | None:
+        return self.engine.config.max_waiting
 
     async def clear(self) -> None:
         for cid in set(self.engine.streams) | {t.id for t in self.engine.cache.held()}:

@@ -19,7 +19,6 @@ from bench.lib.gpu_settings import (
     no_room,
     oracle_chunks,
     preset_for,
-    steady_config,
     steady_modes,
     window_of,
 )
@@ -54,16 +53,59 @@ async def warm_up(engine) -> None:
     await asyncio.gather(*(engine.free(t.conversation_id) for t in turns))
 
 
-class Runner:
-    """One AsyncEngine per (mode, scale, tiers); runs windows of the replay on it."""
+class OnDevice:
+    """A part's engines on this machine's device, timed by the wall clock: one AsyncEngine per
+    mode and tiers, started, warmed up and reused by that mode's runs (each frees its own
+    conversations); a part's rehearsal (`Rehearsed`) runs the same part in virtual time."""
 
-    def __init__(self, s: Settings, convs: list[wl.Conversation], budget: float) -> None:
-        self.s, self.convs, self.budget = s, convs, budget
+    def __init__(self, s: Settings, deadline: float) -> None:
+        self.s, self.deadline = s, deadline
         self.engines: dict[tuple, Any] = {}
+        self.starts: dict[str, float] = {}  # seconds each mode's engine took to start
+
+    def left(self) -> float:
+        """Seconds left of the part's budget."""
+        return self.deadline - time.monotonic()
+
+    def room(self, gpu_chunks: int, cpu_chunks: int) -> str | None:
+        return no_room(self.s, gpu_chunks, cpu_chunks)
+
+    async def target(self, mode: str, preset: Preset) -> Real:
+        key = (mode, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
+        if key not in self.engines:
+            await self.close()  # one engine at a time: each holds the weights and its pool
+            t = time.monotonic()
+            engine = AsyncEngine(engine_config(preset, MODES[mode]))
+            await engine.start()
+            self.starts[mode] = time.monotonic() - t
+            _log(f"{mode}: engine started in {self.starts[mode]:.1f} s")
+            await warm_up(engine)
+            self.engines[key] = engine
+        return Real(self.engines[key])
+
+    def ran(self, run: dict[str, Any], longest_s: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        for e in self.engines.values():
+            await e.stop()
+        self.engines.clear()
+
+
+class Runner:
+    """A part's serving runs on its engines (`OnDevice` or `Rehearsed`): each run skipped,
+    and listed, where it would end past the part's budget or its tiers do not fit."""
+
+    def __init__(self, s: Settings, convs: list[wl.Conversation], engines) -> None:
+        self.s, self.convs, self.engines = s, convs, engines
         self.skipped: list[str] = []
 
-    def fits(self, window: float, drain: float) -> bool:
-        return time.monotonic() + window + drain + 15 < self.budget
+    def fits(self, seconds: float, what: str) -> bool:
+        if self.engines.left() > seconds + 15:
+            return True
+        self.skipped.append(f"{what}: part budget")
+        _log(f"skip {what}: it would not finish within the part's budget")
+        return False
 
     async def run(
         self,
@@ -77,27 +119,26 @@ class Runner:
         s = self.s
         window, drain = window_of(s, k)
         name = label or mode
-        if not self.fits(window, drain):
-            self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): part budget")
-            _log(f"skip {name} at {rate:g}/s: it would not finish within the part's budget")
+        if not self.fits(window + drain, f"{name} at {rate:g}/s (k={k:g})"):
             return None
         preset = preset_for(s, k, oracle)
         cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
         # The oracle near saturation, the unscaled second tier on a small host: skipped,
         # with the sizes, rather than ending the part when the allocation fails.
-        if why := no_room(s, preset.gpu_cache_chunks, cpu):
+        if why := self.engines.room(preset.gpu_cache_chunks, cpu):
             self.skipped.append(f"{name} at {rate:g}/s (k={k:g}): {why}")
             _log(f"skip {name} at {rate:g}/s: {why}")
             return None
-        engine = await self._engine(mode, preset)
+        target = await self.engines.target(mode, preset)
         plans = wl.plan(self.convs, rate, s.think_s / k, 0)
-        run = await serve_run(Real(engine), plans, f"{name}-{k:g}-{rate:g}", name, mode, rate, k,
+        run = await serve_run(target, plans, f"{name}-{k:g}-{rate:g}", name, mode, rate, k,
                               s.think_s, (window, drain),
                               think_replayed_s=s.think_s / k, temperature=temperature,
                               gpu_cache_chunks=preset.gpu_cache_chunks,
                               cpu_cache_chunks=preset.cpu_cache_chunks,
                               # its twin refuses as it did
-                              max_waiting=engine.engine.config.max_waiting)  # fmt: skip
+                              max_waiting=target.max_waiting)  # fmt: skip
+        self.engines.ran(run, window + drain)
         _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} k={k:g}")
         return run
 
@@ -105,33 +146,19 @@ class Runner:
         """Each mode's runs at scale `k` (`bench.lib.sweep`)."""
         return lambda mode: nothing_to_start(lambda think, rate: self.run(mode, rate, k))
 
-    async def _engine(self, mode: str, preset: Preset):
-        """The engine of `mode` with these tiers; runs of other labels (a sampled run) reuse
-        it: each run frees its own conversations."""
 
-        key = (mode, preset.gpu_cache_chunks, preset.cpu_cache_chunks)
-        if key not in self.engines:
-            await self.close()  # one engine at a time: each holds the weights and its pool
-            engine = AsyncEngine(engine_config(preset, MODES[mode]))
-            await engine.start()
-            await warm_up(engine)
-            self.engines[key] = engine
-        return self.engines[key]
-
-    async def close(self) -> None:
-        for e in self.engines.values():
-            await e.stop()
-        self.engines.clear()
-
-
-async def part_serve(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
+async def part_serve(s: Settings, budget: float, previous: dict | None,
+                     engines=None) -> dict[str, Any]:  # fmt: skip
+    """Each mode's sweep on the scaled replay, from `start_rate` (each next mode from where the
+    previous was last under the bound)."""
     convs, info = load_sample(s)
-    r = Runner(s, convs, budget)
+    engines = engines or OnDevice(s, budget)
+    r = Runner(s, convs, engines)
     try:
         runs = await sweep_modes(r.clock(s.scale), list(SERVE_MODES), [s.think_s], s.rates,
                                  s.bound, start=start_index(s.rates, s.start_rate), carry=True)  # fmt: skip
     finally:
-        await r.close()
+        await engines.close()
     return _serve_result(s, info, runs, r.skipped, convs)
 
 
@@ -154,7 +181,8 @@ def _serve_result(s, info, runs, skipped, convs) -> dict[str, Any]:
     }
 
 
-async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
+async def part_extra(s: Settings, budget: float, previous: dict | None,
+                     engines=None) -> dict[str, Any]:  # fmt: skip
     """At pensieve's last rate under the bound (from the serve part): the same run unscaled,
     with lru eviction, and the oracle's sweep from there."""
     convs, info = load_sample(s)
@@ -163,7 +191,8 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     rate = cap.get("under_rate") or s.start_rate
     top = next((x for x in s.rates if x > rate), rate)  # the oracle's sweep may go one up
     oracle = oracle_chunks(s, convs, top)
-    r = Runner(s, convs, budget)
+    engines = engines or OnDevice(s, budget)
+    r = Runner(s, convs, engines)
     runs: list[dict[str, Any]] = []
     try:
         for label, k in (("pensieve", s.scale), ("pensieve-lru", s.scale)):
@@ -188,7 +217,7 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
         runs += await sweep(oracle_at, s.rates, s.bound,
                             start=s.rates.index(rate) if rate in s.rates else 0)  # fmt: skip
     finally:
-        await r.close()
+        await engines.close()
     out = _serve_result(s, info, runs, r.skipped, convs)
     out["rate"] = rate
     out["oracle_chunks"] = oracle
@@ -224,47 +253,40 @@ async def part_extra(s: Settings, budget: float, previous: dict | None) -> dict[
     return out
 
 
-async def part_steady(s: Settings, budget: float, previous: dict | None) -> dict[str, Any]:
-    """The paper's setting unscaled on one GPU, in its steady state: per mode one engine;
-    per rate of `steady_rates` (a pair that brackets the bound, chosen beforehand by the
-    simulator) the engine cleared, seeded with the state the simulator wrote at the end of
-    its warm-up at that rate, and its continuation replayed (`steady_run`). A mode whose
-    tiers do not fit this machine (the oracle) or whose states are missing is skipped and
-    listed."""
+async def part_steady(s: Settings, budget: float, previous: dict | None,
+                      engines=None) -> dict[str, Any]:  # fmt: skip
+    """The paper's setting unscaled on one GPU, in its steady state: per rate of
+    `steady_rates` (a pair that brackets the bound, chosen beforehand by the simulator) the
+    mode's engine cleared, seeded with the state the simulator wrote at the end of its
+    warm-up at that rate, and its continuation replayed (`steady_run`). A mode whose tiers do
+    not fit this machine (the oracle) or whose states are missing is skipped and listed."""
     convs, info = load_sample(s)
     folder = steady_folder(s, convs)
+    engines = engines or OnDevice(s, budget)
+    r = Runner(s, convs, engines)
     runs: list[dict[str, Any]] = []
-    starts: dict[str, float] = {}
-    todo, skipped = steady_modes(s, convs, folder, no_room, _log)
+    todo, skipped = steady_modes(s, convs, folder, lambda _, *tiers: engines.room(*tiers), _log)
     run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
-    for mode, preset, states in todo:
-        if time.monotonic() + run_s + 15 >= budget:
-            skipped += [f"{mode} at {r:g}/s: part budget" for r, _, _ in states]
-            continue
-        t = time.monotonic()
-        engine = AsyncEngine(steady_config(s, mode, preset))
-        await engine.start()
-        starts[mode] = time.monotonic() - t
-        _log(f"{mode}: engine started in {starts[mode]:.1f} s")
-        try:
+    try:
+        for mode, preset, states in todo:  # tiers sized for the mode's highest rate
             for rate, path, state in states:
-                if time.monotonic() + run_s + 15 >= budget:
-                    skipped.append(f"{mode} at {rate:g}/s: part budget")
-                    _log(f"skip {mode} at {rate:g}/s: it would not finish within the budget")
+                if not r.fits(run_s, f"{mode} at {rate:g}/s"):
                     continue
                 try:
-                    run = await steady_run(Real(engine), s, mode, state, path, convs)
-                    _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} seeded "
-                         f"{run['seeded']} in {run['seed_s']:.1f} s")  # fmt: skip
-                    runs.append(run)
+                    target = await engines.target(mode, preset)
+                    run = await steady_run(target, s, mode, state, path, convs)
                 except Exception as e:  # the loan goes on with the next run: listed
-                    log_exc = f"{mode} at {rate:g}/s: failed: {type(e).__name__}: {e}"
-                    skipped.append(log_exc)
-                    _log(log_exc)
-        finally:
-            await engine.stop()
-    out = _serve_result(s, info, runs, skipped, convs)
+                    r.skipped.append(f"{mode} at {rate:g}/s: failed: {type(e).__name__}: {e}")
+                    _log(r.skipped[-1])
+                    continue
+                engines.ran(run, run_s)
+                _log(run_line(run) + f" cut {run['metrics']['cancelled_at_drain']} seeded "
+                     f"{run['seeded']} in {run['seed_s']:.1f} s")  # fmt: skip
+                runs.append(run)
+    finally:
+        await engines.close()
+    out = _serve_result(s, info, runs, skipped + r.skipped, convs)
     out.pop("history_chunks")  # the whole sample's: not what the steady tiers hold
-    out["engine_start_s"] = starts
+    out["engine_start_s"] = engines.starts
     out["states"] = str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder)
     return out

@@ -177,14 +177,14 @@ def test_the_gpu_serve_part_is_rehearsed_with_its_sweeps_and_budget() -> None:
         steps.send(False)
 
     s = replace(dry_settings("dummy:tiny"), budget_s=1000.0)
-    out = sim_serve.serve_part(s, "h100", log=lambda *a: None)
+    out = sim_serve.rehearse("serve", s, "h100")
     assert [m for m in dict.fromkeys(r["mode"] for r in out["runs"])] == list(SERVE_MODES)
     assert out["runs"][0]["rate"] == s.start_rate and not out["skipped"]
     for r in out["runs"]:
         assert 0 < r["estimated_wall_s"] <= s.window_s + s.drain_s
     assert out["estimated_s"] == pytest.approx(out["runs"][-1]["ends_at_s"])
     # A budget that fits no run: every mode's first run is skipped.
-    tight = sim_serve.serve_part(replace(s, budget_s=20.0), "h100", log=lambda *a: None)
+    tight = sim_serve.rehearse("serve", replace(s, budget_s=20.0), "h100")
     assert not tight["runs"] and len(tight["skipped"]) == len(SERVE_MODES)
 
 

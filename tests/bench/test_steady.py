@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench import sim, sim_steady
+from bench import sim, sim_serve, sim_steady
 from bench.lib import steady as st
 from bench.lib.gpu_settings import STEADY_MODES, dry_settings, load_sample
 
@@ -22,13 +22,19 @@ def dry():
     return s, convs
 
 
-def test_residency_is_run_length_encoded_and_the_sample_repeats_as_the_simulator_does(dry):
+def test_residency_is_run_length_encoded_and_the_sample_repeats_without_sharing(dry):
     tiers = ["dropped"] * 3 + ["disk", "cpu", "cpu", "both", "gpu", "gpu"]
     assert st.encode(tiers) == "d3k1c2b1g2" and st.decode("d3k1c2b1g2") == tiers
     assert st.encode([]) == "" and st.decode("") == []
     _, convs = dry
-    repeated = sim.repeat(convs, 3 * len(convs) + 2)
-    assert [st.nth(convs, k) for k in range(len(repeated))] == repeated
+    # The sample cycled: every copy its own id and first token (no prefix shared), else the same
+    repeated = [st.nth(convs, k) for k in range(3 * len(convs) + 2)]
+    assert repeated[: len(convs)] == convs
+    assert len({c.id for c in repeated}) == len(repeated)
+    assert len({c.turns[0].prompt[0] for c in repeated[:: len(convs)]}) == 4
+    copy = repeated[len(convs)]
+    assert copy.turns[0].prompt[1:] == convs[0].turns[0].prompt[1:]
+    assert copy.turns[1:] == convs[0].turns[1:]
     c = convs[0]
     assert st.history(c, 2) == c.turns[0].prompt + [0] * c.turns[0].output_len + (
         c.turns[1].prompt + [0] * c.turns[1].output_len
@@ -122,7 +128,7 @@ def test_a_seeded_engine_holds_the_state_and_the_replay_resumes_it(big, warm):
 
 def test_the_steady_part_is_rehearsed_from_its_states_with_its_budget(dry):
     s, _ = dry
-    out = sim_steady.rehearse(s, "h100", log=lambda *a: None)
+    out = sim_serve.rehearse("steady", s, "h100")
     assert [m for m in dict.fromkeys(r["mode"] for r in out["runs"])] == list(STEADY_MODES)
     assert not out["skipped"] and out["fits"]
     for r in out["runs"]:
@@ -139,7 +145,7 @@ def test_the_steady_part_is_rehearsed_from_its_states_with_its_budget(dry):
         if r["mode"] == "pensieve":
             assert first["cached_tokens"] + first["swapped_in_tokens"] > 0
     assert out["estimated_s"] == pytest.approx(out["runs"][-1]["ends_at_s"])
-    tight = sim_steady.rehearse(replace(s, steady_budget_s=10.0), "h100", log=lambda *a: None)
+    tight = sim_serve.rehearse("steady", replace(s, steady_budget_s=10.0), "h100")
     assert not tight["runs"] and len(tight["skipped"]) == 2 * len(STEADY_MODES)
 
 
