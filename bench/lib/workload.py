@@ -10,9 +10,8 @@ had (`ignore_eos`), so the context grows exactly as in the recorded conversation
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hashlib
-import json
+import itertools
 import os
 import pickle
 import random
@@ -26,7 +25,6 @@ from typing import IO, Any
 CONTEXT_CAP = 16384  # the paper's cap on a conversation's context
 CACHE_VERSION = 2  # bump when the cached Dataset layout changes
 ROLES = {"human": "user", "gpt": "assistant"}
-_WS = " \t\n\r"
 
 
 # ---------------------------------------------------------------- parsing
@@ -38,69 +36,27 @@ class ParseReport:
     valid: int = 0  # conversations kept
     malformed: dict[str, int] = field(default_factory=dict)  # reason -> count
     truncated: bool = False  # the file ended inside an element
-    stopped_at: int = 0  # character offset where parsing stopped
 
     def skip(self, reason: str) -> None:
         self.malformed[reason] = self.malformed.get(reason, 0) + 1
 
 
-def iter_json_array(stream: IO[bytes], report: ParseReport, chunk: int = 1 << 20) -> Iterator[Any]:
-    """Yield the elements of a top-level JSON array, stopping quietly at a truncated tail.
+def iter_json_array(stream: IO[bytes], report: ParseReport, chunk: int = 1 << 16) -> Iterator[Any]:
+    """Yield the elements of a top-level JSON array as they are read (`chunk` bytes at a
+    time), stopping quietly at a truncated tail: the packaged ShareGPT file ends inside an
+    element, and every element before the cut is kept."""
+    import ijson  # only where ShareGPT is parsed (a bare GPU machine replays committed samples)
 
-    Reads `chunk` bytes at a time and decodes one element at a time with raw_decode, so a
-    file cut short in the middle of an element yields every element before the cut.
-    """
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    buf, pos, base, eof = "", 0, 0, False
-    started = False
-
-    def more() -> bool:
-        nonlocal buf, pos, base, eof
-        if eof:
-            return False
-        data = stream.read(chunk)
-        eof = not data
-        base += pos
-        buf = buf[pos:] + utf8.decode(data, final=eof)
-        pos = 0
-        return bool(data) or bool(buf)
-
-    while True:
-        while pos < len(buf) and buf[pos] in _WS:
-            pos += 1
-        if pos >= len(buf):
-            if not more():
-                report.truncated = started
-                report.stopped_at = base + pos
-                return
-            continue
-        ch = buf[pos]
-        if not started:
-            if ch != "[":
-                raise ValueError(f"expected a JSON array, found {ch!r} at offset {base + pos}")
-            started, pos = True, pos + 1
-            continue
-        if ch == "]":
-            report.stopped_at = base + pos + 1
-            return
-        if ch == ",":
-            pos += 1
-            continue
-        try:
-            item, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            if more():
-                continue
-            report.truncated = True
-            report.stopped_at = base + pos
-            return
-        # A number or literal may continue in the next chunk: decode it again then.
-        if end == len(buf) and not eof and more():
-            continue
-        pos = end
-        report.complete += 1
-        yield item
+    events = ijson.parse(stream, buf_size=chunk, use_float=True)
+    first = next(events, None)
+    if first is None or first[1] != "start_array":
+        raise ValueError(f"expected a JSON array, found {first and first[1]}")
+    try:
+        for item in ijson.items(itertools.chain([first], events), "item"):
+            report.complete += 1
+            yield item
+    except ijson.IncompleteJSONError:
+        report.truncated = True
 
 
 def clean_conversation(item: Any, report: ParseReport) -> tuple[str, list[dict]] | None:
