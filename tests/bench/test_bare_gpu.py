@@ -42,7 +42,7 @@ gone = [m for m in ("redis", "starlette", "sqlalchemy", "alembic", "pydantic", "
         if u.find_spec(m) is not None]
 assert not gone, gone
 import engine, kernels, torch, transformers  # noqa: F401
-# The GPU entry points (bench.cluster drives a server: not among them).
+# The GPU entry points.
 import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
 import bench.fused, bench.swap, bench.tp, bench.host_step  # noqa: F401
 import bench.lib.step_profile  # noqa: F401
