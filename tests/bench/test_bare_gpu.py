@@ -47,7 +47,6 @@ import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  
 import bench.fused, bench.swap, bench.tp, bench.host_step  # noqa: F401
 import bench.lib.step_profile  # noqa: F401
 import bench.sim, bench.sim_serve, bench.sim_steady, bench.lib.steady, engine.backends.simulated  # noqa: F401
-import bench.retention  # noqa: F401
 import engine.calibrate, engine.seed  # noqa: F401
 try:
     import redis  # noqa: F401
