@@ -43,7 +43,7 @@ gone = [m for m in ("redis", "starlette", "sqlalchemy", "alembic", "pydantic", "
 assert not gone, gone
 import engine, kernels, torch, transformers  # noqa: F401
 # The GPU entry points.
-import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
+import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu  # noqa: F401
 import bench.swap, bench.host_step  # noqa: F401
 import bench.lib.step_profile  # noqa: F401
 import bench.sim, bench.sim_serve, bench.sim_steady, bench.lib.steady, engine.backends.simulated  # noqa: F401
