@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch for this kind of machine; the package's own requirement stays loose.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install install-gemma serve test test-fast test-gpu gpu-check lint bench bench-kernel gpu-report browser haproxy vendor
+.PHONY: install install-gemma serve test test-fast test-gpu gpu-check lint bench gpu-report browser haproxy vendor
 
 install: $(VENV)/.installed
 
@@ -107,6 +107,3 @@ gpu-report:
 # The CPU serving preset (bench/README.md); BENCH_ARGS adds flags, e.g. BENCH_ARGS="--dtype bfloat16".
 bench: install
 	$(BIN)/python -m bench.serve --preset cpu $(BENCH_ARGS)
-
-bench-kernel: install
-	$(BIN)/python -m bench.kernel

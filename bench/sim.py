@@ -36,9 +36,9 @@ from bench.lib.samples import load_workload
 from bench.lib.sweep import ladder
 from bench.lib.versus import compare, table
 from bench.sim_serve import SIM, gpu_main
-from bench.window_memory import held
 from engine import Engine
 from engine.calibrate import fitted
+from engine.model.shapes import ModelArgs
 from engine.sim.devices import DEVICES
 from engine.types import KV_DTYPES
 
@@ -77,6 +77,22 @@ def workload_of(preset: Preset, sample_file=None, log=_log):
     return preset, convs, workload
 
 
+def held_bytes(
+    args: ModelArgs, tokens: int, chunk: int = 32, dtype_bytes: int = 2
+) -> tuple[int, int]:
+    """KV bytes of one conversation of `tokens` positions: every layer keeping every chunk,
+    and sliding layers keeping only the chunks that overlap positions tokens - window + 1 ..
+    tokens - 1 (the keys a later query can still read)."""
+    per_chunk_layer = 2 * chunk * args.n_kv_heads * args.head_dim * dtype_bytes  # K and V
+    chunks = -(-tokens // chunk)
+    sliding = sum(args.window(i) is not None for i in range(args.n_layers))
+    window = args.sliding_window or 0
+    local = (tokens - 1) // chunk - max(0, tokens - window + 1) // chunk + 1
+    every = args.n_layers * chunks * per_chunk_layer
+    only = ((args.n_layers - sliding) * chunks + sliding * local) * per_chunk_layer
+    return every, only
+
+
 def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
     """The byte saving the workload's contexts allow a model with sliding layers: every
     layer's KV over only what each layer can still read, summed over each turn's end (the
@@ -87,8 +103,8 @@ def window_saving(model: str, convs: list[wl.Conversation]) -> float | None:
     every = only = 0
     for c in convs:
         for n in c.context_lens():
-            h = held(model, args, n)
-            every, only = every + h.all_layers_bytes, only + h.window_only_bytes
+            e, o = held_bytes(args, n)
+            every, only = every + e, only + o
     return every / only if only else None
 
 

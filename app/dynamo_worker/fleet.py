@@ -1,7 +1,7 @@
 """A Dynamo fleet as processes: Pensieve workers (`python -m app.dynamo_worker`) behind
 `python -m dynamo.frontend --router-mode kv`, on loopback with file discovery
 (docs/dynamo.md). Commands and environment only: importing this needs no Dynamo, so the
-test, the routing benchmark and the cluster launcher share one recipe."""
+test and the cluster launcher share one recipe."""
 
 from __future__ import annotations
 

@@ -1,20 +1,17 @@
-"""Local processes for tests and benchmarks: free ports; PostgreSQL and Redis (the machine's
-own, or throwaway ones on free ports); `pensieve serve` and `pensieve cluster` as
+"""Local processes for tests and benchmarks: free ports; the machine's own PostgreSQL and
+Redis, or a throwaway Redis on a free port; `pensieve serve` and `pensieve cluster` as
 subprocesses logging to a file. The standard library only at import (tests/conftest.py
 imports it on GPU machines without the web stack): httpx is imported where it is used."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pwd
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,106 +121,6 @@ def ensure_redis() -> None:
         REDIS_HOST,
         REDIS_PORT,
     )  # fmt: skip
-
-
-def _pg_bindir() -> Path:
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(found).resolve().parent  # beside psql and initdb of the same version
-    # Debian keeps the server binaries off PATH, one directory per major version.
-    dirs = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name))
-    if not dirs:
-        raise ServiceError("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    return dirs[-1]
-
-
-@dataclass
-class PostgresServer:
-    """A throwaway PostgreSQL (initdb in a temp dir) on a free port, with a `pensieve`
-    database; run as the `postgres` user when we are root (the server refuses root)."""
-
-    port: int = field(default_factory=free_port)
-    root: Path | None = None
-    bindir: Path | None = None
-    frozen: list[int] = field(default_factory=list)
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+asyncpg://postgres@{HOST}:{self.port}/pensieve"
-
-    def _cmd(self, tool: str, *args: str) -> list[str]:
-        assert self.bindir is not None
-        cmd = [str(self.bindir / tool), *args]
-        return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
-    def _run(self, tool: str, *args: str, timeout: float = 60) -> None:
-        try:
-            res = subprocess.run(self._cmd(tool, *args), capture_output=True, text=True,
-                                 timeout=timeout)  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise ServiceError(f"{tool} failed: {e}") from None
-        if res.returncode != 0:
-            raise ServiceError(
-                f"{tool} {' '.join(args)} exited {res.returncode}: {res.stderr.strip()}"
-            )
-
-    def init(self) -> Self:
-        """Create the cluster and its database, and start it; `destroy` removes it all."""
-        self.bindir = _pg_bindir()
-        self.root = Path(tempfile.mkdtemp(prefix="pensieve-pg-"))
-        if os.geteuid() == 0:
-            pw = pwd.getpwnam("postgres")
-            os.chown(self.root, pw.pw_uid, pw.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                  "--no-sync", "--no-instructions")  # fmt: skip
-        with open(self.data / "postgresql.conf", "a") as conf:
-            # fsync=off only risks data on an OS crash; the faults here are process stops.
-            conf.write(
-                f"\nport = {self.port}\nlisten_addresses = '{HOST}'\n"
-                f"unix_socket_directories = '{self.data}'\nfsync = off\n"
-                "max_connections = 60\nshared_buffers = 32MB\n"
-            )
-        self.start()
-        self._run("psql", "-h", HOST, "-p", str(self.port), "-U", "postgres", "-d", "postgres",
-                  "-Atqc", "CREATE DATABASE pensieve")  # fmt: skip
-        return self
-
-    def start(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"),
-                  "-w", "-t", "60", "start")  # fmt: skip
-
-    def stop(self, mode: str) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
-
-    def freeze(self) -> None:
-        """SIGSTOP the postmaster and its backends: connections hang instead of failing."""
-        head = (self.data / "postmaster.pid").read_text().split("\n", 1)[0]
-        pids = [int(head)]
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", head], capture_output=True, text=True)
-        pids += [int(p) for p in out.stdout.split()]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        self.frozen = pids
-
-    def thaw(self) -> None:
-        for pid in self.frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        self.frozen = []
-
-    def destroy(self) -> None:
-        self.thaw()
-        if self.root is None:
-            return
-        if (self.data / "postmaster.pid").exists():
-            with contextlib.suppress(ServiceError):
-                self.stop("immediate")
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root = None
 
 
 @dataclass

@@ -60,18 +60,14 @@ def replay(
     host: HostTime | None = None,
     deadline_s: float | None = None,
     queue_limit: bool = False,
-    retention: Callable[[str, int], Any] | None = None,
-    on_end: Callable[[str, int, Any], None] | None = None,
-    on_step: Callable[[], None] | None = None,
     cut_s: float | None = None,
     at_cut: Callable[[dict[int, str], list[tuple[float, str]], list], None] | None = None,
     typing: bool = False,
 ) -> tuple[list[wl.TurnRecord], float]:
     """Every plan replayed to its end: the turn records and the virtual seconds it took.
     `deadline_s` (past `stop_s`): what is in flight then is cancelled, counted as censored.
-    `retention`, `on_end`, `on_step`: a client's side where a workload has one
-    (`bench.retention`). `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by
-    id of request, pending events, records)` sees the replay there (`steady.warm_up`).
+    `cut_s`: nothing more is sent from then, and `at_cut(turns in flight by id of request,
+    pending events, records)` sees the replay there (`steady.warm_up`).
     `typing`: the engine is told the plans' typing hints (`Plan.lead_s`)."""
     clock = engine.now
     start = clock()
@@ -101,8 +97,7 @@ def replay(
             advance(steps, None)
             return
         sampling = SamplingParams(max_tokens=step.spec.output_len, ignore_eos=True)
-        keep = None if retention is None else retention(step.conversation, step.index)
-        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling, retention=keep)
+        turn = Turn(f"{tag}/{step.conversation}", list(step.spec.prompt), sampling)
         try:
             engine.accept(turn, engine.queued() if queue_limit else 0)
             req = engine.submit(turn, accepted=True)
@@ -158,8 +153,6 @@ def replay(
             host.seconds.append(time.perf_counter() - t)
             host.virtual_s.append(clock() - before)
             host.conversations.append(len(engine.cache.held()))
-        if on_step is not None:
-            on_step()
         due[0] = clock()
         if cut_at is not None and clock() > cut_at:
             cut()  # the turns that ended in this step too: they were not done by then
@@ -172,10 +165,7 @@ def replay(
             reply = wl.Reply(
                 s.first_token_s - start, s.finish_s - start, len(req.output), turn_stats(s), error
             )
-            steps, _, _, sent = waiting.pop(id(req))
-            if on_end is not None and error is None:
-                on_end(sent.conversation, sent.index, req)
-            advance(steps, reply)
+            advance(waiting.pop(id(req))[0], reply)
         if clock() > before or ended:
             stalls = 0
             continue

@@ -42,12 +42,11 @@ gone = [m for m in ("redis", "starlette", "sqlalchemy", "alembic", "pydantic", "
         if u.find_spec(m) is not None]
 assert not gone, gone
 import engine, kernels, torch, transformers  # noqa: F401
-# The GPU entry points (bench.soak and bench.cluster drive a server: not among them).
-import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu, bench.kernel  # noqa: F401
-import bench.fused, bench.swap, bench.tp, bench.host_step  # noqa: F401
+# The GPU entry points.
+import bench.gpu_check, bench.gpu_report, bench.serve, bench.mfu  # noqa: F401
+import bench.swap, bench.host_step  # noqa: F401
 import bench.lib.step_profile  # noqa: F401
 import bench.sim, bench.sim_serve, bench.sim_steady, bench.lib.steady, engine.backends.simulated  # noqa: F401
-import bench.retention  # noqa: F401
 import engine.calibrate, engine.seed  # noqa: F401
 try:
     import redis  # noqa: F401

@@ -10,12 +10,23 @@ import pytest
 
 from bench import sim, sim_serve
 from bench.lib import gpu_settings, versus
+from engine.model.shapes import DUMMY_SHAPES
 
 
 def run(tmp_path, *args: str) -> dict:
     out = tmp_path / "sim.json"
     assert sim.main(["--preset", "tiny", "--out", str(out), "--no-plot", *args]) == 0
     return json.loads(out.read_text())
+
+
+def test_gemma_3_1b_at_8k_tokens_holds_only_its_window_in_sliding_layers():
+    every, only = sim.held_bytes(DUMMY_SHAPES["gemma-3-1b"], 8192)
+    per_token_layer = 2 * 1 * 256 * 2  # K and V, 1 KV head of 256 dims, bfloat16
+    assert every == 26 * 8192 * per_token_layer
+    # 22 sliding layers over 512: positions 7681..8191 lie in chunks 240..255, 16 chunks.
+    assert only == (4 * 8192 + 22 * 16 * 32) * per_token_layer
+    every, only = sim.held_bytes(DUMMY_SHAPES["gemma-3-1b"], 500)
+    assert every == only  # inside the window: nothing saved
 
 
 def test_a_tiny_sweep_is_simulated_labelled_and_deterministic(tmp_path) -> None:
