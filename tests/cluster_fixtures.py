@@ -1,6 +1,6 @@
 """A real cluster for tests: N `pensieve serve --cluster` replicas on one PostgreSQL database
 and one Redis, behind HAProxy (the config `pensieve cluster` writes). The replicas are started
-one by one, not by `pensieve cluster` (bench.lib.harness.LocalCluster), so that a test can kill
+one by one, not by `pensieve cluster` (bench.lib.services.LocalCluster), so that a test can kill
 and restart each itself."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import redis
 
 from app.cluster import haproxy
 from app.cluster.replica import replica_id
-from bench.lib import harness
-from bench.lib.harness import Local, free_port, wait_port
+from bench.lib.harness import Local, free_port
 from tests import services
 from tests.app_fixtures import ADMIN, Server, auth
+from tests.services import wait_port
 
 # Small, fast replicas: a random-weight tiny model, small pools, short replies, no quota.
 REPLICA_ENV = {
@@ -70,7 +70,7 @@ class Cluster:
 
     servers: list[Server]
     front: Front
-    redis_server: harness.RedisServer
+    redis_server: services.RedisServer
     database: str
     redis: redis.Redis = field(init=False)
 
@@ -120,7 +120,7 @@ def start_cluster(tmp: Path, n: int = 3, env: dict[str, str] | None = None) -> C
 
     db, url = services.new_database()
     asyncio.run(upgrade_async(url))
-    rs = harness.RedisServer().start()
+    rs = services.RedisServer().start()
     envs = {**REPLICA_ENV, "PENSIEVE_REDIS_URL": rs.url, **(env or {})}
     servers = [Server(url, tmp / f"replica{i}.log", env=envs) for i in range(n)]
     errors: list[BaseException] = []

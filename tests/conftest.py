@@ -51,12 +51,12 @@ def _service(start: Callable[[], None]) -> None:
 
 @pytest.fixture(scope="session")
 def postgres() -> None:
-    _service(harness.ensure_postgres)
+    _service(services.ensure_postgres)
 
 
 @pytest.fixture(scope="session")
 def redis_service() -> None:
-    _service(harness.ensure_redis)
+    _service(services.ensure_redis)
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def redis_url(redis_service: None) -> Iterator[str]:
     import redis
 
     db = next(_redis_dbs)
-    url = f"redis://{harness.REDIS_HOST}:{harness.REDIS_PORT}/{db}"
+    url = f"redis://{services.REDIS_HOST}:{services.REDIS_PORT}/{db}"
     client = redis.Redis.from_url(url)
     client.flushdb()
     yield url
@@ -90,9 +90,9 @@ def redis_url(redis_service: None) -> Iterator[str]:
 
 
 @pytest.fixture
-def redis_server() -> Iterator[harness.RedisServer]:
+def redis_server() -> Iterator[services.RedisServer]:
     """A redis-server of this test's own on a free port; the test may kill() and start() it."""
-    server = harness.RedisServer()
+    server = services.RedisServer()
     try:
         server.start()
     except harness.ServiceError as e:

@@ -14,7 +14,6 @@ import httpx
 import pytest
 import websockets
 
-from bench.lib import harness
 from tests import services
 from tests.app_fixtures import TINY, Reply, Server, auth, connect, recv, say, until_done
 
@@ -114,7 +113,7 @@ class Proxy:
     """A TCP relay to PostgreSQL that can cut every connection and refuse new ones."""
 
     def __init__(self, port: int) -> None:
-        self.target = (harness.PG_HOST, port)
+        self.target = (services.PG_HOST, port)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.up = True
@@ -181,8 +180,8 @@ async def _ask_until_the_database_is_back(ws, content: str) -> tuple[str, Reply]
 
 
 async def test_database_outage_mid_chat_answers_unavailable_then_recovers(pg_db, tmp_path):
-    proxy = Proxy(harness.PG_PORT)
-    url = f"postgresql+asyncpg://{harness.PG_USER}@127.0.0.1:{proxy.port}/{pg_db}"
+    proxy = Proxy(services.PG_PORT)
+    url = f"postgresql+asyncpg://{services.PG_USER}@127.0.0.1:{proxy.port}/{pg_db}"
     server = Server(url, tmp_path / "server.log", env=TINY).start()
     try:
         token = server.user("unlucky")
@@ -219,8 +218,8 @@ async def test_reply_lost_to_an_outage_leaves_a_closed_turn_not_a_dangling_quest
     """The database goes away while a reply streams: its question is stored, its reply cannot
     be. The next turn closes that turn with an empty `error` reply before its own question,
     so the history keeps the question and stays question/answer pairs."""
-    proxy = Proxy(harness.PG_PORT)
-    url = f"postgresql+asyncpg://{harness.PG_USER}@127.0.0.1:{proxy.port}/{pg_db}"
+    proxy = Proxy(services.PG_PORT)
+    url = f"postgresql+asyncpg://{services.PG_USER}@127.0.0.1:{proxy.port}/{pg_db}"
     server = Server(url, tmp_path / "server.log", env=TINY).start()
     try:
         token = server.user("midstream")

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import redis
 
-from bench.lib import harness
+from tests import services
 from tests.app_fixtures import Server, connect, say, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,7 +18,7 @@ KEY = "pensieve:activity"  # the RedisClock's sorted set: conversation id -> uni
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = harness.RedisServer().start()
+    server = services.RedisServer().start()
     yield server
     server.kill()
 

@@ -376,8 +376,8 @@ class Blackhole:
 
 
 def test_a_blackholed_database_is_reported_fast_and_recovers(tmp_path, pg_db):
-    hole = Blackhole(harness.PG_HOST, harness.PG_PORT)
-    url = f"postgresql+asyncpg://{harness.PG_USER}@127.0.0.1:{hole.port}/{pg_db}"
+    hole = Blackhole(services.PG_HOST, services.PG_PORT)
+    url = f"postgresql+asyncpg://{services.PG_USER}@127.0.0.1:{hole.port}/{pg_db}"
     env = {**FAST, "PENSIEVE_DATABASE_TIMEOUT_S": "2"}
     srv = Server(url, tmp_path / "server.log", env=env).start()
     try:

@@ -15,9 +15,10 @@ import msgpack
 import pytest
 import zmq
 
-from bench.lib.harness import ServiceError, free_port, wait_port
+from bench.lib.harness import ServiceError, free_port
 from tests.app.openai.test_app_openai import ask, client
 from tests.app_fixtures import TINY, Server, wait_for
+from tests.services import wait_port
 
 WORDS = ["river", "stone", "cloud", "lantern", "meadow", "copper", "violin", "harbor"]
 

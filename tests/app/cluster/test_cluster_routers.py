@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 
-from bench.lib import harness
 from tests import services
 from tests.app_fixtures import ADMIN, auth
 
@@ -21,7 +20,7 @@ MODEL = "smollm2-135m-instruct"
 
 
 @dataclass
-class RoutedCluster(harness.LocalCluster):
+class RoutedCluster(services.LocalCluster):
     router: str = "vllm-router"
 
     def command(self) -> list[str]:
@@ -41,7 +40,7 @@ class RoutedCluster(harness.LocalCluster):
             alive = sum(r["alive"] for r in self.listing()["replicas"])
         except httpx.HTTPError:
             return False
-        return alive == self.replicas and harness.port_open("127.0.0.1", self.port)
+        return alive == self.replicas and services.port_open("127.0.0.1", self.port)
 
 
 def ask(base: str, key: str, messages: list[dict]):

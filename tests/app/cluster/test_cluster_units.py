@@ -25,7 +25,7 @@ from tests.app_fixtures import ADMIN
 
 @pytest.fixture
 def redis_url():
-    rs = harness.RedisServer().start()
+    rs = services.RedisServer().start()
     try:
         yield rs.url
     finally:
@@ -114,7 +114,7 @@ def test_only_a_replica_can_mark_a_request_forwarded():
 @pytest.mark.timeout(400)
 def test_pensieve_cluster_starts_replicas_and_haproxy_and_stops_them(tmp_path):
     db, url = services.new_database()
-    cluster = harness.LocalCluster(
+    cluster = services.LocalCluster(
         url,
         tmp_path / "cluster.log",
         env={"PENSIEVE_DEVICE": "cpu"},
@@ -146,7 +146,7 @@ def test_a_replica_whose_port_was_taken_starts_on_another_and_a_failing_one_is_l
     port; a replica that fails every start is left out, and the others go on."""
     db, url = services.new_database()
     asyncio.run(upgrade_async(url))  # as `pensieve cluster` does before its replicas start
-    rs = harness.RedisServer().start()
+    rs = services.RedisServer().start()
     host = "127.0.0.1"
     thief = socket.socket()
     thief.bind((host, 0))

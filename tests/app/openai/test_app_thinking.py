@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from bench.lib import harness
 from engine.model.loader import convert_bundled
+from tests import services
 from tests.app_fixtures import Server, auth, server_on, until_done
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,7 +31,7 @@ MAX = 48  # room for the small model to end its replies itself (a cut reply is n
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = harness.RedisServer().start()
+    server = services.RedisServer().start()
     yield server
     server.kill()
 
