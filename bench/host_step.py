@@ -1,17 +1,15 @@
-"""A step's host time with the device's work taken out: the whole step, the runner's
-preparation of it, and the cache's bookkeeping of it.
+"""A step's host time with the device's work taken out: a real `Engine` over `NoForward`, a
+pool of a few bytes a block, linear Cost(l); `--conversations` seeded in both tiers, a turn
+arriving each step until `--decodes` run. Timed: `Engine.step` (wall and thread CPU time)
+split by phase, `submit`, the snapshot.
 
-    python -m bench.host_step                  # all three parts: bench/results/host-step-cpu.json, .png
-    python -m bench.host_step --part step --profile 25   # the step alone, its 25 costliest functions
-    python -m bench.host_step --part prep,cache          # the two small parts, printed only
+    python -m bench.host_step                  # bench/results/host-step-cpu.json, .png
+    python -m bench.host_step --profile 25     # and its 25 costliest functions
 
-- `step`: a real `Engine` over `NoForward`, a pool of a few bytes a block, linear Cost(l);
-  `--conversations` seeded in both tiers, a turn arriving each step until `--decodes` run.
-  Timed: `Engine.step` (wall and thread CPU time) split by phase, `submit`, the snapshot.
-- `prep`: `Runner.step` alone for a decode of `--prep-pieces` turns at `--prep-context`.
-- `cache`: the cache manager's work of a step over `--cache-idle` idle conversations: an
-  admission check, 8 turns grown (0, 1 or 8 starting a chunk, which evicts), the swap-out plan.
-`measure(Load(...), device)` is the step part as a function (a GPU profile reuses it).
+`measure(Load(...), device)` is the benchmark as a function (a GPU profile reuses it). Its
+two smaller parts, `prep` (the runner's tensors of a step, was `bench.step_prep`) and `cache`
+(the cache's bookkeeping over many idle chats, was `bench.cache_step`), are retired:
+`git show eb6928e:bench/host_step.py`, bench/README.md.
 """
 
 from __future__ import annotations
@@ -36,24 +34,14 @@ import torch
 from bench.lib.common import RESULTS, device_slug, environment
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.backends.local import Local
-from engine.cache.chunks import Chunk, ChunkTable
-from engine.cache.manager import KVCacheManager
-from engine.cache.policy import CostModel, Policy
-from engine.copies import CopyPlan
+from engine.cache.policy import CostModel
 from engine.kv_layout import KVLayout
 from engine.kv_pool import KVPool
-from engine.persistence import LocalClock
-from engine.plan import Piece
-from engine.request import Request
 from engine.runner import Runner
 from engine.seed import Seed
-from engine.stream import StreamState
-from engine.types import TurnStats
 
 GOAL_MS = 2.0  # the goal: host time per step at the default load
 PHASES = ("schedule", "build", "copies", "forward", "sample", "bookkeeping")
-PARTS = ("step", "prep", "cache")
-CS = 32  # tokens a chunk in the prep and cache parts
 
 
 @dataclass
@@ -307,88 +295,6 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-# ---- prep: the runner's work alone; cache: the cache manager's ------------------------------
-
-
-class NoPool:
-    """A pool of no layers and no copies."""
-
-    device = torch.device("cpu")
-    layers: list = []
-    layout = KVLayout(0, 0, (), ())  # no layers: one page group
-
-    def begin_step(self, plan: CopyPlan, writes=None) -> None:
-        pass
-
-    def before_attention(self, layer: int) -> None:
-        pass
-
-
-def decode_pieces(n: int, context: int) -> list[Piece]:
-    """n decode pieces: each turn's last position, its chunks on distinct GPU blocks."""
-    chunks = -(-(context + 1) // CS)
-    out = []
-    for i in range(n):
-        table = ChunkTable(f"c{i}", [Chunk(gpu=i * chunks + j) for j in range(chunks)])
-        req = Request(
-            turn=Turn(f"c{i}", [1], SamplingParams()), state=StreamState(f"c{i}"), table=table,
-            seq=i, base=context, tokens=[7], stats=TurnStats(),
-        )  # fmt: skip
-        out.append(Piece(req, context, context + 1, True))
-    return out
-
-
-def prep_us(n: int, context: int, steps: int = 300) -> float:
-    """Median microseconds of `Runner.step` for a decode of n turns at `context` tokens."""
-    runner = Runner(NoForward(vocab=8), NoPool(), CS, "torch")
-    ps, plan = decode_pieces(n, context), CopyPlan()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        runner.step(ps, plan)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[50:]) * 1e6
-
-
-def idle_manager(idle: int) -> tuple[KVCacheManager, list[float]]:
-    """`idle` conversations of two chunks each fill the GPU pool (64 blocks to spare)."""
-    t = [1000.0]
-    clock = LocalClock(now=lambda: t[0])
-    policy = Policy("pensieve", CostModel.linear(CS, 1 << 16), CS, clock)
-    m = KVCacheManager(idle * 2 + 64, idle * 2, CS, policy, now=lambda: t[0])
-    for i in range(idle):
-        m.begin_step()
-        table = m.table(f"c{i}")
-        m.admit(table, 0, 2 * CS)
-        m.release(table, 2 * CS)
-        clock.touch(table.id, 900.0 + i * 0.01)
-    return m, t
-
-
-def cache_us(idle: int, evicting: int, turns: int = 8, steps: int = 150) -> float:
-    """Median microseconds of a step's bookkeeping; `evicting` of the turns start a chunk."""
-    m, t = idle_manager(idle)
-    running = []
-    for j in range(turns):
-        m.begin_step()
-        table = m.table(f"r{j}")
-        m.admit(table, 0, 1)
-        running.append([table, 0])
-    times = []
-    for _ in range(steps):
-        t[0] += 0.05
-        start = time.perf_counter()
-        m.begin_step()
-        m.can_admit(running[0][0], 10)
-        for j, (table, kv_len) in enumerate(running):
-            m.grow(table, kv_len, kv_len + (CS if j < evicting else 1))
-        m.swap_out_ahead()
-        times.append(time.perf_counter() - start)
-        for j, entry in enumerate(running):
-            entry[1] += CS if j < evicting else 1
-    return statistics.median(times[40:]) * 1e6  # once the pool is full
-
-
 # ---- main -------------------------------------------------------------------------------------
 
 
@@ -407,42 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in asdict(d).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     add = ap.add_argument
-    add("--part", default=",".join(PARTS), help="comma-separated: step,prep,cache")
     add("--device", default="cpu")
     add("--profile", type=int, default=0, help="print the N costliest functions")
-    add("--prep-pieces", type=int, default=64, help="prep: decodes in the step")
-    add("--prep-context", type=int, default=2048, help="prep: tokens of each")
-    add("--cache-idle", type=int, default=2000, help="cache: idle conversations")
     add("--out", type=Path, default=None, help="the JSON (and .png beside it)")
     args = ap.parse_args(argv)
-    parts = args.part.split(",")
-    if unknown := set(parts) - set(PARTS):
-        ap.error(f"--part: unknown {sorted(unknown)}; one or more of {','.join(PARTS)}")
     torch.set_num_threads(1)
-    result: dict[str, Any] = {}
-    if "step" in parts:
-        load = Load(**{k: getattr(args, k) for k in asdict(d)})
-        prof = print_profile(args.profile) if args.profile else None
-        result = measure(load, args.device, prof)
-    if "prep" in parts:
-        us = round(prep_us(args.prep_pieces, args.prep_context), 1)
-        result["prep"] = {"pieces": args.prep_pieces, "context": args.prep_context, "us": us}
-    if "cache" in parts:
-        us = {f"{k}_evictions": round(cache_us(args.cache_idle, k), 1) for k in (0, 1, 8)}
-        result["cache"] = {"idle_conversations": args.cache_idle, "us": us}
-    result.setdefault("environment", environment(args.device))
+    load = Load(**{k: getattr(args, k) for k in asdict(d)})
+    result = measure(load, args.device, print_profile(args.profile) if args.profile else None)
     keys = ("host_ms", "host_cpu_ms", "phases_ms", "per_step", "snapshot_ms",
-            "snapshot_capture_ms", "prep", "cache")  # fmt: skip
-    print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
-    out = args.out
-    if out is None and "step" in parts:
-        out = RESULTS / f"host-step-{device_slug(result['environment']['device'])}.json"
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        if "step" in parts:
-            plot(result, out.with_suffix(".png"))
-        print(f"wrote {out}", file=sys.stderr)
+            "snapshot_capture_ms")  # fmt: skip
+    print(json.dumps({k: result[k] for k in keys}, indent=2))
+    out = args.out or RESULTS / f"host-step-{device_slug(result['environment']['device'])}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,4 @@
-"""The host-step benchmark, run tiny: its load is what it says, its figures add up; its
-prep and cache parts time what they say."""
+"""The host-step benchmark, run tiny: its load is what it says, its figures add up."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ def test_host_step_runs_tiny_and_its_figures_add_up(tmp_path) -> None:
     argv = ["--conversations", "24", "--context", "90", "--decodes", "4", "--prompt", "9"]
     argv += ["--steps", "12", "--warmup", "10", "--gpu-cache-chunks", "64"]
     argv += ["--cpu-cache-chunks", "256", "--out", str(out)]
-    argv += ["--prep-pieces", "4", "--prep-context", "100", "--cache-idle", "50"]
     assert host_step.main(argv) == 0
     r = json.loads(out.read_text())
     # Ramped up: every measured step holds the decodes and one new prompt (and the token
@@ -39,18 +37,3 @@ def test_host_step_runs_tiny_and_its_figures_add_up(tmp_path) -> None:
     assert 0 < r["snapshot_capture_ms"] <= r["snapshot_ms"] and r["submit_ms"] > 0
     assert r["environment"]["git_commit"] and r["device"] == "cpu"
     assert out.with_suffix(".png").stat().st_size > 5_000
-    # the prep and cache parts ran beside the step (all parts by default)
-    assert r["prep"]["pieces"] == 4 and r["prep"]["us"] > 0
-    assert r["cache"]["idle_conversations"] == 50
-    assert set(r["cache"]["us"]) == {"0_evictions", "1_evictions", "8_evictions"}
-    assert all(us > 0 for us in r["cache"]["us"].values())
-
-
-def test_host_step_parts_alone_print_and_write_nothing(tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(host_step, "RESULTS", tmp_path)
-    argv = ["--part", "prep,cache", "--prep-pieces", "2", "--prep-context", "40"]
-    assert host_step.main(argv + ["--cache-idle", "20"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert set(printed) == {"prep", "cache"} and not list(tmp_path.iterdir())
-    with pytest.raises(SystemExit):
-        host_step.main(["--part", "steps"])
