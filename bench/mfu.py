@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.lib.common import RESULTS, environment, write_json
 from bench.lib.flops import linear_flops_per_token, prefill_flops  # noqa: F401 (read as mfu.*)
 from bench.lib.pools import model_args
+from engine import Engine, EngineConfig, SamplingParams, Turn
+from engine.cache.profile import timed
 
 
 def matmul_rate(device, dtype, sizes: list[int], repeats: int = 10) -> dict[str, Any]:
     """Dense n x n x n matmul rate (flop/s) per size; the best is the device's rate."""
-    import torch
-
-    from engine.cache.profile import timed
-
     rates = {}
     for n in sizes:
         x = torch.randn(n, n, device=device, dtype=dtype)
@@ -42,10 +42,6 @@ def matmul_rate(device, dtype, sizes: list[int], repeats: int = 10) -> dict[str,
 
 def prefill_time(engine, prompt: int, requests: int, vocab: int, tag: str) -> float:
     """Wall seconds for the engine to prefill `requests` fresh prompts and sample one token."""
-    import torch
-
-    from engine import SamplingParams, Turn
-
     gen = torch.Generator().manual_seed(prompt)
     ids = []
     for i in range(requests):
@@ -65,10 +61,6 @@ def prefill_time(engine, prompt: int, requests: int, vocab: int, tag: str) -> fl
 
 
 def run(args) -> dict[str, Any]:
-    import torch
-
-    from engine import Engine, EngineConfig
-
     if args.threads:
         torch.set_num_threads(args.threads)
     a = model_args(args.model)

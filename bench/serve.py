@@ -34,6 +34,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.lib import typing_hints as th
 from bench.lib import workload as wl
 from bench.lib.common import RESULTS, ROOT, environment
@@ -266,8 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if preset.threads and not args.url:
-        import torch
-
         torch.set_num_threads(preset.threads)  # before `environment` records the count
     env = environment()  # the commit and machine the run started on
     if args.typing:

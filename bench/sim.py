@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
 from bench.lib import workload as wl
 from bench.lib.common import ROOT, environment
 from bench.lib.gpu_settings import label
@@ -211,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
     )
     if preset.threads:
-        import torch
-
         torch.set_num_threads(preset.threads)
     modes = args.modes.split(",") if args.modes else preset.modes
     unknown = [m for m in modes if m not in MODES]

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from bench.lib import workload as wl
+from engine import SamplingParams, Turn
 
 # Per-turn token counts a reply reports, in process and over the WebSocket alike.
 _USAGE = (
@@ -38,8 +39,6 @@ class EngineDriver:
         self.ids: set[str] = set()
 
     async def send(self, cid: str, index: int, spec: wl.TurnSpec, context: int) -> wl.Reply:
-        from engine import SamplingParams, Turn
-
         conv = f"{self.tag}/{cid}"
         self.ids.add(conv)
         sampling = SamplingParams(

