@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from bench.lib.schemas import SCHEMAS
+from tests.app.openai.schemas import SCHEMAS
 from tests.app_fixtures import auth, server_on
 
 pytestmark = pytest.mark.timeout(300)
