@@ -209,7 +209,7 @@ class ChunkFiles(DiskIndex):
                 self._queue.task_done()
 
     def _write(self, key: bytes, index: int, parts: list[torch.Tensor]) -> None:
-        payload = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+        payload = b"".join(raw_bytes(p) for p in parts)
         header = json.dumps(
             {
                 "index": index,
@@ -270,6 +270,18 @@ class ChunkFiles(DiskIndex):
     def _forget(self, key: bytes, path: Path) -> None:
         path.unlink(missing_ok=True)
         self._unindex(key)
+
+
+# Same-sized integer types: numpy has no bfloat16 or float8, but copies their bits as these
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes in C order, strided or not, copied by numpy: a torch copy on the
+    writer thread can start an OpenMP team of that thread's own, and more OpenMP threads
+    than cores slow every parallel op of the step loop (docs/internals.md, "One thread for
+    the model")."""
+    return t.view(_BITS[t.element_size()]).numpy().tobytes()
 
 
 def _parse_name(name: str) -> tuple[bytes | None, int]:

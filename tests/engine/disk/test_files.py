@@ -91,3 +91,25 @@ def test_removed_chunks_are_gone_queued_or_written(tmp_path):
     d.remove(KEY[5], 5)
     d.remove(KEY[6], 6)
     assert not d.has(KEY[5], 5) and not d.has(KEY[6], 6) and d.bytes == 0
+
+
+def test_strided_parts_of_every_width_round_trip(tmp_path):
+    """bfloat16, float8 and float32 parts that are views with strides come back equal (their
+    bytes are taken by numpy, `raw_bytes`: no torch copy on the writer thread)."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 6, 8, generator=g)
+    parts = [
+        base.to(torch.bfloat16).transpose(0, 1),
+        base.to(torch.float8_e4m3fn)[:, ::2],
+        base.transpose(1, 2),
+    ]
+    assert not any(p.is_contiguous() for p in parts)
+    d = ChunkFiles(tmp_path, 1 << 30, "space")
+    assert d.put(KEY[0], 0, parts)
+    d.flush()
+    got = d.read(KEY[0], 0)
+    assert [p.shape for p in got] == [p.shape for p in parts]
+    assert all(
+        x.view(torch.uint8).equal(y.contiguous().view(torch.uint8))
+        for x, y in zip(got, parts, strict=True)
+    )
