@@ -108,10 +108,13 @@ class CompiledForward:
         try:
             # Freezing: the weights left (norms, embeddings) as constants. No duck sizing: a
             # row count equal to a pool dimension by chance must not specialise the graph.
+            # Floats (the model's eps, scales, RoPE bases: fixed) as constants: traced as
+            # symbols, they make Dynamo trace the whole forward a second time.
             with (
                 torch.inference_mode(),
                 inductor_config.patch(freezing=True),
                 fx_config.patch(use_duck_shape=False),
+                torch._dynamo.config.patch(specialize_float=True),
             ):
                 logits = self.compiled(
                     _pad(b.ids, 0), _pad(b.positions, 0), _pad(b.slots, -1), _pad(b.rows, 0)
