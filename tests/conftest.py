@@ -26,7 +26,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return re.search(r"\bmark\.gpu\b|@gpu\b|tests\.devices", collection_path.read_text()) is None
 
 
-# The files that take longest on 2 cores (a minute or more each, longest first), taken first.
+# The files that take longest on 2 cores (from 20 s to minutes, longest first), taken first.
 # `make test` hands whole files to its two workers (--dist loadfile) in collection order
 # (--no-loadscope-reorder): one of these taken last keeps one worker busy after the other
 # has finished. xdist's own order (most tests first) put test_packaging.py's one test last.
@@ -34,9 +34,14 @@ SLOW_FILES = (
     "tests/engine/model/test_model_families.py",
     "tests/engine/test_engine_equality.py",
     "tests/engine/model/test_int4.py",
+    "tests/bench/test_bare_gpu.py",
     "tests/engine/test_compiled.py",
+    "tests/app/test_dynamo_worker.py",
     "tests/test_packaging.py",
     "tests/app/cluster/test_cluster_dynamo.py",
+    "tests/app/cluster/test_cluster_routers.py",
+    "tests/app/test_app_restart.py",
+    "tests/app/cluster/test_cluster_disk.py",
 )
 
 
