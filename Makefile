@@ -68,11 +68,12 @@ lint: install
 	$(BIN)/ruff format --check .
 
 # Two workers: most tests wait on a server subprocess, so one process leaves a core idle.
-# --dist loadfile keeps each file on one worker, in order (files share their servers); one
+# --dist loadfile keeps each file on one worker, in order (files share their servers); files
+# go out in collection order, which tests/conftest.py sets (the slowest files first). One
 # torch thread each keeps the two from oversubscribing the cores.
 test: install browser haproxy
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +24,38 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.suffix != ".py":
         return None
     return re.search(r"\bmark\.gpu\b|@gpu\b|tests\.devices", collection_path.read_text()) is None
+
+
+# The files that take longest on 2 cores (from 20 s to minutes, longest first), taken first.
+# `make test` hands whole files to its two workers (--dist loadfile) in collection order
+# (--no-loadscope-reorder): one of these taken last keeps one worker busy after the other
+# has finished. xdist's own order (most tests first) put test_packaging.py's one test last.
+SLOW_FILES = (
+    "tests/engine/model/test_model_families.py",
+    "tests/engine/test_engine_equality.py",
+    "tests/engine/model/test_int4.py",
+    "tests/bench/test_bare_gpu.py",
+    "tests/engine/test_compiled.py",
+    "tests/app/test_dynamo_worker.py",
+    "tests/test_packaging.py",
+    "tests/app/cluster/test_cluster_dynamo.py",
+    "tests/app/cluster/test_cluster_routers.py",
+    "tests/app/test_app_restart.py",
+    "tests/app/cluster/test_cluster_disk.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow files first, then the others by their number of tests (most first, as xdist
+    orders them itself); each file's tests stay together and in their order."""
+    first = {name: i for i, name in enumerate(SLOW_FILES)}
+    files = Counter(item.nodeid.split("::", 1)[0] for item in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.nodeid.split("::", 1)[0]
+        return first.get(name, len(first)), -files[name]
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
 
 
 def _gpu_selected(config: pytest.Config) -> bool:

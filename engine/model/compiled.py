@@ -108,10 +108,13 @@ class CompiledForward:
         try:
             # Freezing: the weights left (norms, embeddings) as constants. No duck sizing: a
             # row count equal to a pool dimension by chance must not specialise the graph.
+            # Floats (the model's eps, scales, RoPE bases: fixed) as constants: traced as
+            # symbols, they make Dynamo trace the whole forward a second time.
             with (
                 torch.inference_mode(),
                 inductor_config.patch(freezing=True),
                 fx_config.patch(use_duck_shape=False),
+                torch._dynamo.config.patch(specialize_float=True),
             ):
                 logits = self.compiled(
                     _pad(b.ids, 0), _pad(b.positions, 0), _pad(b.slots, -1), _pad(b.rows, 0)
@@ -122,18 +125,23 @@ class CompiledForward:
 
     def warm_up(self) -> None:
         """Compile now, on a 3-token prompt with 2 logit rows that writes nothing (slot -1)
-        and reads block 0 (whatever it holds: the logits are dropped)."""
+        and reads block 0 (whatever it holds: the logits are dropped). With page groups, the
+        slots and tables of each, as every step has them: the graph a step runs."""
         t0 = time.perf_counter()
         meta = kernels.AttentionMetadata.build([3], [0], [[0]], "cpu")
+        slots, tables = torch.full((3,), -1), meta.block_tables
+        groups = max(self.model.kv_groups, default=0) + 1
+        if groups > 1:
+            slots, tables = slots.expand(groups, -1), tables.expand(groups, -1, -1)
         self(
             Batch(
                 ids=torch.tensor([1, 2, 3]),
                 positions=torch.arange(3),
-                slots=torch.full((3,), -1),
+                slots=slots.contiguous(),
                 rows=torch.tensor([1, 2]),
                 query_start=meta.query_start,
                 query_pos=meta.query_pos,
-                tables=meta.block_tables,
+                tables=tables.contiguous(),
             )
         )
         log.info("compiled the CPU forward in %.0f s", time.perf_counter() - t0)

@@ -8,12 +8,17 @@ run of rows. On CUDA in bfloat16 one `torch._grouped_mm` per projection runs eve
 at once, with no host sync (CUDA graphs capture it); elsewhere (the CPU, float32, a torch
 without it) one matmul per expert that has tokens, the run lengths read on the host. The
 path is chosen once per device and dtype (`pick`).
+
+Compiled (engine/model/compiled.py, the CPU), a layer's experts are one opaque op: the loop's
+host-read run lengths would break the graph at every layer and recompile it as they vary.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -152,6 +157,11 @@ def graph_safe(n_experts: int, device: torch.device, dtype: torch.dtype) -> bool
     return n_experts == 0 or pick(device.type, dtype) == "grouped"
 
 
+# Every live MoE layer by its key: how the compiled forward's opaque op finds its weights
+_MOES: weakref.WeakValueDictionary[int, MoE] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
 class MoE(nn.Module):
     """The routed experts of one layer (no shared experts: Qwen3-MoE and gpt-oss have none)."""
 
@@ -173,11 +183,28 @@ class MoE(nn.Module):
         else:
             self.glu = gated(ACTIVATIONS[args.hidden_act])
         self.path: str | None = None  # None: `pick`'s; tests force one
+        self.key = next(_KEYS)
+        _MOES[self.key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.pensieve.moe(x, self.key)
+        return self.apply_to(x)
+
+    def apply_to(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.top_k, self.normalize, self.routing)
         e, h = self.n_experts, x.shape[-1]
         path = self.path or pick(x.device.type, x.dtype)
         w13, w2 = self.w13.view(e, -1, h), self.w2.view(e, h, -1)
         bias = (self.b13.view(e, -1), self.b2.view(e, h)) if hasattr(self, "b13") else None
         return experts_forward(x, weights, experts, w13, w2, self.glu, path, bias)
+
+
+@torch.library.custom_op("pensieve::moe", mutates_args=())
+def moe(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _MOES[key].apply_to(x)
+
+
+@moe.register_fake
+def _(x, key):
+    return torch.empty_like(x)

@@ -57,7 +57,12 @@ def hf_with_fp16_linears(engine: Engine):
 
 
 def test_float16_weights_give_transformers_greedy_tokens_on_float16_weights():
-    engine = Engine(EngineConfig(model=BUNDLED, device="cpu", weights="float16"))
+    # A pool for the 3 turns (3 chunks each), not one sized from memory (5 s to allocate)
+    engine = Engine(
+        EngineConfig(
+            model=BUNDLED, device="cpu", weights="float16", gpu_cache_chunks=16, cpu_cache_chunks=0
+        )
+    )
     try:
         linears = [m for m in engine.model.modules() if isinstance(m, nn.Linear | Fp16Linear)]
         assert linears and all(isinstance(m, Fp16Linear) for m in linears)

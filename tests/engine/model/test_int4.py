@@ -67,7 +67,13 @@ def test_gguf_weights_give_the_dequantized_models_tokens_and_logits():
     logits within LOGIT_TOLERANCE over a prompt."""
     runs = []
     for weights in ("float32", "gguf"):
-        engine = Engine(EngineConfig(model=BUNDLED, device="cpu", dtype="float32", weights=weights))
+        # A pool for the 4 turns (2 chunks each), not one sized from memory (5 s to allocate)
+        engine = Engine(
+            EngineConfig(
+                model=BUNDLED, device="cpu", dtype="float32", weights=weights,
+                gpu_cache_chunks=16, cpu_cache_chunks=0,
+            )
+        )  # fmt: skip
         swapped = sum(isinstance(m, Int4Linear) for m in engine.model.modules())
         assert swapped == (120 if weights == "gguf" else 0)
         tok = engine.tokenizer

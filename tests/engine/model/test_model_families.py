@@ -549,8 +549,13 @@ def test_sliding_windows_do_not_cap_the_context(family, checkpoint, tmp_path):
 def test_compiled_cpu_forward_keeps_each_layers_window(checkpoint, tmp_path):
     """The compiled CPU forward's attention op carries each layer's window and sinks: gpt-oss
     (sliding and full layers alternating, sinks in each) past its window equals transformers
-    there too. (Gemma 3's windows take the same op argument; its eager path is tested above.)"""
+    there too, from the one graph compiled at start (its experts one opaque op, its steps'
+    slots and tables one per page group). (Gemma 3's windows take the same op argument; its
+    eager path is tested above.)"""
+    from torch._dynamo.utils import counters
+
     path = checkpoint("gpt_oss")
+    before = counters["stats"]["unique_graphs"]
     engine = Engine(
         EngineConfig(
             model=str(path),
@@ -564,6 +569,7 @@ def test_compiled_cpu_forward_keeps_each_layers_window(checkpoint, tmp_path):
     prompt = list(range(200, 240))
     r = engine.run([Turn("c", prompt, SamplingParams(max_tokens=40, ignore_eos=True))])[0]
     assert r.token_ids == hf_greedy(hf_from(path), prompt, 40, set())
+    assert counters["stats"]["unique_graphs"] == before + 1, "a step recompiled the forward"
 
 
 def test_gemma3_fused_path_keeps_the_sandwich_norms(checkpoint):
