@@ -53,7 +53,9 @@ def test_installed_package_serves_pages_and_migrates(tmp_path):
         env["PENSIEVE_DATABASE_URL"],
         tmp_path / "server.log",
         env={"PYTHONPATH": str(target)},
-        args=["--model", "dummy:tiny", "--device", "cpu"],
+        # small pools: one sized from memory takes seconds to allocate
+        args=["--model", "dummy:tiny", "--device", "cpu"]
+        + ["--gpu-cache-chunks", "16", "--cpu-cache-chunks", "0"],
         admin_token="t",
         cwd=run_dir,
     )

@@ -82,7 +82,8 @@ def test_returning_turns_go_to_their_worker_and_replies_are_greedy(fleet, tmp_pa
     assert sum(served) == 18 and min(served) >= 3, served  # both workers hold conversations
 
     # the same messages, turn by turn, to one Pensieve server: the same greedy replies
-    srv = Server(f"sqlite+aiosqlite:///{tmp_path}/one.db", tmp_path / "one.log")
+    pools = {"PENSIEVE_GPU_CACHE_CHUNKS": "200", "PENSIEVE_CPU_CACHE_CHUNKS": "200"}  # the workers'
+    srv = Server(f"sqlite+aiosqlite:///{tmp_path}/one.db", tmp_path / "one.log", env=pools)
     srv.start()
     try:
         c = client(srv, srv.user("alice"))

@@ -19,12 +19,12 @@ import pytest
 from bench.lib import harness
 from bench.lib.harness import ROOT
 from tests import services
-from tests.app_fixtures import ADMIN, Server, auth
+from tests.app_fixtures import ADMIN, TINY, Server, auth
 
 pytestmark = pytest.mark.timeout(300)
 
 # The HTTP surface does not need a real model: the dummy one starts in seconds.
-FAST = {"PENSIEVE_MODEL": "dummy:tiny"}
+FAST = {"PENSIEVE_MODEL": "dummy:tiny", **TINY}  # small pools: ones sized from memory take seconds
 
 
 @pytest.fixture(scope="module")

@@ -269,7 +269,9 @@ def test_async_start_raises_what_the_build_raised():
 def test_built_apart_leaves_no_thread_behind(monkeypatch):
     monkeypatch.setattr(async_engine, "Engine", WhereBuilt)
     before = set(threading.enumerate())
-    engine = async_engine.built_apart(EngineConfig(model="dummy:tiny", device="cpu"))
+    engine = async_engine.built_apart(
+        EngineConfig(model="dummy:tiny", device="cpu", gpu_cache_chunks=16, cpu_cache_chunks=0)
+    )
     assert engine.built_on is not threading.current_thread()
     assert not engine.built_on.is_alive()
     assert set(threading.enumerate()) <= before
