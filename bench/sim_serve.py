@@ -26,10 +26,11 @@ from bench.lib.gpu_settings import (
     load_sample,
     preset_for,
     report_settings,
+    simulated_engine,
     window_of,
 )
 from bench.lib.metrics import run_line
-from bench.lib.pools import engine_config, kv_bytes_per_chunk, model_args
+from bench.lib.pools import kv_bytes_per_chunk, model_args
 from bench.lib.presets import MODES, floats
 from bench.lib.replay import Virtual, serve_run
 from bench.parts.serving import part_serve, part_steady
@@ -75,11 +76,7 @@ async def twin_run(s, convs, mode: str, engine_mode: str, rate: float, k: float,
     full queue of `queue` turns (None: `BENCH_QUEUE`), cut at the drain's end; `jitter`:
     the seed of sends moved by a few ms (`jittered`)."""
     window, drain = window_of(s, k)
-    preset = replace(preset_for(s, k, oracle), device=f"sim:{device}")
-    config = engine_config(preset, MODES[engine_mode])
-    if queue is not None:
-        config = replace(config, max_waiting=queue)
-    engine = Engine(config)
+    engine = simulated_engine(preset_for(s, k, oracle), engine_mode, device, queue)
     try:
         plans = wl.plan(convs, rate, s.think_s / k, 0)
         if jitter is not None:
@@ -217,9 +214,7 @@ class Rehearsed:
             self.starts[mode] = ENGINE_START_S + (PIN_S_PER_GIB * pinned if self.pin else 0.0)
             self.t += self.starts[mode]
         await self.close()
-        self.engine = Engine(
-            engine_config(replace(preset, device=f"sim:{self.device}"), MODES[mode])
-        )
+        self.engine = simulated_engine(preset, mode, self.device)
         return Virtual(self.engine)
 
     def ran(self, run: dict, longest_s: float) -> None:

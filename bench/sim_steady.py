@@ -30,14 +30,13 @@ from bench.lib.gpu_settings import (
     lent_room,
     load_sample,
     report_settings,
+    simulated_engine,
     state_mismatch,
-    steady_config,
     steady_preset,
 )
 from bench.lib.metrics import run_line
 from bench.lib.replay import Virtual, steady_run
 from bench.lib.sweep import over, sweep
-from engine import Engine
 
 # Rungs 2^(1/4) apart (x1.19): a bracket this narrow is 9% either side of the crossing.
 LADDER = [round(2 ** (i / 4), 2) for i in range(0, 25)]  # 1 ... 64
@@ -51,9 +50,8 @@ def _log(*a) -> None:
 
 
 def _engine(s, mode: str, device: str, convs, rate: float):
-
-    preset = replace(steady_preset(s, mode, convs, rate), device=f"sim:{device}")
-    return Engine(steady_config(s, mode, preset)), preset
+    preset = steady_preset(s, mode, convs, rate)
+    return simulated_engine(preset, mode, device), preset
 
 
 def warm_up(s, mode: str, rate: float, device: str, convs, log=_log) -> st.State:

@@ -24,6 +24,7 @@ from bench.lib.pools import (
 )
 from bench.lib.presets import MODES, Preset
 from bench.lib.samples import read_sample
+from engine import Engine
 from engine.sim.devices import VERSIONS
 
 SERVE_MODES = ("stateless", "gpu", "pensieve")  # in this order: each next should serve more
@@ -264,8 +265,11 @@ def oracle_chunks(s: Settings, convs: list[wl.Conversation], rate: float) -> int
     return holds_all(came)
 
 
-def steady_config(s: Settings, mode: str, preset: Preset):
-    return engine_config(preset, MODES[mode])  # its queue unbounded (`pools.BENCH_QUEUE`)
+def simulated_engine(preset: Preset, mode: str, device: str, max_waiting: int | None = None):
+    """An engine of `mode` with the preset's tiers on `device`'s cost model; its queue
+    unbounded (`pools.BENCH_QUEUE`) unless `max_waiting` says."""
+    config = engine_config(replace(preset, device=f"sim:{device}"), MODES[mode])
+    return Engine(config if max_waiting is None else replace(config, max_waiting=max_waiting))
 
 
 def state_mismatch(state, preset: Preset) -> str | None:
@@ -295,7 +299,7 @@ def steady_states(s: Settings, folder: Path, mode: str):
 def steady_modes(s: Settings, convs, folder: Path, room, log) -> tuple[list, list[str]]:
     """The steady part's modes to run, each (mode, its tiers sized for its highest rate, its
     (rate, path, state) list), and those skipped, why: no rates, no state, tiers that do not
-    fit (`room(s, gpu_chunks, cpu_chunks)`) or that its states were not made for."""
+    fit (`room(gpu_chunks, cpu_chunks)`) or that its states were not made for."""
     todo, skipped = [], []
     for mode in STEADY_MODES:
         if mode in s.steady_skipped and not s.steady_rates.get(mode):
@@ -309,7 +313,7 @@ def steady_modes(s: Settings, convs, folder: Path, room, log) -> tuple[list, lis
             continue
         preset = steady_preset(s, mode, convs, max(r for r, _, _ in states))
         cpu = preset.cpu_cache_chunks if MODES[mode].cache_mode == "pensieve" else 0
-        why = room(s, preset.gpu_cache_chunks, cpu) or state_mismatch(states[0][2], preset)
+        why = room(preset.gpu_cache_chunks, cpu) or state_mismatch(states[0][2], preset)
         if why:
             skipped.append(f"{mode}: {why}")
             log(f"skip {mode}: {why}")

@@ -265,7 +265,7 @@ async def part_steady(s: Settings, budget: float, previous: dict | None,
     engines = engines or OnDevice(s, budget)
     r = Runner(s, convs, engines)
     runs: list[dict[str, Any]] = []
-    todo, skipped = steady_modes(s, convs, folder, lambda _, *tiers: engines.room(*tiers), _log)
+    todo, skipped = steady_modes(s, convs, folder, engines.room, _log)
     run_s = s.steady_warmup_s + s.steady_window_s + s.steady_drain_s
     try:
         for mode, preset, states in todo:  # tiers sized for the mode's highest rate

@@ -91,13 +91,11 @@ def test_the_cut_writes_every_live_conversation_and_what_holds_chunks(big, warm)
 
 
 def test_a_seeded_engine_holds_the_state_and_the_replay_resumes_it(big, warm):
-    from bench.lib.gpu_settings import steady_config, steady_preset
-    from engine import Engine
+    from bench.lib.gpu_settings import simulated_engine, steady_preset
 
     s, convs = big
     state, _ = warm
-    preset = replace(steady_preset(s, "pensieve"), device="sim:h100")
-    engine = Engine(steady_config(s, "pensieve", preset))
+    engine = simulated_engine(steady_preset(s, "pensieve"), "pensieve", "h100")
     seeds, bad = st.seeds(state, convs, "t", engine.now())
     assert not bad and len(seeds) == sum(1 for r in state.rows if r.tokens(st.nth(convs, r.index)))
     engine.seed(seeds)
